@@ -1,0 +1,82 @@
+"""Engine configuration: a few frozen dataclasses passed down explicitly. Each component
+keeps only the fields it uses. Environment variables are read here and nowhere else."""
+
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass, field
+
+_SIZE_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
+               "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
+
+
+def parse_size(value: int | str) -> int:
+    """Bytes from an int or a string such as "512MiB", "2GiB", "1.5GB", "1048576"."""
+    if isinstance(value, int):
+        if value <= 0:
+            raise ValueError(f"kv_cache_memory must be positive, got {value}")
+        return value
+    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([A-Za-z]*)\s*", str(value))
+    if not match or match.group(2).upper() not in _SIZE_UNITS:
+        raise ValueError(f"kv_cache_memory must be bytes or a size like '512MiB', got {value!r}")
+    size = int(float(match.group(1)) * _SIZE_UNITS[match.group(2).upper()])
+    if size <= 0:
+        raise ValueError(f"kv_cache_memory must be positive, got {value!r}")
+    return size
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """The shape of a Llama-family decoder, read from a Hugging Face config.json."""
+
+    model_path: str  # a Hugging Face directory (GGUF files are converted to one first)
+    architecture: str  # e.g. "LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM"
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: dict | None  # Hugging Face's rope_scaling dict (Llama-3 "llama3" type), or None
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    attention_bias: bool  # q/k/v projections carry a bias (Qwen2)
+    qk_norm: bool  # per-head RMSNorm on q and k before rotary (Qwen3)
+    eos_token_ids: tuple[int, ...]
+    bos_token_id: int | None = None
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    block_size: int = 16  # tokens per KV block
+    kv_cache_memory: int = 2 * 2**30  # bytes for K and V of all layers (CPU sizing)
+    num_kv_blocks: int | None = None  # overrides the size derived from kv_cache_memory
+    enable_prefix_caching: bool = True
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_seqs: int = 256  # running requests at once
+    max_num_batched_tokens: int = 2048  # tokens computed in one step
+    max_model_len: int = 2048  # prompt + output tokens of one request
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: ModelConfig
+    cache: CacheConfig
+    scheduler: SchedulerConfig
+    dtype: str = "float32"
+    device: str = "cpu"
+    seed: int = 0
+    tokenizer_path: str = ""  # directory holding the tokenizer files; defaults to model_path
+    extra: dict = field(default_factory=dict)
+
+
+def cache_dir() -> str:
+    """Where converted models are kept (TROUPE_CACHE, else ~/.cache/troupe)."""
+    return os.environ.get("TROUPE_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "troupe")

@@ -1,0 +1,23 @@
+"""What the detokenizer receives. For now: NewTokens, the scheduler's per-sequence
+update after each step (in one process it is handed over directly)."""
+
+from __future__ import annotations
+
+import msgspec
+
+from messages.scheduler import TokenLogprobs
+
+
+class NewTokens(msgspec.Struct, array_like=True, frozen=True, gc=False, tag="new_tokens"):
+    """scheduler → detokenizer: tokens one completion gained in one step, and whether it
+    finished. Field order is the wire format: append fields, never reorder."""
+
+    request_id: str  # the user's request id (not the scheduler's per-completion id)
+    index: int  # which of the request's n completions
+    new_token_ids: list[int]
+    new_logprobs: list[TokenLogprobs] | None = None  # one per new token, when asked
+    prompt_logprobs: list[TokenLogprobs] | None = None  # prompt positions finished this step
+    finish_reason: str | None = None  # "stop" | "length" | "abort"
+    stop_reason: int | str | None = None  # the stop token id that matched
+    num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache

@@ -1,0 +1,48 @@
+"""What the executor and each worker receive: the scheduler's StepPlan.
+
+A StepPlan is a diff, as in vLLM V1: a request's whole token list and sampling
+parameters travel once (NewRequest); after that a step names the request, its new
+block ids and how many tokens to compute (ContinuingRequest). The worker keeps
+per-request state and appends its own sampled tokens, so a decode step costs a few
+bytes per request.
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+from messages.common import SamplingParams
+
+
+class NewRequest(msgspec.Struct, array_like=True, frozen=True, gc=False):
+    """A request the worker has no state for: a fresh one, or one resumed after
+    preemption (then token_ids also holds the tokens generated before it)."""
+
+    request_id: str
+    token_ids: list[int]  # prompt tokens, then output tokens already generated
+    num_prompt_tokens: int  # token_ids[:num_prompt_tokens] is the prompt
+    params: SamplingParams
+    block_ids: list[int]  # the request's block table so far
+    num_computed_tokens: int  # leading tokens whose KV is already cached (prefix hit)
+
+
+class ContinuingRequest(msgspec.Struct, array_like=True, frozen=True, gc=False):
+    """A request the worker already holds."""
+
+    request_id: str
+    new_block_ids: list[int]  # appended to its block table
+    num_computed_tokens: int  # tokens with KV in the cache before this step
+
+
+class StepPlan(msgspec.Struct, array_like=True, frozen=True, gc=False, tag="plan"):
+    """scheduler → executor → workers: what to compute in one model step.
+
+    Every request in num_scheduled_tokens is in new_requests or continuing_requests.
+    A request samples a token this step when its computed tokens reach the end of its
+    known tokens. Field order is the wire format: append fields, never reorder."""
+
+    step_id: int
+    new_requests: list[NewRequest]
+    continuing_requests: list[ContinuingRequest]
+    num_scheduled_tokens: dict[str, int]  # request_id -> tokens to compute this step
+    finished_request_ids: list[str]  # drop their state (finished, aborted or preempted)
