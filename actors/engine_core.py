@@ -1,0 +1,58 @@
+"""The engine core in one process: scheduler, model runner and output processor, one
+step at a time. The offline LLM drives it directly; the actors split the same objects
+across processes."""
+
+from __future__ import annotations
+
+import logging
+
+from actors.config import EngineConfig
+from actors.detokenizer import OutputProcessor
+from actors.scheduler.scheduler import Scheduler
+from actors.worker.model_runner import ModelRunner, kv_block_bytes
+from messages.common import RequestOutput, SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+def num_kv_blocks(engine: EngineConfig) -> int:
+    """The pool size: num_kv_blocks if given, else what kv_cache_memory holds."""
+    cache = engine.cache
+    blocks = cache.num_kv_blocks or cache.kv_cache_memory // kv_block_bytes(engine)
+    if blocks < 1:
+        raise ValueError(f"kv_cache_memory ({cache.kv_cache_memory} bytes) holds no KV block "
+                         f"of {kv_block_bytes(engine)} bytes")
+    return blocks
+
+
+class EngineCore:
+    def __init__(self, engine: EngineConfig, tokenizer, attention_backend: str = "auto",
+                 load_format: str = "auto") -> None:
+        self.config = engine
+        self.num_blocks = num_kv_blocks(engine)
+        self.runner = ModelRunner(engine, self.num_blocks, attention_backend, load_format)
+        self.scheduler = Scheduler(engine.scheduler, engine.cache, self.num_blocks, engine.model.eos_token_ids)
+        self.outputs = OutputProcessor(tokenizer)
+        logger.info("KV cache: %d blocks of %d tokens", self.num_blocks, engine.cache.block_size)
+
+    def add_request(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
+                    params: SamplingParams) -> None:
+        self.scheduler.add_request(request_id, prompt_token_ids, params)
+        self.outputs.add_request(request_id, prompt, prompt_token_ids, params)
+
+    def abort_request(self, request_id: str) -> RequestOutput | None:
+        self.scheduler.abort_request(request_id)
+        return self.outputs.abort_request(request_id)
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    def step(self) -> list[RequestOutput]:
+        """One model step; returns the requests that finished in it."""
+        plan = self.scheduler.schedule()
+        result = self.runner.execute(plan)
+        updates = self.scheduler.update(plan, result)
+        finished, stops = self.outputs.process(updates)
+        for stop in stops:
+            self.scheduler.finish_sequence(stop.request_id, stop.index, "stop", stop.stop)
+        return finished

@@ -1,0 +1,134 @@
+"""The offline entry point: LLM(model).generate(prompts, params) -> list[RequestOutput]."""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections.abc import Sequence
+
+import msgspec
+from tqdm import tqdm
+
+from actors.config import CacheConfig, EngineConfig, SchedulerConfig, parse_size
+from actors.engine_core import EngineCore
+from actors.input_processor import InputProcessor, Prompt
+from actors.worker.loader import load_model_config, load_tokenizer, resolve_model
+from messages.common import RequestOutput, SamplingParams
+
+
+def build_engine_config(model: str | None, *, max_num_seqs: int, max_num_batched_tokens: int,
+                        block_size: int, kv_cache_memory: int | str, num_kv_blocks: int | None,
+                        max_model_len: int | None, dtype: str, seed: int,
+                        enable_prefix_caching: bool) -> EngineConfig:
+    """Resolves the model and checks the engine arguments (ValueError naming the field)."""
+    for name, value in (("max_num_seqs", max_num_seqs), ("max_num_batched_tokens", max_num_batched_tokens),
+                        ("block_size", block_size)):
+        if not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name} must be a positive integer, got {value!r}")
+    if num_kv_blocks is not None and num_kv_blocks < 1:
+        raise ValueError(f"num_kv_blocks must be positive, got {num_kv_blocks}")
+    model_dir = resolve_model(model)
+    model_config = load_model_config(model_dir)
+    if max_model_len is None:
+        max_model_len = model_config.max_position_embeddings
+    elif not 1 < max_model_len <= model_config.max_position_embeddings:
+        raise ValueError(f"max_model_len must be in [2, {model_config.max_position_embeddings}] for this "
+                         f"model, got {max_model_len}")
+    return EngineConfig(
+        model=model_config,
+        cache=CacheConfig(block_size=block_size, kv_cache_memory=parse_size(kv_cache_memory),
+                          num_kv_blocks=num_kv_blocks, enable_prefix_caching=enable_prefix_caching),
+        scheduler=SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+                                  max_model_len=max_model_len),
+        dtype=dtype, seed=seed, tokenizer_path=model_dir)
+
+
+class LLM:
+    """Generates for a batch of prompts at once, scheduling them all together."""
+
+    def __init__(self, model: str | None = None, *, max_num_seqs: int = 256,
+                 max_num_batched_tokens: int = 2048, block_size: int = 16,
+                 kv_cache_memory: int | str = "2GiB", num_kv_blocks: int | None = None,
+                 max_model_len: int | None = None, dtype: str = "float32", seed: int = 0,
+                 enable_prefix_caching: bool = True, attention_backend: str = "auto",
+                 load_format: str = "auto") -> None:
+        self.config = build_engine_config(
+            model, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+            block_size=block_size, kv_cache_memory=kv_cache_memory, num_kv_blocks=num_kv_blocks,
+            max_model_len=max_model_len, dtype=dtype, seed=seed, enable_prefix_caching=enable_prefix_caching)
+        self.tokenizer = load_tokenizer(self.config.tokenizer_path)
+        self.engine = EngineCore(self.config, self.tokenizer, attention_backend, load_format)
+        self.inputs = InputProcessor(self.tokenizer, self.config.model.vocab_size,
+                                     self.config.scheduler.max_model_len)
+        self._request_counter = itertools.count()
+
+    @property
+    def scheduler(self):
+        return self.engine.scheduler
+
+    def generate(self, prompts: Prompt | Sequence[Prompt],
+                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 use_tqdm: bool = True) -> list[RequestOutput]:
+        """prompts: a string, a list of token ids, or a list of either. Outputs come back in
+        prompt order. Any invalid prompt or parameter raises ValueError before any request
+        is added, so the engine keeps its other work."""
+        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        prompts = list(prompts)
+        params_list = _broadcast_params(sampling_params, len(prompts))
+        processed = [self.inputs.process(prompt, params) for prompt, params in zip(prompts, params_list)]
+        request_ids: list[str] = []
+        try:
+            for (text, token_ids), params in zip(processed, params_list):
+                request_id = str(next(self._request_counter))
+                self.engine.add_request(request_id, text, token_ids, params)
+                request_ids.append(request_id)
+        except ValueError:
+            for request_id in request_ids:
+                self.engine.abort_request(request_id)
+            raise
+        return self._run(request_ids, use_tqdm)
+
+    def chat(self, messages: list[dict] | list[list[dict]],
+             sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+             use_tqdm: bool = True, add_generation_prompt: bool = True) -> list[RequestOutput]:
+        """One conversation (a list of messages) or a list of conversations."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        prompts = [self.inputs.apply_chat_template(c, add_generation_prompt) for c in conversations]
+        return self.generate(prompts, sampling_params, use_tqdm)
+
+    def _run(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        results: dict[str, RequestOutput] = {}
+        progress = tqdm(total=len(request_ids), desc="Generating", unit="req", disable=not use_tqdm)
+        start, num_output_tokens = time.perf_counter(), 0
+        try:
+            while len(results) < len(request_ids):
+                for output in self.engine.step():
+                    results[output.request_id] = output
+                    num_output_tokens += sum(len(c.token_ids) for c in output.outputs)
+                    progress.update(1)
+                    elapsed = time.perf_counter() - start
+                    progress.set_postfix_str(f"{num_output_tokens / max(elapsed, 1e-9):.1f} tok/s out")
+        except BaseException:
+            for request_id in request_ids:  # leave no half-run request behind
+                if request_id not in results:
+                    self.engine.abort_request(request_id)
+            raise
+        finally:
+            progress.close()
+        return [results[request_id] for request_id in request_ids]
+
+
+def _broadcast_params(params: SamplingParams | Sequence[SamplingParams] | None,
+                      num_prompts: int) -> list[SamplingParams]:
+    if params is None:
+        params = SamplingParams()
+    if isinstance(params, SamplingParams):
+        return [params] * num_prompts
+    params = list(params)
+    if len(params) != num_prompts:
+        raise ValueError(f"got {len(params)} sampling_params for {num_prompts} prompts")
+    for p in params:
+        if not isinstance(p, SamplingParams):
+            raise ValueError(f"sampling_params must be SamplingParams, got {type(p).__name__}")
+    return [msgspec.structs.replace(p) for p in params]

@@ -1,0 +1,178 @@
+"""A Llama-family decoder (Llama 2/3, SmolLM2, Mistral, Qwen2, Qwen3) over a flat batch
+of tokens: no padding, every token of every request in one [num_tokens, hidden] matrix,
+attention through the paged KV cache.
+
+Weights are plain tensors, not nn.Modules, so a step pays no module-dispatch overhead.
+Q/K/V and gate/up projections are fused into one matmul each."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from actors.config import ModelConfig
+from actors.worker.attention import AttentionBackend, StepAttention
+from kernels.rotary import build_cos_sin_cache
+
+
+@dataclass
+class DecoderLayerWeights:
+    input_norm: torch.Tensor  # [hidden]
+    qkv_proj: torch.Tensor  # [(num_heads + 2 * num_kv_heads) * head_dim, hidden]
+    qkv_bias: torch.Tensor | None  # [(num_heads + 2 * num_kv_heads) * head_dim] (Qwen2)
+    q_norm: torch.Tensor | None  # [head_dim] (Qwen3)
+    k_norm: torch.Tensor | None  # [head_dim] (Qwen3)
+    o_proj: torch.Tensor  # [hidden, num_heads * head_dim]
+    post_attention_norm: torch.Tensor  # [hidden]
+    gate_up_proj: torch.Tensor  # [2 * intermediate, hidden]
+    down_proj: torch.Tensor  # [hidden, intermediate]
+
+
+class LlamaModel:
+    def __init__(self, config: ModelConfig, dtype: torch.dtype, device: torch.device,
+                 backend: AttentionBackend) -> None:
+        self.config = config
+        self.dtype = dtype
+        self.device = device
+        self.backend = backend
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = config.head_dim
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+        self.scale = self.head_dim**-0.5
+        self.cos_sin_cache = build_cos_sin_cache(
+            self.head_dim, config.max_position_embeddings, config.rope_theta, config.rope_scaling
+        ).to(device)
+        self.embed_tokens: torch.Tensor | None = None
+        self.final_norm: torch.Tensor | None = None
+        self.lm_head: torch.Tensor | None = None
+        self.layers: list[DecoderLayerWeights] = []
+
+    # -- weights ---------------------------------------------------------------------------
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Takes Hugging Face-named tensors and packs them into fused weights."""
+        config = self.config
+        by_layer: list[dict[str, torch.Tensor]] = [{} for _ in range(config.num_hidden_layers)]
+        top: dict[str, torch.Tensor] = {}
+        for name, tensor in weights:
+            if "rotary_emb" in name:
+                continue
+            tensor = tensor.to(self.dtype)
+            if name.startswith("model.layers."):
+                index, rest = name[len("model.layers."):].split(".", 1)
+                by_layer[int(index)][rest] = tensor
+            else:
+                top[name] = tensor
+        self.embed_tokens = self._place(_take(top, "model.embed_tokens.weight"))
+        self.final_norm = self._place(_take(top, "model.norm.weight"))
+        if config.tie_word_embeddings or "lm_head.weight" not in top:
+            self.lm_head = self.embed_tokens
+        else:
+            self.lm_head = self._place(top["lm_head.weight"])
+        self.layers = [self._pack_layer(tensors) for tensors in by_layer]
+
+    def _pack_layer(self, t: dict[str, torch.Tensor]) -> DecoderLayerWeights:
+        attn, mlp = "self_attn.", "mlp."
+        qkv = torch.cat([_take(t, f"{attn}{p}_proj.weight") for p in "qkv"])
+        bias = None
+        if self.config.attention_bias:
+            bias = torch.cat([_take(t, f"{attn}{p}_proj.bias") for p in "qkv"])
+        qk_norm = self.config.qk_norm
+        return DecoderLayerWeights(
+            input_norm=self._place(_take(t, "input_layernorm.weight")),
+            qkv_proj=self._place(qkv),
+            qkv_bias=self._place(bias) if bias is not None else None,
+            q_norm=self._place(_take(t, f"{attn}q_norm.weight")) if qk_norm else None,
+            k_norm=self._place(_take(t, f"{attn}k_norm.weight")) if qk_norm else None,
+            o_proj=self._place(_take(t, f"{attn}o_proj.weight")),
+            post_attention_norm=self._place(_take(t, "post_attention_layernorm.weight")),
+            gate_up_proj=self._place(torch.cat([_take(t, f"{mlp}gate_proj.weight"),
+                                                _take(t, f"{mlp}up_proj.weight")])),
+            down_proj=self._place(_take(t, f"{mlp}down_proj.weight")),
+        )
+
+    def _place(self, tensor: torch.Tensor) -> torch.Tensor:
+        return tensor.to(device=self.device, dtype=self.dtype).contiguous()
+
+    def init_dummy_weights(self, seed: int = 0) -> None:
+        """Random weights of the right shapes, for benchmarks."""
+        c = self.config
+        generator = torch.Generator().manual_seed(seed)
+
+        def rand(*shape: int) -> torch.Tensor:
+            return torch.randn(*shape, generator=generator) * 0.02
+
+        weights = {"model.embed_tokens.weight": rand(c.vocab_size, c.hidden_size),
+                   "model.norm.weight": torch.ones(c.hidden_size)}
+        if not c.tie_word_embeddings:
+            weights["lm_head.weight"] = rand(c.vocab_size, c.hidden_size)
+        shapes = {"self_attn.q_proj": (self.q_size, c.hidden_size),
+                  "self_attn.k_proj": (self.kv_size, c.hidden_size),
+                  "self_attn.v_proj": (self.kv_size, c.hidden_size),
+                  "self_attn.o_proj": (c.hidden_size, self.q_size),
+                  "mlp.gate_proj": (c.intermediate_size, c.hidden_size),
+                  "mlp.up_proj": (c.intermediate_size, c.hidden_size),
+                  "mlp.down_proj": (c.hidden_size, c.intermediate_size)}
+        for layer in range(c.num_hidden_layers):
+            prefix = f"model.layers.{layer}."
+            for name, shape in shapes.items():
+                weights[f"{prefix}{name}.weight"] = rand(*shape)
+                if c.attention_bias and name[-6:] in ("q_proj", "k_proj", "v_proj"):
+                    weights[f"{prefix}{name}.bias"] = rand(shape[0])
+            for norm in ("input_layernorm", "post_attention_layernorm"):
+                weights[f"{prefix}{norm}.weight"] = torch.ones(c.hidden_size)
+            if c.qk_norm:
+                for norm in ("self_attn.q_norm", "self_attn.k_norm"):
+                    weights[f"{prefix}{norm}.weight"] = torch.ones(self.head_dim)
+        self.load_weights(weights.items())
+
+    # -- forward ---------------------------------------------------------------------------
+
+    def forward(self, input_ids: torch.Tensor,  # [num_tokens] int64
+                positions: torch.Tensor,  # [num_tokens] int64
+                kv_caches: list[tuple[torch.Tensor, torch.Tensor]],  # per layer (key, value)
+                attention: StepAttention) -> torch.Tensor:  # [num_tokens, hidden]
+        ops = self.backend
+        eps = self.config.rms_norm_eps
+        num_tokens = input_ids.shape[0]
+        hidden = F.embedding(input_ids, self.embed_tokens)
+        residual = None
+        for layer, (key_cache, value_cache) in zip(self.layers, kv_caches):
+            # 1. attention block: norm (fused with the residual add), qkv, rotary, paged attention
+            if residual is None:
+                residual = hidden
+                x = ops.rms_norm(hidden, layer.input_norm, eps)
+            else:
+                x, residual = ops.rms_norm(hidden, layer.input_norm, eps, residual)
+            qkv = F.linear(x, layer.qkv_proj, layer.qkv_bias)
+            q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+            q = q.view(num_tokens, self.num_heads, self.head_dim)
+            k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
+            v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
+            if layer.q_norm is not None:
+                q = ops.rms_norm(q.reshape(-1, self.head_dim), layer.q_norm, eps).view_as(q)
+                k = ops.rms_norm(k.reshape(-1, self.head_dim), layer.k_norm, eps).view_as(k)
+            q, k = ops.rotary(positions, q, k, self.cos_sin_cache)
+            ops.store_kv(k, v, key_cache, value_cache, attention.slot_mapping)
+            attn = ops.attention(q, key_cache, value_cache, attention, self.scale)
+            hidden = F.linear(attn.view(num_tokens, self.q_size), layer.o_proj)
+            # 2. MLP block
+            x, residual = ops.rms_norm(hidden, layer.post_attention_norm, eps, residual)
+            hidden = F.linear(ops.silu_mul(F.linear(x, layer.gate_up_proj)), layer.down_proj)
+        if residual is None:
+            return ops.rms_norm(hidden, self.final_norm, eps)
+        return ops.rms_norm(hidden, self.final_norm, eps, residual)[0]
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [n, hidden] -> [n, vocab] fp32
+        return F.linear(hidden, self.lm_head).float()
+
+
+def _take(tensors: dict[str, torch.Tensor], name: str) -> torch.Tensor:
+    if name not in tensors:
+        raise ValueError(f"checkpoint is missing weight {name!r}")
+    return tensors[name]

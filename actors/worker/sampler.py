@@ -1,0 +1,163 @@
+"""Turns a step's logits into tokens: penalties, min_tokens, temperature, top-k, top-p,
+min-p, greedy or random choice, and the logprobs a request asked for.
+
+Random choice uses the exponential race (argmax of probs / Exp(1) noise), so each row
+needs only its own noise. A seeded request draws its noise from a generator seeded by
+(seed, number of tokens generated so far): its samples depend on nothing else in the
+batch, and survive preemption and recompute unchanged."""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+
+from messages.common import SamplingParams
+from messages.scheduler import TokenLogprobs
+
+
+class SamplingState(Protocol):
+    """What the sampler reads of a request (the model runner's per-request state)."""
+
+    params: SamplingParams
+    token_ids: list[int]  # prompt, then output
+    num_prompt_tokens: int
+
+
+class Sampler:
+    def __init__(self, eos_token_ids: tuple[int, ...], seed: int) -> None:
+        self.eos_token_ids = list(eos_token_ids)
+        self.generator = torch.Generator().manual_seed(seed)  # for unseeded requests
+
+    def __call__(self, logits: torch.Tensor,  # [num_requests, vocab] fp32
+                 requests: list[SamplingState]) -> tuple[list[int], list[TokenLogprobs] | None]:
+        want_logprobs = any(r.params.logprobs is not None for r in requests)
+        # logprobs are reported from the model's own distribution, before any processing
+        raw_logprobs = logits.log_softmax(-1) if want_logprobs else None
+        logits = self._apply_penalties_and_min_tokens(logits, requests)
+        greedy = [r.params.is_greedy for r in requests]
+        if all(greedy):
+            sampled = logits.argmax(-1)
+        else:
+            sampled = self._sample_random(logits, requests, greedy)
+        tokens = sampled.tolist()
+        if raw_logprobs is None:
+            return tokens, None
+        return tokens, [_token_logprobs(raw_logprobs[i], tokens[i], r.params.logprobs or 0)
+                        for i, r in enumerate(requests)]
+
+    def _apply_penalties_and_min_tokens(self, logits: torch.Tensor,
+                                        requests: list[SamplingState]) -> torch.Tensor:
+        copied = False
+        for row, request in enumerate(requests):
+            params = request.params
+            num_output = len(request.token_ids) - request.num_prompt_tokens
+            blocked = _blocked_until_min_tokens(params, num_output, self.eos_token_ids)
+            penalized = (params.repetition_penalty != 1.0 or params.presence_penalty != 0.0
+                         or params.frequency_penalty != 0.0)
+            if not blocked and not penalized:
+                continue
+            if not copied:
+                logits, copied = logits.clone(), True
+            if penalized:
+                _apply_penalties(logits[row], request)
+            if blocked:
+                logits[row, blocked] = float("-inf")
+        return logits
+
+    def _sample_random(self, logits: torch.Tensor, requests: list[SamplingState],
+                       greedy: list[bool]) -> torch.Tensor:
+        sampled = logits.argmax(-1)
+        rows = [i for i, g in enumerate(greedy) if not g]
+        params = [requests[i].params for i in rows]
+        index = torch.tensor(rows)
+        temperature = torch.tensor([p.temperature for p in params]).unsqueeze(1)
+        scaled = logits.index_select(0, index) / temperature
+        scaled = _top_k_top_p(scaled, [p.top_k for p in params], [p.top_p for p in params])
+        probs = scaled.softmax(-1)
+        min_p = torch.tensor([p.min_p for p in params])
+        if bool((min_p > 0).any()):
+            keep = probs >= min_p.unsqueeze(1) * probs.amax(-1, keepdim=True)
+            probs = probs.masked_fill(~keep, 0.0)
+        noise = torch.empty_like(probs).exponential_(generator=self.generator)
+        for position, row in enumerate(rows):
+            request = requests[row]
+            if request.params.seed is not None:
+                generator = torch.Generator().manual_seed(
+                    _mix(request.params.seed, len(request.token_ids) - request.num_prompt_tokens))
+                noise[position].exponential_(generator=generator)
+        sampled[index] = (probs / noise).argmax(-1)
+        return sampled
+
+
+def _blocked_until_min_tokens(params: SamplingParams, num_output: int,
+                              eos_token_ids: list[int]) -> list[int]:
+    if num_output >= params.min_tokens:
+        return []
+    blocked = list(params.stop_token_ids or [])
+    if not params.ignore_eos:
+        blocked += eos_token_ids
+    return blocked
+
+
+def _apply_penalties(logits: torch.Tensor, request: SamplingState) -> None:
+    """In place on one row. Repetition penalty looks at prompt and output (as in vLLM and
+    Hugging Face); presence and frequency penalties at the output only (as in OpenAI)."""
+    params = request.params
+    vocab = logits.shape[0]
+    output = torch.tensor(request.token_ids[request.num_prompt_tokens:], dtype=torch.long)
+    output = output[output < vocab]
+    if params.repetition_penalty != 1.0:
+        seen = torch.tensor(sorted(set(request.token_ids)), dtype=torch.long)
+        seen = seen[seen < vocab]
+        values = logits[seen]
+        logits[seen] = torch.where(values > 0, values / params.repetition_penalty,
+                                   values * params.repetition_penalty)
+    if output.numel() and (params.frequency_penalty or params.presence_penalty):
+        counts = torch.bincount(output, minlength=vocab).to(logits.dtype)
+        logits -= params.frequency_penalty * counts + params.presence_penalty * (counts > 0).to(logits.dtype)
+
+
+def _top_k_top_p(logits: torch.Tensor, top_k: list[int], top_p: list[float]) -> torch.Tensor:
+    vocab = logits.shape[-1]
+    ks = [k if 0 < k < vocab else vocab for k in top_k]
+    if all(p >= 1.0 for p in top_p) and min(ks) == vocab:
+        return logits
+    sorted_logits, order = logits.sort(-1, descending=True)
+    position = torch.arange(vocab).unsqueeze(0)
+    remove = position >= torch.tensor(ks).unsqueeze(1)
+    if any(p < 1.0 for p in top_p):
+        probs = sorted_logits.masked_fill(remove, float("-inf")).softmax(-1)
+        mass_before = probs.cumsum(-1) - probs
+        # keep the smallest prefix whose mass reaches top_p (the first token always stays)
+        remove |= mass_before >= torch.tensor(top_p).unsqueeze(1)
+    sorted_logits = sorted_logits.masked_fill(remove, float("-inf"))
+    return torch.empty_like(logits).scatter_(-1, order, sorted_logits)
+
+
+def _token_logprobs(logprobs: torch.Tensor, token: int, top: int) -> TokenLogprobs:
+    """The chosen token's logprob and rank, then the top `top` tokens."""
+    chosen = logprobs[token]
+    rank = int((logprobs > chosen).sum()) + 1
+    ids, values, ranks = [token], [float(chosen)], [rank]
+    if top:
+        top_values, top_ids = logprobs.topk(top)
+        ids += top_ids.tolist()
+        values += top_values.tolist()
+        ranks += list(range(1, top + 1))
+    return TokenLogprobs(token_ids=ids, logprobs=values, ranks=ranks)
+
+
+def prompt_token_logprobs(logits: torch.Tensor,  # [num_positions, vocab] fp32
+                          next_token_ids: list[int], top: int) -> list[TokenLogprobs]:
+    """Logprob of each prompt token given the ones before it (row i predicts token i)."""
+    logprobs = logits.log_softmax(-1)
+    return [_token_logprobs(logprobs[i], token, top) for i, token in enumerate(next_token_ids)]
+
+
+def _mix(seed: int, step: int) -> int:
+    """A generator seed per (request seed, output position); splitmix64's finalizer."""
+    z = (seed * 0x9E3779B97F4A7C15 + step + 1) & 0xFFFFFFFFFFFFFFFF
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & 0xFFFFFFFFFFFFFFFF
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & 0xFFFFFFFFFFFFFFFF
+    return (z ^ (z >> 31)) & 0x7FFFFFFFFFFFFFFF
