@@ -22,6 +22,6 @@ class StepResult(msgspec.Struct, array_like=True, frozen=True, gc=False, tag="re
     request_ids: list[str]  # requests that sampled a token this step, in batch order
     sampled_token_ids: list[int]  # one per entry of request_ids
     logprobs: list[TokenLogprobs] | None = None  # one per entry of request_ids, when any asked
-    # request_id -> logprobs of the prompt tokens computed this step (position i holds the
-    # logprob of prompt token i+1+offset given the tokens before it)
+    # request_id -> logprobs of prompt tokens: entry i is prompt token c + 1 + i given the
+    # tokens before it, where c is the request's num_computed_tokens before this step
     prompt_logprobs: dict[str, list[TokenLogprobs]] = msgspec.field(default_factory=dict)

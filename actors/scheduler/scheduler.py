@@ -1,0 +1,394 @@
+"""The continuous-batching scheduler: which tokens of which sequences the next model
+step computes, and what the sampled tokens mean.
+
+Plain object, no sockets: the scheduler actor feeds it requests and StepResults and
+sends the StepPlans it builds. Calls alternate: schedule() builds a plan, update()
+applies that plan's result; add_request(), abort_request() and finish_sequence() may
+come at any time in between.
+
+Policy (as vLLM V1): running sequences first, in admission order (decodes and the rest
+of chunked prefills), then waiting ones first-come-first-served, under a token budget
+(max_num_batched_tokens) and a sequence cap (max_num_seqs). When a running sequence
+needs a block and none is free, the newest running sequence is preempted: its blocks
+are freed and it is recomputed later (prompt + output so far), prefix cache permitting.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+import msgspec
+
+from actors.config import CacheConfig, SchedulerConfig
+from actors.scheduler.block_pool import BlockPool
+from actors.scheduler.request import Sequence, SequenceStatus
+from messages.common import SamplingParams
+from messages.detokenizer import NewTokens
+from messages.scheduler import StepResult, TokenLogprobs
+from messages.worker import ContinuingRequest, NewRequest, StepPlan
+
+
+class Scheduler:
+    """Owns every live sequence and the KV block pool; builds StepPlans, applies StepResults."""
+
+    def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig, num_blocks: int,
+                 eos_token_ids: tuple[int, ...]) -> None:
+        self.max_num_seqs = scheduler_config.max_num_seqs
+        self.max_num_batched_tokens = scheduler_config.max_num_batched_tokens
+        self.max_model_len = scheduler_config.max_model_len
+        self.block_size = cache_config.block_size
+        self.eos_token_ids = tuple(eos_token_ids)
+        self.block_pool = BlockPool(num_blocks, cache_config.block_size, cache_config.enable_prefix_caching)
+        # A sequence alone must always fit in the pool, or preempting it would not help
+        # and it would wait forever: cap its length at the pool's capacity too.
+        self.max_seq_len = min(self.max_model_len, num_blocks * cache_config.block_size)
+
+        self.waiting: deque[Sequence] = deque()  # FCFS; preempted sequences go to the front
+        self.running: list[Sequence] = []  # admission order: the last is the newest
+        self.sequences: dict[str, Sequence] = {}  # seq_id -> live (waiting or running) sequence
+        self._request_id_to_seq_ids: dict[str, list[str]] = {}  # live request -> seq ids by index
+        # seq ids whose worker state must be dropped, for the next plan (dict: ordered set).
+        self._ids_to_drop: dict[str, None] = {}
+        self._in_flight: dict[str, Sequence] = {}  # seq_id -> sequence in the plan awaiting update()
+        self._in_flight_step_id = -1
+        self._next_step_id = 0
+
+        self.num_preemptions = 0
+        self.num_computed_prefill_tokens = 0  # prompt tokens computed (recomputation included)
+
+    # ---- requests in and out ----
+
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        """Queues a request; params.n > 1 makes n sequences that share the prompt's blocks.
+        Raises ValueError when the request can never run."""
+        num_prompt_tokens = len(prompt_token_ids)
+        if request_id in self._request_id_to_seq_ids:
+            raise ValueError(f"request_id {request_id!r} is already in use by a live request")
+        if num_prompt_tokens == 0:
+            raise ValueError("prompt_token_ids must not be empty")
+        if num_prompt_tokens >= self.max_model_len:
+            raise ValueError(f"prompt has {num_prompt_tokens} tokens, which leaves no room for output: "
+                             f"max_model_len is {self.max_model_len} (prompt + output tokens)")
+        capacity = self.block_pool.num_blocks * self.block_size
+        if num_prompt_tokens >= capacity:
+            raise ValueError(f"prompt has {num_prompt_tokens} tokens, which leaves no room for output in "
+                             f"the KV cache: it holds {capacity} tokens "
+                             f"({self.block_pool.num_blocks} blocks of {self.block_size})")
+        seq_ids = [request_id] if params.n == 1 else [f"{request_id}#{i}" for i in range(params.n)]
+        for seq_id in seq_ids:
+            if seq_id in self.sequences:
+                raise ValueError(f"request_id {request_id!r}: sequence id {seq_id!r} is already live")
+
+        sequences = [self._make_sequence(seq_id, request_id, index, prompt_token_ids, params)
+                     for index, seq_id in enumerate(seq_ids)]
+        if self.block_pool.enable_prefix_caching:
+            # Siblings wait until the first sequence has computed (and cached) the
+            # prompt, then compute only its last partial block.
+            for sibling in sequences[1:]:
+                sibling.prefix_source = sequences[0]
+        for seq in sequences:
+            self.sequences[seq.seq_id] = seq
+            self.waiting.append(seq)
+        self._request_id_to_seq_ids[request_id] = seq_ids
+
+    def _make_sequence(self, seq_id: str, request_id: str, index: int, prompt_token_ids: list[int],
+                       params: SamplingParams) -> Sequence:
+        seed = params.seed if params.seed is None else params.seed + index
+        # Prompt logprobs belong to the request: only completion 0 computes them, which
+        # also lets its siblings take the prompt from the prefix cache.
+        prompt_logprobs = params.prompt_logprobs if index == 0 else None
+        seq_params = msgspec.structs.replace(params, n=1, seed=seed, prompt_logprobs=prompt_logprobs)
+        return Sequence(seq_id, request_id, index, prompt_token_ids, seq_params, self.max_seq_len)
+
+    def abort_request(self, request_id: str) -> None:
+        """Drops all of a request's sequences and their blocks. Unknown ids are ignored
+        (the request may have finished already)."""
+        for seq_id in list(self._request_id_to_seq_ids.get(request_id, ())):
+            seq = self.sequences.get(seq_id)
+            if seq is not None:
+                self._retire(seq, "abort", None)
+
+    def finish_sequence(self, request_id: str, index: int, finish_reason: str,
+                        stop_reason: int | str | None) -> None:
+        """Ends one completion the detokenizer found finished (a stop string matched).
+        Unknown or already finished completions are ignored."""
+        seq_ids = self._request_id_to_seq_ids.get(request_id)
+        if seq_ids is None or not 0 <= index < len(seq_ids):
+            return
+        seq = self.sequences.get(seq_ids[index])
+        if seq is not None:
+            self._retire(seq, finish_reason, stop_reason)
+
+    # ---- inspection ----
+
+    def has_unfinished(self) -> bool:
+        return bool(self.sequences)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    def stats(self) -> dict[str, float | int]:
+        pool = self.block_pool
+        return {
+            "num_running": self.num_running,
+            "num_waiting": self.num_waiting,
+            "num_free_blocks": pool.num_free_blocks,
+            "num_total_blocks": pool.num_blocks,
+            "num_held_blocks": pool.num_blocks - pool.num_free_blocks,
+            "kv_cache_usage": pool.usage,
+            "num_prefix_query_tokens": pool.num_prefix_query_tokens,
+            "num_prefix_hit_tokens": pool.num_prefix_hit_tokens,
+            "num_computed_prefill_tokens": self.num_computed_prefill_tokens,
+            "num_preemptions": self.num_preemptions,
+        }
+
+    # ---- one step ----
+
+    def schedule(self) -> StepPlan:
+        """The next step's plan. Send it whenever it schedules tokens or lists ids to drop;
+        call update() with its result before the next schedule()."""
+        if self._in_flight:
+            raise RuntimeError(f"schedule() called before update() applied step {self._in_flight_step_id}")
+        budget = self.max_num_batched_tokens
+        new_requests: list[NewRequest] = []
+        continuing_requests: list[ContinuingRequest] = []
+        num_scheduled_tokens: dict[str, int] = {}
+        num_preemptions_before = self.num_preemptions
+
+        # 1. Running sequences first: each already holds KV, so advancing it frees its
+        #    blocks soonest and keeps inter-token latency steady; a decode costs 1 token.
+        index = 0
+        while index < len(self.running) and budget > 0:
+            seq = self.running[index]
+            num_new_tokens = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            assert num_new_tokens > 0, f"running {seq} has nothing to compute"
+            new_block_ids = self._allocate_slots(seq, num_new_tokens)
+            while new_block_ids is None:
+                victim = self.running.pop()  # the newest: it has had the least service
+                self._preempt(victim)
+                if victim is seq:
+                    break
+                new_block_ids = self._allocate_slots(seq, num_new_tokens)
+            if new_block_ids is None:
+                break  # seq was the newest running sequence: nothing after it to schedule
+            assert seq.sent_to_worker, f"running {seq} unknown to the worker"
+            continuing_requests.append(ContinuingRequest(seq.seq_id, new_block_ids, seq.num_computed_tokens))
+            num_scheduled_tokens[seq.seq_id] = num_new_tokens
+            budget -= num_new_tokens
+            index += 1
+
+        # 2. Waiting sequences, first come first served, only while their blocks are free.
+        #    After a preemption the pool is short: admitting now would just thrash.
+        if self.num_preemptions == num_preemptions_before:
+            held_back: list[Sequence] = []
+            while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+                seq = self.waiting[0]
+                if self._must_wait(seq):
+                    held_back.append(self.waiting.popleft())
+                    continue
+                num_new_tokens = self._admit(seq, budget)
+                if num_new_tokens is None:
+                    break  # the head does not fit; later ones must not overtake it
+                self.waiting.popleft()
+                self.running.append(seq)
+                new_requests.append(NewRequest(
+                    request_id=seq.seq_id, token_ids=list(seq.token_ids),
+                    num_prompt_tokens=seq.num_prompt_tokens, params=seq.params,
+                    block_ids=list(seq.block_ids), num_computed_tokens=seq.num_computed_tokens))
+                seq.sent_to_worker = True
+                num_scheduled_tokens[seq.seq_id] = num_new_tokens
+                budget -= num_new_tokens
+            self.waiting.extendleft(reversed(held_back))
+
+        plan = StepPlan(step_id=self._next_step_id, new_requests=new_requests,
+                        continuing_requests=continuing_requests, num_scheduled_tokens=num_scheduled_tokens,
+                        finished_request_ids=list(self._ids_to_drop))
+        self._ids_to_drop.clear()
+        self._next_step_id += 1
+        if num_scheduled_tokens:
+            self._in_flight = {seq_id: self.sequences[seq_id] for seq_id in num_scheduled_tokens}
+            self._in_flight_step_id = plan.step_id
+        return plan
+
+    def _allocate_slots(self, seq: Sequence, num_new_tokens: int) -> list[int] | None:
+        """Grows seq's block table to hold num_new_tokens more tokens; the new block ids,
+        or None (and no change) when the pool is short."""
+        num_needed = -(-(seq.num_computed_tokens + num_new_tokens) // self.block_size) - len(seq.block_ids)
+        if num_needed <= 0:
+            return []
+        if not self.block_pool.can_allocate(num_needed):
+            return None
+        new_block_ids = self.block_pool.allocate(num_needed)
+        seq.block_ids.extend(new_block_ids)
+        return new_block_ids
+
+    def _must_wait(self, seq: Sequence) -> bool:
+        if seq.seq_id in self._ids_to_drop:
+            return True  # a reused id: the worker must drop the old state first
+        source = seq.prefix_source
+        if source is None:
+            return False
+        if source.prompt_computed or source.is_finished:
+            seq.prefix_source = None
+            return False
+        return True
+
+    def _admit(self, seq: Sequence, budget: int) -> int | None:
+        """Gives a waiting sequence its blocks (prefix-cache hits first) for its first
+        chunk; the chunk's size, or None (and no change) when the pool is short."""
+        pool = self.block_pool
+        hit_block_ids: list[int] = []
+        use_prefix_cache = pool.enable_prefix_caching and not seq.owes_prompt_logprobs
+        # A resumed sequence looks up prompt + output: its own freed blocks may survive.
+        if use_prefix_cache:
+            hit_block_ids = pool.find_cached_prefix(seq.full_block_hashes(self.block_size), seq.num_tokens)
+        num_hit_tokens = len(hit_block_ids) * self.block_size
+        num_new_tokens = min(seq.num_tokens - num_hit_tokens, budget)
+        num_new_blocks = -(-(num_hit_tokens + num_new_tokens) // self.block_size) - len(hit_block_ids)
+        if not pool.can_allocate(num_new_blocks, hit_block_ids):
+            return None
+        pool.reuse(hit_block_ids)
+        seq.block_ids = hit_block_ids + pool.allocate(num_new_blocks)
+        if use_prefix_cache:
+            pool.record_prefix_lookup(seq.num_tokens, num_hit_tokens)
+        seq.num_computed_tokens = num_hit_tokens
+        seq.num_cached_blocks = len(hit_block_ids)
+        if not seq.was_admitted:
+            seq.num_cached_tokens = num_hit_tokens
+            seq.was_admitted = True
+        seq.status = SequenceStatus.RUNNING
+        return num_new_tokens
+
+    def _preempt(self, seq: Sequence) -> None:
+        """Frees a running sequence (already out of self.running) to recompute it later."""
+        self._release_blocks(seq)
+        seq.status = SequenceStatus.WAITING
+        self.waiting.appendleft(seq)
+        self.num_preemptions += 1
+
+    def _release_blocks(self, seq: Sequence) -> None:
+        self.block_pool.free(seq.block_ids)
+        seq.block_ids = []
+        seq.num_computed_tokens = 0
+        seq.num_cached_blocks = 0
+        if seq.sent_to_worker:
+            self._ids_to_drop[seq.seq_id] = None
+            seq.sent_to_worker = False
+
+    def _retire(self, seq: Sequence, finish_reason: str, stop_reason: int | str | None) -> None:
+        """Finishes a live sequence: out of its queue, blocks freed, forgotten."""
+        if seq.status is SequenceStatus.RUNNING:
+            self.running.remove(seq)
+        elif seq.status is SequenceStatus.WAITING:
+            self.waiting.remove(seq)
+        seq.finish(finish_reason, stop_reason)
+        self._release_blocks(seq)
+        del self.sequences[seq.seq_id]
+        seq_ids = self._request_id_to_seq_ids[seq.request_id]
+        if all(seq_id not in self.sequences for seq_id in seq_ids):
+            del self._request_id_to_seq_ids[seq.request_id]
+
+    # ---- results ----
+
+    def update(self, plan: StepPlan, result: StepResult) -> list[NewTokens]:
+        """Applies one step's result: computed tokens, sampled tokens, finished sequences.
+        One NewTokens per sequence that gained tokens, prompt logprobs or finished.
+        Raises ValueError when the result does not answer the plan."""
+        if not plan.num_scheduled_tokens:
+            return []
+        self._check_result(plan, result)
+        in_flight, self._in_flight = self._in_flight, {}
+        sample_index = {seq_id: i for i, seq_id in enumerate(result.request_ids)}
+        outputs = []
+        for seq_id, num_new_tokens in plan.num_scheduled_tokens.items():
+            seq = in_flight[seq_id]
+            if self.sequences.get(seq_id) is not seq or seq.status is not SequenceStatus.RUNNING:
+                continue  # aborted or finished by a stop string since the plan was built
+            output = self._apply_step(seq, num_new_tokens, result, sample_index.get(seq_id))
+            if output is not None:
+                outputs.append(output)
+        return outputs
+
+    def _check_result(self, plan: StepPlan, result: StepResult) -> None:
+        if plan.step_id != self._in_flight_step_id or not self._in_flight:
+            raise ValueError(f"update() for step {plan.step_id}, but step {self._in_flight_step_id} "
+                             "is the one awaiting its result")
+        if result.step_id != plan.step_id:
+            raise ValueError(f"StepResult is for step {result.step_id}, the plan is step {plan.step_id}")
+        if len(result.sampled_token_ids) != len(result.request_ids):
+            raise ValueError("StepResult needs one sampled_token_ids entry per request_ids entry")
+        if result.logprobs is not None and len(result.logprobs) != len(result.request_ids):
+            raise ValueError("StepResult needs one logprobs entry per request_ids entry")
+        sampled_ids = set(result.request_ids)
+        for seq_id, num_new_tokens in plan.num_scheduled_tokens.items():
+            seq = self._in_flight.get(seq_id)
+            if seq is None:
+                raise ValueError(f"the plan of step {plan.step_id} did not schedule {seq_id!r}")
+            is_live = self.sequences.get(seq_id) is seq and seq.status is SequenceStatus.RUNNING
+            reaches_end = seq.num_computed_tokens + num_new_tokens == seq.num_tokens
+            if is_live and reaches_end and seq_id not in sampled_ids:
+                raise ValueError(f"StepResult has no sampled token for {seq_id!r}, which computed "
+                                 "all its tokens")
+
+    def _apply_step(self, seq: Sequence, num_new_tokens: int, result: StepResult,
+                    sample_index: int | None) -> NewTokens | None:
+        num_computed_before = seq.num_computed_tokens
+        seq.num_computed_tokens += num_new_tokens
+        if num_computed_before < seq.num_prompt_tokens:
+            self.num_computed_prefill_tokens += (min(seq.num_computed_tokens, seq.num_prompt_tokens)
+                                                 - num_computed_before)
+        if seq.num_computed_tokens >= seq.num_prompt_tokens:
+            seq.prompt_computed = True
+        self._cache_computed_blocks(seq)
+        prompt_logprobs = self._take_prompt_logprobs(seq, num_computed_before,
+                                                     result.prompt_logprobs.get(seq.seq_id))
+
+        new_token_ids: list[int] = []
+        new_logprobs: list[TokenLogprobs] | None = None
+        # Only a sequence that computed all its known tokens has logits to sample from.
+        if sample_index is not None and seq.num_computed_tokens == seq.num_tokens:
+            token_id = result.sampled_token_ids[sample_index]
+            new_token_ids.append(token_id)
+            if seq.params.logprobs is not None and result.logprobs is not None:
+                new_logprobs = [result.logprobs[sample_index]]
+            seq.append_token(token_id)
+            stop = seq.stop_condition(self.eos_token_ids)
+            if stop is not None:
+                self._retire(seq, *stop)
+
+        if not new_token_ids and prompt_logprobs is None:
+            return None
+        return NewTokens(request_id=seq.request_id, index=seq.index, new_token_ids=new_token_ids,
+                         new_logprobs=new_logprobs, prompt_logprobs=prompt_logprobs,
+                         finish_reason=seq.finish_reason, stop_reason=seq.stop_reason,
+                         num_prompt_tokens=seq.num_prompt_tokens, num_cached_tokens=seq.num_cached_tokens)
+
+    def _cache_computed_blocks(self, seq: Sequence) -> None:
+        """Offers seq's blocks that just became full of computed tokens to the prefix cache."""
+        if not self.block_pool.enable_prefix_caching:
+            return
+        num_full_blocks = seq.num_computed_tokens // self.block_size
+        if num_full_blocks <= seq.num_cached_blocks:
+            return
+        block_hashes = seq.full_block_hashes(self.block_size)
+        for block_index in range(seq.num_cached_blocks, num_full_blocks):
+            self.block_pool.cache_full_block(seq.block_ids[block_index], block_hashes[block_index])
+        seq.num_cached_blocks = num_full_blocks
+
+    def _take_prompt_logprobs(self, seq: Sequence, num_computed_before: int,
+                              entries: list[TokenLogprobs] | None) -> list[TokenLogprobs] | None:
+        """The prompt logprobs of this step not delivered before. Entry i is the logprob
+        of prompt position num_computed_before + 1 + i; a sequence recomputed after a
+        preemption gets some positions twice, and they are sent once."""
+        if not entries or seq.params.prompt_logprobs is None:
+            return None
+        first_pos = num_computed_before + 1
+        start = max(0, seq.next_prompt_logprob_pos - first_pos)
+        end = max(start, min(len(entries), seq.num_prompt_tokens - first_pos))
+        seq.next_prompt_logprob_pos = max(seq.next_prompt_logprob_pos, first_pos + end)
+        return entries[start:end] or None

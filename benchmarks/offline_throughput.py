@@ -1,0 +1,149 @@
+"""Offline throughput: troupe's LLM.generate against Hugging Face batched generate, on the
+same model and workload, in one invocation, plus the matmul floor.
+
+Workload (defaults): 64 prompts of uniform random length in [64, 256] tokens (seeded),
+128 output tokens each, greedy, ignore_eos.
+
+The matmul floor is the time the model's linear layers alone take for the token counts
+troupe actually ran in each step (the LM head only for rows that needed logits), timed
+on the same weights. troupe's time over it is what everything else costs (attention,
+norms, sampling, scheduling, Python).
+
+    python benchmarks/offline_throughput.py                       # embedded SmolLM2-135M
+    python benchmarks/offline_throughput.py --hf-batch-sizes 16,64
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import statistics
+import time
+
+import torch
+import torch.nn.functional as F
+
+
+def make_workload(num_prompts: int, min_len: int, max_len: int, vocab_size: int, seed: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    # avoid the first ids (special tokens) so prompts look like text ids
+    return [[rng.randrange(100, vocab_size) for _ in range(rng.randint(min_len, max_len))]
+            for _ in range(num_prompts)]
+
+
+def run_troupe(args, prompts):
+    from actors import LLM, SamplingParams
+
+    llm = LLM(args.model, max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+              kv_cache_memory=args.kv_cache_memory, seed=0)
+    params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
+    llm.generate(prompts[:2], SamplingParams(temperature=0.0, max_tokens=4), use_tqdm=False)  # warm-up
+
+    step_shapes: list[tuple[int, int]] = []  # (tokens computed, rows needing logits) per step
+    runner = llm.engine.runner
+    execute = runner.execute
+
+    def recording_execute(plan):
+        result = execute(plan)
+        step_shapes.append((sum(plan.num_scheduled_tokens.values()), len(result.request_ids)))
+        return result
+
+    runner.execute = recording_execute
+    start = time.perf_counter()
+    outputs = llm.generate(prompts, params, use_tqdm=not args.quiet)
+    elapsed = time.perf_counter() - start
+    runner.execute = execute
+    num_tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
+    return llm, elapsed, num_tokens, step_shapes
+
+
+def matmul_floor(model, step_shapes: list[tuple[int, int]], repeats: int) -> float:
+    """Seconds the linear layers alone take for the recorded steps (median of repeats).
+    Inputs are random, made before the clock starts."""
+    max_tokens = max(num_tokens for num_tokens, _ in step_shapes)
+    first = model.layers[0]
+    x = torch.randn(max_tokens, model.config.hidden_size)  # input of qkv, gate_up and the LM head
+    attn_out = torch.randn(max_tokens, first.o_proj.shape[1])
+    mlp_hidden = torch.randn(max_tokens, first.down_proj.shape[1])
+    times = []
+    with torch.inference_mode():
+        for _ in range(repeats):
+            start = time.perf_counter()
+            for num_tokens, num_logits in step_shapes:
+                for layer in model.layers:
+                    F.linear(x[:num_tokens], layer.qkv_proj, layer.qkv_bias)
+                    F.linear(attn_out[:num_tokens], layer.o_proj)
+                    F.linear(x[:num_tokens], layer.gate_up_proj)
+                    F.linear(mlp_hidden[:num_tokens], layer.down_proj)
+                if num_logits:
+                    F.linear(x[:num_logits], model.lm_head)
+            times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def run_hf(model_dir: str, prompts: list[list[int]], output_len: int, batch_size: int, pad_id: int) -> tuple[float, int]:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    num_tokens = 0
+    start = time.perf_counter()
+    with torch.inference_mode():
+        for first in range(0, len(prompts), batch_size):
+            batch = prompts[first: first + batch_size]
+            width = max(len(p) for p in batch)
+            input_ids = torch.tensor([[pad_id] * (width - len(p)) + p for p in batch])  # left padding
+            mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in batch])
+            out = model.generate(input_ids=input_ids, attention_mask=mask, do_sample=False,
+                                 max_new_tokens=output_len, min_new_tokens=output_len, pad_token_id=pad_id)
+            num_tokens += (out.shape[1] - width) * len(batch)
+    return time.perf_counter() - start, num_tokens
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default=None, help="model path (default: embedded SmolLM2-135M-Instruct)")
+    parser.add_argument("--num-prompts", type=int, default=64)
+    parser.add_argument("--min-input-len", type=int, default=64)
+    parser.add_argument("--max-input-len", type=int, default=256)
+    parser.add_argument("--output-len", type=int, default=128)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--max-num-seqs", type=int, default=256)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    parser.add_argument("--kv-cache-memory", default="2GiB")
+    parser.add_argument("--hf-batch-sizes", default="16,32,64",
+                        help="comma-separated Hugging Face batch sizes to try ('' to skip)")
+    parser.add_argument("--floor-repeats", type=int, default=3)
+    parser.add_argument("--quiet", action="store_true")
+    args = parser.parse_args()
+    torch.manual_seed(args.seed)
+
+    from actors.worker.loader import load_model_config, resolve_model
+
+    model_dir = resolve_model(args.model)
+    config = load_model_config(model_dir)
+    prompts = make_workload(args.num_prompts, args.min_input_len, args.max_input_len, config.vocab_size, args.seed)
+    print(f"model {model_dir}\nworkload: {len(prompts)} prompts, {sum(map(len, prompts))} prompt tokens, "
+          f"{args.output_len} output tokens each, greedy, ignore_eos; torch threads {torch.get_num_threads()}")
+
+    llm, troupe_time, troupe_tokens, step_shapes = run_troupe(args, prompts)
+    troupe_rate = troupe_tokens / troupe_time
+    print(f"troupe: {troupe_tokens} tokens in {troupe_time:.2f} s = {troupe_rate:.1f} output tok/s "
+          f"({len(step_shapes)} steps)")
+    floor = matmul_floor(llm.engine.runner.model, step_shapes, args.floor_repeats)
+    print(f"matmul floor: {floor:.2f} s; troupe time / floor = {troupe_time / floor:.2f}x")
+    del llm
+
+    best = None
+    pad_id = config.eos_token_ids[0] if config.eos_token_ids else 0
+    for batch_size in [int(b) for b in args.hf_batch_sizes.split(",") if b]:
+        hf_time, hf_tokens = run_hf(model_dir, prompts, args.output_len, batch_size, pad_id)
+        rate = hf_tokens / hf_time
+        print(f"hf generate batch {batch_size}: {hf_tokens} tokens in {hf_time:.2f} s = {rate:.1f} output tok/s")
+        if best is None or rate > best[1]:
+            best = (batch_size, rate)
+    if best:
+        print(f"troupe / hf best (batch {best[0]}): {troupe_rate / best[1]:.2f}x")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,507 @@
+"""Scheduler: chunked prefill, decode-first batching, FCFS admission, prefix-cache
+reuse, preemption, aborts, n > 1 fan-out, finish reasons, and a randomized soak test.
+
+A FakeWorker plays the worker's side of the StepPlan contract: it keeps per-sequence
+state from the diffs, writes each computed token into its KV slot and checks, before
+every step, that the slots it would attend to hold the sequence's own tokens (so a
+wrong prefix-cache hit or a block written by two sequences fails loudly)."""
+
+from __future__ import annotations
+
+import random
+import zlib
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import pytest
+
+from actors.config import CacheConfig, SchedulerConfig
+from actors.scheduler import Scheduler
+from messages.common import SamplingParams
+from messages.scheduler import StepResult, TokenLogprobs
+from messages.worker import StepPlan
+
+EOS = 2
+SAMPLED = 7  # the token the default FakeWorker samples
+
+
+def make_scheduler(num_blocks: int = 64, block_size: int = 4, max_num_batched_tokens: int = 64,
+                   max_num_seqs: int = 8, max_model_len: int = 256,
+                   enable_prefix_caching: bool = True) -> Scheduler:
+    return Scheduler(SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+                                     max_model_len=max_model_len),
+                     CacheConfig(block_size=block_size, enable_prefix_caching=enable_prefix_caching),
+                     num_blocks=num_blocks, eos_token_ids=(EOS,))
+
+
+def make_params(max_tokens: int | None = 4, ignore_eos: bool = True, **kwargs) -> SamplingParams:
+    return SamplingParams(max_tokens=max_tokens, ignore_eos=ignore_eos, **kwargs)
+
+
+@dataclass
+class WorkerSequence:
+    token_ids: list[int]
+    num_prompt_tokens: int
+    block_ids: list[int]
+    num_computed_tokens: int
+
+
+class FakeWorker:
+    """The worker's bookkeeping without a model. token_fn(seq_id, position) is the token
+    sampled at that position; prompt logprob entries carry their position as rank."""
+
+    def __init__(self, block_size: int, num_blocks: int,
+                 token_fn: Callable[[str, int], int] = lambda seq_id, position: SAMPLED) -> None:
+        self.block_size = block_size
+        self.token_fn = token_fn
+        self.states: dict[str, WorkerSequence] = {}
+        self.kv_slots: list[list[int | None]] = [[None] * block_size for _ in range(num_blocks)]
+
+    def step(self, plan: StepPlan) -> StepResult:
+        for seq_id in plan.finished_request_ids:
+            assert seq_id in self.states, f"drop of {seq_id} the worker never had"
+            del self.states[seq_id]
+        for new in plan.new_requests:
+            assert new.request_id not in self.states
+            self.states[new.request_id] = WorkerSequence(list(new.token_ids), new.num_prompt_tokens,
+                                                         list(new.block_ids), new.num_computed_tokens)
+        listed = {new.request_id for new in plan.new_requests}
+        for cont in plan.continuing_requests:
+            state = self.states[cont.request_id]
+            assert state.num_computed_tokens == cont.num_computed_tokens
+            state.block_ids += cont.new_block_ids
+            listed.add(cont.request_id)
+        assert listed == set(plan.num_scheduled_tokens)
+
+        request_ids, sampled, prompt_logprobs = [], [], {}
+        for seq_id, num_new in plan.num_scheduled_tokens.items():
+            state = self.states[seq_id]
+            start, end = state.num_computed_tokens, state.num_computed_tokens + num_new
+            assert 0 < num_new and end <= len(state.token_ids)
+            assert len(state.block_ids) * self.block_size >= end, "block table too short"
+            for position in range(end):
+                block_id, offset = state.block_ids[position // self.block_size], position % self.block_size
+                if position < start:
+                    assert self.kv_slots[block_id][offset] == state.token_ids[position], "stale KV"
+                else:
+                    self.kv_slots[block_id][offset] = state.token_ids[position]
+            state.num_computed_tokens = end
+            last_prompt_position = min(end, state.num_prompt_tokens - 1)
+            if last_prompt_position > start:
+                prompt_logprobs[seq_id] = [TokenLogprobs([state.token_ids[p]], [-1.0], [p])
+                                           for p in range(start + 1, last_prompt_position + 1)]
+            if end == len(state.token_ids):
+                token_id = self.token_fn(seq_id, end)
+                state.token_ids.append(token_id)
+                request_ids.append(seq_id)
+                sampled.append(token_id)
+        return StepResult(plan.step_id, request_ids, sampled, prompt_logprobs=prompt_logprobs)
+
+
+@dataclass
+class Completion:
+    token_ids: list[int] = field(default_factory=list)
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    prompt_logprob_positions: list[int] = field(default_factory=list)
+    num_cached_tokens: int = 0
+
+
+def run_step(scheduler: Scheduler, worker: FakeWorker, completions: dict | None = None) -> StepPlan:
+    plan = scheduler.schedule()
+    for output in scheduler.update(plan, worker.step(plan)):
+        if completions is not None:
+            completion = completions.setdefault((output.request_id, output.index), Completion())
+            assert completion.finish_reason is None, "tokens after the finish"
+            completion.token_ids += output.new_token_ids
+            completion.finish_reason, completion.stop_reason = output.finish_reason, output.stop_reason
+            completion.prompt_logprob_positions += [e.ranks[0] for e in output.prompt_logprobs or []]
+            completion.num_cached_tokens = output.num_cached_tokens
+    return plan
+
+
+def run_to_end(scheduler: Scheduler, worker: FakeWorker, completions: dict | None = None,
+               max_steps: int = 1000) -> dict:
+    completions = {} if completions is None else completions
+    for _ in range(max_steps):
+        if not scheduler.has_unfinished():
+            return completions
+        run_step(scheduler, worker, completions)
+    raise AssertionError("requests did not finish")
+
+
+def generate(prompt_len: int, output_tokens: list[int], max_model_len: int = 256, **params) -> Completion:
+    """One request whose worker samples output_tokens in order."""
+    scheduler = make_scheduler(max_model_len=max_model_len)
+    worker = FakeWorker(4, 64, token_fn=lambda seq_id, position: output_tokens[position - prompt_len])
+    scheduler.add_request("r", list(range(10, 10 + prompt_len)), make_params(**params))
+    return run_to_end(scheduler, worker)[("r", 0)]
+
+
+# ---- batching ----
+
+def test_long_prompt_is_prefilled_in_chunks_under_the_token_budget():
+    scheduler = make_scheduler(max_num_batched_tokens=8)
+    worker = FakeWorker(4, 64)
+    scheduler.add_request("a", list(range(20)), make_params())
+    plan = run_step(scheduler, worker)
+    assert plan.num_scheduled_tokens == {"a": 8}
+    assert plan.new_requests[0].block_ids == [0, 1] and plan.new_requests[0].num_computed_tokens == 0
+    plan = run_step(scheduler, worker)
+    assert plan.num_scheduled_tokens == {"a": 8}
+    assert [(c.new_block_ids, c.num_computed_tokens) for c in plan.continuing_requests] == [([2, 3], 8)]
+    plan = run_step(scheduler, worker)  # the last 4 prompt tokens: samples the first output
+    assert plan.num_scheduled_tokens == {"a": 4}
+    assert scheduler.sequences["a"].token_ids[20:] == [SAMPLED]
+    plan = run_step(scheduler, worker)  # decode of position 20 opens a sixth block
+    assert plan.num_scheduled_tokens == {"a": 1}
+    assert [(c.new_block_ids, c.num_computed_tokens) for c in plan.continuing_requests] == [([5], 20)]
+    assert scheduler.stats()["num_computed_prefill_tokens"] == 20
+
+
+def test_decodes_are_scheduled_before_new_prefills():
+    scheduler = make_scheduler(max_num_batched_tokens=8)
+    worker = FakeWorker(4, 64)
+    scheduler.add_request("a", [1, 2, 3, 4], make_params(max_tokens=5))
+    run_step(scheduler, worker)
+    scheduler.add_request("b", list(range(20)), make_params())
+    # a's decode takes 1 token of the budget first; b's prefill gets the other 7.
+    assert list(run_step(scheduler, worker).num_scheduled_tokens.items()) == [("a", 1), ("b", 7)]
+    assert list(run_step(scheduler, worker).num_scheduled_tokens.items()) == [("a", 1), ("b", 7)]
+    assert list(run_step(scheduler, worker).num_scheduled_tokens.items()) == [("a", 1), ("b", 6)]
+
+
+def test_max_num_seqs_caps_running_sequences():
+    scheduler = make_scheduler(max_num_seqs=2)
+    worker = FakeWorker(4, 64)
+    for request_id in "abc":
+        scheduler.add_request(request_id, [1, 2, 3], make_params(max_tokens=2))
+    assert set(run_step(scheduler, worker).num_scheduled_tokens) == {"a", "b"}
+    assert (scheduler.num_running, scheduler.num_waiting) == (2, 1)
+    assert set(run_step(scheduler, worker).num_scheduled_tokens) == {"a", "b"}  # both finish
+    plan = run_step(scheduler, worker)
+    assert plan.num_scheduled_tokens == {"c": 3} and plan.finished_request_ids == ["a", "b"]
+
+
+def test_waiting_requests_are_admitted_first_come_first_served():
+    # Token budget: a takes 6, b the remaining 4 as a first chunk, c waits.
+    scheduler = make_scheduler(max_num_batched_tokens=10)
+    worker = FakeWorker(4, 64)
+    for request_id in "abc":
+        scheduler.add_request(request_id, list(range(6)), make_params())
+    assert list(run_step(scheduler, worker).num_scheduled_tokens.items()) == [("a", 6), ("b", 4)]
+
+
+def test_a_waiting_request_that_does_not_fit_is_not_overtaken():
+    scheduler = make_scheduler(num_blocks=4)  # 16 token slots
+    worker = FakeWorker(4, 4)
+    scheduler.add_request("a", list(range(10)), make_params(max_tokens=1))  # 3 blocks
+    scheduler.add_request("b", list(range(50, 58)), make_params(max_tokens=1))  # 2 blocks: no room
+    scheduler.add_request("c", [9], make_params(max_tokens=1))  # 1 block would fit, must not jump b
+    assert run_step(scheduler, worker).num_scheduled_tokens == {"a": 10}
+    assert run_step(scheduler, worker).num_scheduled_tokens == {"b": 8, "c": 1}
+
+
+# ---- prefix cache ----
+
+def test_second_request_reuses_the_cached_prefix_blocks():
+    scheduler = make_scheduler()
+    worker = FakeWorker(4, 64)
+    shared = list(range(100, 108))  # two full blocks
+    scheduler.add_request("a", shared + [1, 2, 3, 4], make_params(max_tokens=3))
+    first = run_step(scheduler, worker).new_requests[0]
+    assert first.block_ids == [0, 1, 2]
+    scheduler.add_request("b", shared + [5, 6, 7], make_params(max_tokens=2))
+    plan = run_step(scheduler, worker)
+    (second,) = plan.new_requests
+    # a's decode ran first and took block 3 for its 13th token.
+    assert second.num_computed_tokens == 8 and second.block_ids == [0, 1, 4]
+    assert plan.num_scheduled_tokens["b"] == 3
+    assert scheduler.block_pool.ref_count(0) == 2 and scheduler.block_pool.ref_count(2) == 1
+    stats = scheduler.stats()
+    assert stats["num_prefix_hit_tokens"] == 8 and stats["num_prefix_query_tokens"] == 12 + 11
+    assert stats["num_computed_prefill_tokens"] == 12 + 3
+
+
+def test_identical_prompt_hit_leaves_one_block_to_compute():
+    scheduler = make_scheduler()
+    worker = FakeWorker(4, 64)
+    prompt = list(range(100, 112))  # exactly three blocks
+    scheduler.add_request("a", prompt, make_params(max_tokens=1))
+    completions = run_to_end(scheduler, worker)
+    scheduler.add_request("b", prompt, make_params(max_tokens=1))
+    plan = run_step(scheduler, worker, completions)
+    # Capped at prompt_len - 1 tokens, rounded down to blocks: 8 of 12, not 12.
+    assert plan.new_requests[0].num_computed_tokens == 8
+    assert plan.new_requests[0].block_ids[:2] == [0, 1]
+    assert plan.num_scheduled_tokens == {"b": 4}
+    assert completions[("b", 0)].num_cached_tokens == 8
+    assert completions[("a", 0)].num_cached_tokens == 0
+
+
+def test_prompt_logprobs_request_does_not_read_the_cache():
+    scheduler = make_scheduler(max_num_batched_tokens=4)
+    worker = FakeWorker(4, 64)
+    prompt = list(range(100, 110))
+    scheduler.add_request("a", prompt, make_params(max_tokens=1))
+    run_to_end(scheduler, worker)
+    scheduler.add_request("b", prompt, make_params(max_tokens=1, prompt_logprobs=1))
+    completions = {}
+    plan = run_step(scheduler, worker, completions)
+    assert plan.new_requests[0].num_computed_tokens == 0
+    run_to_end(scheduler, worker, completions)
+    assert completions[("b", 0)].prompt_logprob_positions == list(range(1, 10))
+
+
+def test_n_completions_share_the_prompt_blocks():
+    scheduler = make_scheduler()
+    worker = FakeWorker(4, 64)
+    scheduler.add_request("r", list(range(10)), make_params(max_tokens=3, seed=5, n=4))
+    plan = run_step(scheduler, worker)  # the siblings wait for completion 0's prompt
+    assert [new.request_id for new in plan.new_requests] == ["r#0"]
+    plan = run_step(scheduler, worker)
+    assert [(new.request_id, new.block_ids, new.num_computed_tokens) for new in plan.new_requests] == [
+        ("r#1", [0, 1, 3], 8), ("r#2", [0, 1, 4], 8), ("r#3", [0, 1, 5], 8)]
+    assert [new.params.seed for new in plan.new_requests] == [6, 7, 8]
+    assert all(new.params.n == 1 for new in plan.new_requests)
+    assert [scheduler.block_pool.ref_count(b) for b in range(6)] == [4, 4, 1, 1, 1, 1]
+    assert plan.num_scheduled_tokens == {"r#0": 1, "r#1": 2, "r#2": 2, "r#3": 2}
+    completions = run_to_end(scheduler, worker)
+    assert sorted(completions) == [("r", i) for i in range(4)]
+    assert scheduler.block_pool.num_free_blocks == 64
+
+
+def test_n_completions_without_prefix_caching_compute_their_own_prompt():
+    scheduler = make_scheduler(enable_prefix_caching=False)
+    worker = FakeWorker(4, 64)
+    scheduler.add_request("r", list(range(10)), make_params(max_tokens=2, n=2))
+    plan = run_step(scheduler, worker)
+    assert plan.num_scheduled_tokens == {"r#0": 10, "r#1": 10}
+    assert [new.block_ids for new in plan.new_requests] == [[0, 1, 2], [3, 4, 5]]
+
+
+# ---- preemption and abort ----
+
+def test_newest_request_is_preempted_and_resumes_with_identical_tokens():
+    scheduler = make_scheduler(num_blocks=4)  # 16 token slots, block_size 4
+    worker = FakeWorker(4, 4)
+    completions = {}
+    scheduler.add_request("a", list(range(6)), make_params(max_tokens=4))
+    scheduler.add_request("b", list(range(50, 56)), make_params(max_tokens=4))
+    for _ in range(3):  # both prefill, then decode until each holds 9 tokens in 2 full blocks
+        run_step(scheduler, worker, completions)
+    # a needs a third block: b, the newest, is preempted; its tail block is evicted first.
+    plan = run_step(scheduler, worker, completions)
+    assert plan.num_scheduled_tokens == {"a": 1} and plan.finished_request_ids == ["b"]
+    assert plan.continuing_requests[0].new_block_ids == [3]
+    assert scheduler.stats()["num_preemptions"] == 1 and list(scheduler.waiting)[0].seq_id == "b"
+    assert completions[("a", 0)].finish_reason == "length"
+    # b comes back as a new request: prompt + 3 outputs, its surviving head block reused.
+    plan = run_step(scheduler, worker, completions)
+    (resumed,) = plan.new_requests
+    assert resumed.token_ids == list(range(50, 56)) + [SAMPLED] * 3 and resumed.num_prompt_tokens == 6
+    assert resumed.num_computed_tokens == 4 and resumed.block_ids == [2, 3, 1]
+    assert plan.finished_request_ids == ["a"]
+    assert completions[("b", 0)].token_ids == [SAMPLED] * 4 and completions[("b", 0)].finish_reason == "length"
+    assert not scheduler.has_unfinished()
+    assert scheduler.block_pool.num_free_blocks == 4
+
+
+def test_abort_frees_blocks_and_lists_the_id_once():
+    scheduler = make_scheduler()
+    worker = FakeWorker(4, 64)
+    scheduler.add_request("a", list(range(10)), make_params())
+    scheduler.add_request("w", list(range(10)), make_params())
+    run_step(scheduler, worker)
+    scheduler.abort_request("a")
+    scheduler.abort_request("unknown")
+    assert scheduler.num_running == 1 and scheduler.block_pool.num_free_blocks == 64 - 3
+    plan = run_step(scheduler, worker)
+    assert plan.finished_request_ids == ["a"] and "a" not in plan.num_scheduled_tokens
+    assert run_step(scheduler, worker).finished_request_ids == []
+    # A request the worker never saw is not listed.
+    scheduler.add_request("never_sent", [1], make_params())
+    scheduler.abort_request("never_sent")
+    scheduler.abort_request("w")
+    assert scheduler.schedule().finished_request_ids == ["w"]
+    assert scheduler.block_pool.num_free_blocks == 64
+
+
+def test_result_for_a_request_aborted_after_schedule_is_dropped():
+    scheduler = make_scheduler()
+    worker = FakeWorker(4, 64)
+    scheduler.add_request("a", [1, 2, 3], make_params())
+    plan = scheduler.schedule()
+    scheduler.abort_request("a")
+    assert scheduler.update(plan, worker.step(plan)) == []
+    assert scheduler.schedule().finished_request_ids == ["a"]
+    assert scheduler.block_pool.num_free_blocks == 64
+
+
+def test_stop_string_finish_frees_the_sequence():
+    scheduler = make_scheduler()
+    worker = FakeWorker(4, 64)
+    scheduler.add_request("a", [1, 2, 3], make_params(max_tokens=10))
+    run_step(scheduler, worker)
+    scheduler.finish_sequence("a", 0, "stop", "\n\n")
+    scheduler.finish_sequence("a", 0, "stop", "\n\n")  # already finished: ignored
+    assert not scheduler.has_unfinished()
+    assert scheduler.schedule().finished_request_ids == ["a"]
+    assert scheduler.block_pool.num_free_blocks == 64
+
+
+def test_a_reused_request_id_waits_for_the_old_state_to_be_dropped():
+    scheduler = make_scheduler()
+    worker = FakeWorker(4, 64)
+    scheduler.add_request("a", [1, 2, 3], make_params(max_tokens=1))
+    run_step(scheduler, worker)
+    scheduler.add_request("a", [4, 5, 6], make_params(max_tokens=1))
+    plan = run_step(scheduler, worker)
+    assert plan.finished_request_ids == ["a"] and plan.num_scheduled_tokens == {}
+    assert run_step(scheduler, worker).num_scheduled_tokens == {"a": 3}
+
+
+# ---- finish reasons ----
+
+def test_stop_token_id_finishes_with_the_token_as_stop_reason():
+    completion = generate(3, [5, 9, 6], max_tokens=5, stop_token_ids=[9])
+    assert (completion.token_ids, completion.finish_reason, completion.stop_reason) == ([5, 9], "stop", 9)
+
+
+def test_eos_finishes_unless_ignored():
+    completion = generate(3, [5, EOS, 6], max_tokens=3, ignore_eos=False)
+    assert (completion.token_ids, completion.finish_reason, completion.stop_reason) == ([5, EOS], "stop", None)
+    completion = generate(3, [5, EOS, 6], max_tokens=3, ignore_eos=True)
+    assert (completion.token_ids, completion.finish_reason) == ([5, EOS, 6], "length")
+
+
+def test_min_tokens_defers_stop_tokens_and_eos():
+    completion = generate(3, [9, EOS, EOS, EOS], max_tokens=5, min_tokens=3, ignore_eos=False,
+                          stop_token_ids=[9])
+    assert (completion.token_ids, completion.finish_reason, completion.stop_reason) == ([9, EOS, EOS], "stop", None)
+
+
+def test_length_limits():
+    completion = generate(3, [5] * 10, max_tokens=4)
+    assert (len(completion.token_ids), completion.finish_reason) == (4, "length")
+    completion = generate(6, [5] * 10, max_model_len=8, max_tokens=None)
+    assert (len(completion.token_ids), completion.finish_reason) == (2, "length")
+
+
+# ---- bad input and misuse ----
+
+def test_invalid_requests_raise_value_error():
+    scheduler = make_scheduler(num_blocks=4, max_model_len=32)  # 16 token slots
+    scheduler.add_request("a", [1], make_params())
+    with pytest.raises(ValueError, match="already in use"):
+        scheduler.add_request("a", [1], make_params())
+    with pytest.raises(ValueError, match="empty"):
+        scheduler.add_request("b", [], make_params())
+    with pytest.raises(ValueError, match="max_model_len"):
+        scheduler.add_request("b", [1] * 32, make_params())
+    with pytest.raises(ValueError, match="KV cache"):
+        scheduler.add_request("b", [1] * 16, make_params())
+    scheduler.add_request("c", [1], make_params(n=2))
+    with pytest.raises(ValueError, match="c#1"):
+        scheduler.add_request("c#1", [1], make_params())
+    assert scheduler.num_waiting == 3
+
+
+def test_schedule_before_update_and_mismatched_results_raise():
+    scheduler = make_scheduler()
+    worker = FakeWorker(4, 64)
+    scheduler.add_request("a", [1, 2, 3], make_params())
+    plan = scheduler.schedule()
+    with pytest.raises(RuntimeError, match="update"):
+        scheduler.schedule()
+    with pytest.raises(ValueError, match="step"):
+        scheduler.update(plan, StepResult(plan.step_id + 1, ["a"], [SAMPLED]))
+    with pytest.raises(ValueError, match="no sampled token"):
+        scheduler.update(plan, StepResult(plan.step_id, [], []))
+    assert len(scheduler.update(plan, worker.step(plan))) == 1
+
+
+# ---- soak ----
+
+def check_invariants(scheduler: Scheduler) -> None:
+    pool = scheduler.block_pool
+    holders: dict[int, int] = {}
+    for seq in scheduler.sequences.values():
+        assert len(set(seq.block_ids)) == len(seq.block_ids), f"{seq} holds a block twice"
+        if seq in scheduler.waiting:
+            assert seq.block_ids == [] and seq.num_computed_tokens == 0
+        for block_id in seq.block_ids:
+            holders[block_id] = holders.get(block_id, 0) + 1
+    for seq in scheduler.running:
+        # Blocks that will receive new KV belong to this sequence alone.
+        for block_id in seq.block_ids[seq.num_computed_tokens // pool.block_size:]:
+            assert pool.ref_count(block_id) == 1, f"{seq} would write shared block {block_id}"
+    for block_id in range(pool.num_blocks):
+        assert pool.ref_count(block_id) == holders.get(block_id, 0)
+        if holders.get(block_id, 0) > 1:
+            assert pool.block_hash(block_id) is not None, "shared block not in the prefix cache"
+    assert pool.num_free_blocks == pool.num_blocks - len(holders)
+    assert scheduler.num_running <= scheduler.max_num_seqs
+    assert scheduler.num_running + scheduler.num_waiting == len(scheduler.sequences)
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_random_soak_keeps_invariants_and_completes_every_request(seed):
+    rng = random.Random(seed)
+    block_size, num_blocks = rng.choice([2, 4]), rng.randint(6, 16)
+    capacity = block_size * num_blocks
+    scheduler = make_scheduler(num_blocks=num_blocks, block_size=block_size,
+                               max_num_batched_tokens=rng.randint(4, 24), max_num_seqs=rng.randint(1, 6),
+                               enable_prefix_caching=seed % 4 != 3)
+    worker = FakeWorker(block_size, num_blocks,
+                        token_fn=lambda seq_id, position: 10 + zlib.crc32(f"{seq_id}:{position}".encode()) % 50)
+    prefixes = [[rng.randint(10, 60) for _ in range(capacity // 2)] for _ in range(3)]
+    expected: dict[tuple[str, int], tuple[SamplingParams, list[int]]] = {}  # completion -> (params, prompt)
+    aborted: set[str] = set()
+    completions: dict[tuple[str, int], Completion] = {}
+    num_requests = 0
+    for _ in range(3000):
+        if num_requests < 40 and rng.random() < 0.4:
+            request_id = f"req{num_requests}"
+            num_requests += 1
+            prompt_len = rng.randint(1, capacity // 2)
+            prompt = rng.choice(prefixes)[:prompt_len - 1] + [rng.randint(10, 60)]
+            params = make_params(max_tokens=rng.randint(1, capacity // 2), n=rng.choice([1, 1, 2, 3]),
+                                 prompt_logprobs=rng.choice([None, None, 1]))
+            scheduler.add_request(request_id, prompt, params)
+            for index in range(params.n):
+                expected[(request_id, index)] = (params, prompt)
+        if rng.random() < 0.03 and scheduler.sequences:
+            request_id = rng.choice(list(scheduler.sequences.values())).request_id
+            scheduler.abort_request(request_id)
+            aborted.add(request_id)
+        plan = scheduler.schedule()
+        assert sum(plan.num_scheduled_tokens.values()) <= scheduler.max_num_batched_tokens
+        result = worker.step(plan)
+        sent = {seq.seq_id for seq in scheduler.sequences.values() if seq.sent_to_worker}
+        assert set(worker.states) == sent
+        for output in scheduler.update(plan, result):
+            completion = completions.setdefault((output.request_id, output.index), Completion())
+            assert completion.finish_reason is None
+            completion.token_ids += output.new_token_ids
+            completion.finish_reason = output.finish_reason
+            completion.prompt_logprob_positions += [e.ranks[0] for e in output.prompt_logprobs or []]
+        check_invariants(scheduler)
+        if num_requests == 40 and not scheduler.has_unfinished():
+            break
+    assert not scheduler.has_unfinished()
+    worker.step(scheduler.schedule())  # flush the last drops
+    assert worker.states == {}
+    assert scheduler.block_pool.num_free_blocks == num_blocks
+    for (request_id, index), (params, prompt) in expected.items():
+        if request_id in aborted:
+            continue
+        seq_id = request_id if params.n == 1 else f"{request_id}#{index}"
+        completion = completions[(request_id, index)]
+        assert completion.finish_reason == "length"
+        positions = range(len(prompt), len(prompt) + params.max_tokens)
+        assert completion.token_ids == [worker.token_fn(seq_id, p) for p in positions]
+        # Prompt logprobs: each position once, in order, for completion 0 only, even
+        # across preemptions that recompute the prompt.
+        asked = params.prompt_logprobs is not None and index == 0
+        assert completion.prompt_logprob_positions == (list(range(1, len(prompt))) if asked else [])
