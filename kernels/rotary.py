@@ -7,6 +7,8 @@ import math
 
 import torch
 
+from kernels._triton import jit, next_power_of_2, tl
+
 
 def build_cos_sin_cache(
     head_size: int, max_position: int, base: float, rope_scaling: dict | None = None
@@ -56,3 +58,68 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
     x1, x2 = x.float().chunk(2, dim=-1)
     rotated = torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
     return rotated.to(x.dtype)
+
+
+# -- Triton ----------------------------------------------------------------------------------
+
+
+@jit
+def _rotary_kernel(
+    positions_ptr,  # [num_tokens] int64
+    query_ptr,  # [num_tokens, num_heads, head_size], rotated in place
+    key_ptr,  # [num_tokens, num_kv_heads, head_size], rotated in place
+    cos_sin_cache_ptr,  # [max_position, head_size]
+    query_stride_token, query_stride_head, key_stride_token, key_stride_head, cache_stride,
+    num_heads, num_kv_heads, half_size,
+    BLOCK_H: tl.constexpr,  # max(num_heads, num_kv_heads) rounded up to a power of two
+    BLOCK_HALF: tl.constexpr,  # head_size / 2 rounded up to a power of two
+):
+    """One program per token: every query and key head of it, both halves at once."""
+    token = tl.program_id(0).to(tl.int64)
+    position = tl.load(positions_ptr + token)
+    dims = tl.arange(0, BLOCK_HALF)
+    heads = tl.arange(0, BLOCK_H)[:, None]
+    cos = tl.load(cos_sin_cache_ptr + position * cache_stride + dims, mask=dims < half_size, other=0.0)
+    sin = tl.load(cos_sin_cache_ptr + position * cache_stride + half_size + dims, mask=dims < half_size, other=0.0)
+    cos = cos.to(tl.float32)[None, :]
+    sin = sin.to(tl.float32)[None, :]
+    dims = dims[None, :]
+
+    first = query_ptr + token * query_stride_token + heads * query_stride_head + dims
+    mask = (heads < num_heads) & (dims < half_size)
+    x1 = tl.load(first, mask=mask, other=0.0).to(tl.float32)
+    x2 = tl.load(first + half_size, mask=mask, other=0.0).to(tl.float32)
+    tl.store(first, (x1 * cos - x2 * sin).to(query_ptr.dtype.element_ty), mask=mask)
+    tl.store(first + half_size, (x2 * cos + x1 * sin).to(query_ptr.dtype.element_ty), mask=mask)
+
+    first = key_ptr + token * key_stride_token + heads * key_stride_head + dims
+    mask = (heads < num_kv_heads) & (dims < half_size)
+    x1 = tl.load(first, mask=mask, other=0.0).to(tl.float32)
+    x2 = tl.load(first + half_size, mask=mask, other=0.0).to(tl.float32)
+    tl.store(first, (x1 * cos - x2 * sin).to(key_ptr.dtype.element_ty), mask=mask)
+    tl.store(first + half_size, (x2 * cos + x1 * sin).to(key_ptr.dtype.element_ty), mask=mask)
+
+
+def rotary(
+    positions: torch.Tensor,  # [num_tokens] int64
+    query: torch.Tensor,  # [num_tokens, num_heads, head_size], rotated in place
+    key: torch.Tensor,  # [num_tokens, num_kv_heads, head_size], rotated in place
+    cos_sin_cache: torch.Tensor,  # [max_position, head_size]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rotates query and key in place and returns them (the same tensors). They may be
+    strided views (the model's q and k are slices of one qkv matrix); each head's row of
+    head_size elements must be contiguous."""
+    num_tokens, num_heads, head_size = query.shape
+    num_kv_heads = key.shape[1]
+    assert positions.shape == (num_tokens,) and positions.dtype == torch.int64
+    assert key.shape == (num_tokens, num_kv_heads, head_size) and key.dtype == query.dtype
+    assert cos_sin_cache.dim() == 2 and cos_sin_cache.shape[1] == head_size and cos_sin_cache.stride(1) == 1
+    assert head_size % 2 == 0 and query.stride(2) == 1 and key.stride(2) == 1
+    if num_tokens:
+        _rotary_kernel[(num_tokens,)](
+            positions, query, key, cos_sin_cache,
+            query.stride(0), query.stride(1), key.stride(0), key.stride(1), cos_sin_cache.stride(0),
+            num_heads, num_kv_heads, head_size // 2,
+            BLOCK_H=next_power_of_2(max(num_heads, num_kv_heads)), BLOCK_HALF=next_power_of_2(head_size // 2),
+        )
+    return query, key

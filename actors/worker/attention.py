@@ -1,19 +1,23 @@
 """Which kernels a model step runs, and the per-step attention metadata they share.
 
 The torch backend (the CPU path) runs each kernel's plain-torch reference; the paged
-attention bookkeeping is planned once per step and reused by every layer."""
+attention bookkeeping is planned once per step and reused by every layer. The Triton
+backend runs the Triton kernels: compiled on CUDA, or under triton's interpreter on the
+CPU (TRITON_INTERPRET=1; slow, for tests)."""
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
 
-from kernels.paged_attention import PagedAttentionPlan, paged_attention_planned, plan_paged_attention
-from kernels.rms_norm import rms_norm_ref
-from kernels.rotary import rotary_ref
-from kernels.silu_mul import silu_mul_ref
-from kernels.store_kv import store_kv_ref
+from kernels.paged_attention import (PagedAttentionLaunch, PagedAttentionPlan, paged_attention,
+                                     paged_attention_launch, paged_attention_planned, plan_paged_attention)
+from kernels.rms_norm import rms_norm, rms_norm_ref
+from kernels.rotary import rotary, rotary_ref
+from kernels.silu_mul import silu_mul, silu_mul_ref
+from kernels.store_kv import store_kv, store_kv_ref
 
 
 @dataclass
@@ -25,6 +29,7 @@ class StepAttention:
     seq_lens: torch.Tensor  # [num_seqs] int32: tokens in the cache after this step
     query_start_loc: torch.Tensor  # [num_seqs + 1] int32
     plan: PagedAttentionPlan | None = None  # the torch backend's precomputed bookkeeping
+    launch: PagedAttentionLaunch | None = None  # the Triton backend's grid sizes and sequence lists
 
 
 class TorchBackend:
@@ -45,11 +50,50 @@ class TorchBackend:
         return paged_attention_planned(query, key_cache, value_cache, step.plan, scale)
 
 
-AttentionBackend = TorchBackend
+class TritonBackend:
+    """The Triton kernels. rotary rotates q and k in place (and returns them), which the
+    model allows: q and k are fresh slices of this layer's qkv matrix."""
+
+    name = "triton"
+    rms_norm = staticmethod(rms_norm)
+    rotary = staticmethod(rotary)
+    silu_mul = staticmethod(silu_mul)
+    store_kv = staticmethod(store_kv)
+
+    def prepare(self, attention: StepAttention, block_size: int, dtype: torch.dtype) -> None:
+        # the grid sizes, read off the device once per step rather than once per layer
+        attention.launch = paged_attention_launch(attention.seq_lens, attention.query_start_loc)
+
+    def attention(self, query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                  step: StepAttention, scale: float) -> torch.Tensor:
+        return paged_attention(query, key_cache, value_cache, step.block_tables, step.seq_lens,
+                               step.query_start_loc, scale, launch=step.launch)
+
+
+AttentionBackend = TorchBackend | TritonBackend
+
+
+def triton_interpreter_enabled() -> bool:
+    """Whether triton runs kernels under its CPU interpreter: the one place that reads
+    TRITON_INTERPRET (triton itself reads it when a kernel is first launched), with
+    triton's spelling of true."""
+    return os.environ.get("TRITON_INTERPRET", "").lower() in ("1", "true", "on", "yes")
 
 
 def make_backend(name: str, device: torch.device) -> AttentionBackend:
-    """`auto` picks Triton on CUDA and torch on the CPU."""
-    if name in ("auto", "torch"):
+    """`auto` picks Triton on CUDA and torch on the CPU; `triton` on the CPU needs the
+    interpreter (TRITON_INTERPRET=1), which is correct but far too slow to serve with."""
+    if name == "torch" or (name == "auto" and device.type != "cuda"):
         return TorchBackend()
-    raise ValueError(f"attention_backend must be 'auto' or 'torch', got {name!r}")
+    if name not in ("auto", "triton"):
+        raise ValueError(f"attention_backend must be 'auto', 'torch' or 'triton', got {name!r}")
+    if device.type != "cuda" and not (device.type == "cpu" and triton_interpreter_enabled()):
+        raise ValueError(f"attention_backend 'triton' runs on CUDA, or on the CPU under triton's interpreter "
+                         f"(got a {device.type} device): set TRITON_INTERPRET=1 (slow; for tests), "
+                         "or use attention_backend 'torch'")
+    try:
+        import triton  # noqa: F401  (torch's CUDA builds bring it; a CPU install may not have it)
+    except ImportError as error:
+        raise ValueError("attention_backend 'triton' needs the triton package (pip install triton), "
+                         "or use attention_backend 'torch'") from error
+    return TritonBackend()
