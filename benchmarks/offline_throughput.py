@@ -16,9 +16,17 @@ norms, sampling, scheduling, Python).
 from __future__ import annotations
 
 import argparse
+import os
 import random
 import statistics
+import sys
 import time
+
+if __name__ == "__main__":
+    # Run as a script, this file's folder comes first on sys.path, where benchmarks/kernels.py
+    # would shadow the kernels package.
+    _here = os.path.dirname(os.path.abspath(__file__))
+    sys.path = [path for path in sys.path if os.path.abspath(path or os.curdir) != _here]
 
 import torch
 import torch.nn.functional as F
