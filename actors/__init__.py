@@ -1,11 +1,13 @@
-"""troupe's actors, and the offline entry point.
+"""troupe's actors, and the two Python entry points.
 
-`from actors import LLM, SamplingParams`. LLM is imported on first use, so importing a
-light module such as actors.config does not load torch."""
+`from actors import AsyncClient, LLM, SamplingParams`. AsyncClient and LLM are imported on
+first use, so importing a light module such as actors.config does not load torch."""
 
+from actors.errors import EngineDeadError, EngineStartupError, InvalidRequestError
 from messages.common import CompletionOutput, Logprob, RequestOutput, SamplingParams
 
-__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "Logprob"]
+__all__ = ["AsyncClient", "LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "Logprob",
+           "EngineDeadError", "EngineStartupError", "InvalidRequestError"]
 
 
 def __getattr__(name: str):
@@ -13,4 +15,8 @@ def __getattr__(name: str):
         from actors.llm import LLM
 
         return LLM
+    if name == "AsyncClient":
+        from actors.frontend import AsyncClient
+
+        return AsyncClient
     raise AttributeError(f"module 'actors' has no attribute {name!r}")

@@ -74,6 +74,8 @@ class EngineConfig:
     device: str = "cpu"
     seed: int = 0
     tokenizer_path: str = ""  # directory holding the tokenizer files; defaults to model_path
+    attention_backend: str = "auto"  # "auto" (Triton on CUDA, torch on CPU) | "triton" | "torch"
+    load_format: str = "auto"  # "auto" (the checkpoint) | "dummy" (random weights, benchmarks)
     extra: dict = field(default_factory=dict)
 
 

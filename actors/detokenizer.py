@@ -1,19 +1,26 @@
-"""Detokenizer logic: turns the scheduler's NewTokens into RequestOutputs.
+"""Detokenization: the scheduler's NewTokens become RequestOutput deltas.
 
-Owns one decode stream per live completion (the `tokenizers` DecodeStream handles
-multi-byte characters split across tokens), matches stop strings, and reports which
-completions a stop string ended so the scheduler can finish them. Plain object: the
-offline LLM calls it in-process; the detokenizer actor wraps it."""
+OutputProcessor is the plain logic (the offline engine calls it in-process). It owns one
+incremental decoder per live completion (incremental_decode.py), which holds back a
+UTF-8 character split across tokens, so the streamed pieces concatenate to exactly the
+decode of all ids. It matches stop strings,
+holding back text that may be the start of one while streaming, and reports the
+completions a stop string ended so the scheduler can finish them.
+
+DetokenizerActor receives TrackRequest, StepOutputs and AbortRequest from the scheduler
+and sends RequestOutputs to the frontend and FinishRequest to the scheduler."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
-from tokenizers.decoders import DecodeStream
-
+from actors.actor import Actor, ActorSpec
+from actors.incremental_decode import IncrementalDecoder
 from messages.common import CompletionOutput, Logprob, RequestOutput, SamplingParams
-from messages.detokenizer import NewTokens
-from messages.scheduler import TokenLogprobs
+from messages.detokenizer import DetokenizerInbox, NewTokens, StepOutputs, TrackRequest
+from messages.frontend import RequestOutputs
+from messages.scheduler import AbortRequest, FinishRequest, TokenLogprobs
+from messages.transport import Sockets
 
 
 @dataclass
@@ -23,113 +30,243 @@ class StopMatch:
     stop: str
 
 
-class CompletionDecoder:
-    """Text and stop-string state of one completion."""
-
-    def __init__(self, index: int, params: SamplingParams) -> None:
-        self.output = CompletionOutput(index=index)
-        self.params = params
-        self.stream = DecodeStream(skip_special_tokens=params.skip_special_tokens)
-        self.want_logprobs = params.logprobs is not None
-        if self.want_logprobs:
-            self.output.logprobs = []
-            self.output.cumulative_logprob = 0.0
-
-    def append(self, tokenizer, update: NewTokens) -> str | None:
-        """Adds the tokens' text; returns the stop string that matched, if any."""
-        output = self.output
-        output.token_ids.extend(update.new_token_ids)
-        hidden_last = (update.finish_reason == "stop" and isinstance(update.stop_reason, int)
-                       and not self.params.include_stop_str_in_output)
-        tokens = update.new_token_ids[:-1] if hidden_last else update.new_token_ids
-        old_len = len(output.text)
-        for token_id in tokens:
-            piece = self.stream.step(tokenizer.backend_tokenizer, token_id)
-            if piece:
-                output.text += piece
-        if self.want_logprobs and update.new_logprobs:
-            for entry in update.new_logprobs:
-                output.logprobs.append(to_logprob_dict(tokenizer, entry))
-                output.cumulative_logprob += entry.logprobs[0]
-        return self._match_stop(old_len)
-
-    def _match_stop(self, old_len: int) -> str | None:
-        text = self.output.text
-        for stop in self.params.stop_strings:
-            # only a match that ends in the new text is new
-            position = text.find(stop, max(0, old_len - len(stop) + 1))
-            if position != -1:
-                end = position + len(stop) if self.params.include_stop_str_in_output else position
-                self.output.text = text[:end]
-                return stop
-        return None
-
-
-def to_logprob_dict(tokenizer, entry: TokenLogprobs) -> dict[int, Logprob]:
-    return {token_id: Logprob(logprob, rank, tokenizer.decode([token_id]))
-            for token_id, logprob, rank in zip(entry.token_ids, entry.logprobs, entry.ranks)}
-
-
-@dataclass
-class RequestState:
-    output: RequestOutput
-    completions: list[CompletionDecoder]
-    num_finished: int = 0
-    prompt_logprobs: list = field(default_factory=list)
-
-
-class OutputProcessor:
-    """Keeps a RequestOutput per live request, cumulative (what offline generate returns)."""
+class TokenTexts:
+    """The text of single tokens, for logprobs; memoized, as the same few thousand ids
+    come up again and again."""
 
     def __init__(self, tokenizer) -> None:
         self.tokenizer = tokenizer
+        self._texts: dict[int, str] = {}
+
+    def __call__(self, token_id: int) -> str:
+        text = self._texts.get(token_id)
+        if text is None:
+            text = self._texts[token_id] = self.tokenizer.decode([token_id])
+        return text
+
+    def logprob_dict(self, entry: TokenLogprobs) -> dict[int, Logprob]:
+        return {token_id: Logprob(logprob, rank, self(token_id))
+                for token_id, logprob, rank in zip(entry.token_ids, entry.logprobs, entry.ranks)}
+
+
+class CompletionDecoder:
+    """Text, stop-string and delivery state of one completion."""
+
+    def __init__(self, index: int, params: SamplingParams, tokenizer) -> None:
+        self.index = index
+        self.params = params
+        self.decoder = IncrementalDecoder(tokenizer.backend_tokenizer, params.skip_special_tokens)
+        self.text = ""  # what may be shown: stable decoded text, cut at a stop string
+        self.token_ids: list[int] = []
+        self.logprobs: list[dict[int, Logprob]] | None = [] if params.logprobs is not None else None
+        self.cumulative_logprob: float | None = 0.0 if params.logprobs is not None else None
+        self.finish_reason: str | None = None
+        self.stop_reason: int | str | None = None
+        # what earlier deltas carried: text[:num_sent_chars], token_ids[:num_sent_tokens], ...
+        self.num_sent_chars = 0
+        self.num_sent_tokens = 0
+        self.num_sent_logprobs = 0
+
+    def append(self, token_texts: TokenTexts, update: NewTokens) -> str | None:
+        """Adds the tokens and their text; returns the stop string that matched, if any."""
+        self.token_ids.extend(update.new_token_ids)
+        # a stop token id or EOS ends the text without being part of it (as in vLLM)
+        hidden_last = (update.finish_reason == "stop" and not isinstance(update.stop_reason, str)
+                       and not self.params.include_stop_str_in_output)
+        old_len = len(self.text)
+        self.decoder.add(update.new_token_ids[:-1] if hidden_last else update.new_token_ids)
+        # once the sequence has ended, nothing more can complete a split character
+        self.text = self.decoder.text if update.finish_reason is not None else self.decoder.stable_text
+        if self.logprobs is not None and update.new_logprobs:
+            for entry in update.new_logprobs:
+                self.logprobs.append(token_texts.logprob_dict(entry))
+                self.cumulative_logprob += entry.logprobs[0]
+        return self._match_stop(old_len)
+
+    def _match_stop(self, old_len: int) -> str | None:
+        for stop in self.params.stop_strings:
+            # only a match that ends in the new text is new
+            position = self.text.find(stop, max(0, old_len - len(stop) + 1))
+            if position != -1:
+                end = position + len(stop) if self.params.include_stop_str_in_output else position
+                self.text = self.text[:end]
+                return stop
+        return None
+
+    def finish(self, finish_reason: str, stop_reason: int | str | None) -> None:
+        self.finish_reason, self.stop_reason = finish_reason, stop_reason
+
+    def _held_back_chars(self) -> int:
+        """How many trailing characters could still grow into a stop string."""
+        held = 0
+        for stop in self.params.stop_strings:
+            for length in range(min(len(stop) - 1, len(self.text)), held, -1):
+                if self.text.endswith(stop[:length]):
+                    held = length
+                    break
+        return held
+
+    def take_delta(self) -> CompletionOutput:
+        """What is new since the last delta (all of it once finished)."""
+        end = len(self.text)
+        if self.finish_reason is None:
+            end -= self._held_back_chars()
+        end = max(end, self.num_sent_chars)
+        delta = CompletionOutput(index=self.index, text=self.text[self.num_sent_chars:end],
+                                 token_ids=self.token_ids[self.num_sent_tokens:],
+                                 cumulative_logprob=self.cumulative_logprob,
+                                 finish_reason=self.finish_reason, stop_reason=self.stop_reason)
+        if self.logprobs is not None:
+            delta.logprobs = self.logprobs[self.num_sent_logprobs:]
+            self.num_sent_logprobs = len(self.logprobs)
+        self.num_sent_chars = end
+        self.num_sent_tokens = len(self.token_ids)
+        return delta
+
+
+class RequestState:
+    def __init__(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
+                 params: SamplingParams, tokenizer) -> None:
+        self.request_id = request_id
+        self.prompt = prompt
+        self.prompt_token_ids = prompt_token_ids
+        self.completions = [CompletionDecoder(i, params, tokenizer) for i in range(params.n)]
+        self.wants_prompt_logprobs = params.prompt_logprobs is not None
+        self.new_prompt_logprobs: list[dict[int, Logprob] | None] = []  # not yet in a delta
+        self.got_prompt_logprobs = False
+        self.num_cached_tokens = 0
+        self.num_finished = 0
+        self.sent_first = False
+
+
+class OutputProcessor:
+    """Keeps the decoding state of every live request and turns each step's NewTokens into
+    one RequestOutput delta per request that changed."""
+
+    def __init__(self, tokenizer) -> None:
+        self.tokenizer = tokenizer
+        self.token_texts = TokenTexts(tokenizer)
         self.requests: dict[str, RequestState] = {}
 
     def add_request(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
                     params: SamplingParams) -> None:
-        output = RequestOutput(request_id=request_id, prompt=prompt, prompt_token_ids=prompt_token_ids)
-        if params.prompt_logprobs is not None:
-            output.prompt_logprobs = [None]
-        completions = [CompletionDecoder(i, params) for i in range(params.n)]
-        output.outputs = [c.output for c in completions]
-        self.requests[request_id] = RequestState(output, completions)
+        self.requests[request_id] = RequestState(request_id, prompt, prompt_token_ids, params, self.tokenizer)
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
+        """Forgets the request; returns its last delta, every unfinished completion
+        marked "abort", or None when it was not live."""
         state = self.requests.pop(request_id, None)
         if state is None:
             return None
         for completion in state.completions:
-            if completion.output.finish_reason is None:
-                completion.output.finish_reason = "abort"
-        state.output.finished = True
-        return state.output
+            if completion.finish_reason is None:
+                completion.finish("abort", None)
+        return self._delta(state, state.completions, finished=True)
 
     def process(self, updates: list[NewTokens]) -> tuple[list[RequestOutput], list[StopMatch]]:
-        """Applies one step's updates. Returns the requests that finished and the stop-string
-        matches the scheduler must be told about."""
-        finished: list[RequestOutput] = []
+        """Applies one step's updates. Returns the deltas and the stop-string matches the
+        scheduler must be told about."""
+        changed: dict[str, list[CompletionDecoder]] = {}
         stops: list[StopMatch] = []
         for update in updates:
             state = self.requests.get(update.request_id)
             if state is None:
                 continue  # aborted meanwhile
-            output = state.output
-            output.num_cached_tokens = max(output.num_cached_tokens, update.num_cached_tokens)
-            if update.prompt_logprobs and update.index == 0 and output.prompt_logprobs is not None:
-                output.prompt_logprobs += [to_logprob_dict(self.tokenizer, e) for e in update.prompt_logprobs]
+            state.num_cached_tokens = max(state.num_cached_tokens, update.num_cached_tokens)
+            if update.prompt_logprobs and state.wants_prompt_logprobs:
+                if not state.got_prompt_logprobs:
+                    state.new_prompt_logprobs.append(None)  # the first prompt token has none
+                    state.got_prompt_logprobs = True
+                state.new_prompt_logprobs += [self.token_texts.logprob_dict(e) for e in update.prompt_logprobs]
+            completions = changed.setdefault(update.request_id, [])
             completion = state.completions[update.index]
-            if completion.output.finish_reason is not None:
+            if completion.finish_reason is not None:
                 continue
-            stop = completion.append(self.tokenizer, update)
+            completions.append(completion)
+            stop = completion.append(self.token_texts, update)
             if stop is not None:
-                completion.output.finish_reason, completion.output.stop_reason = "stop", stop
+                completion.finish("stop", stop)
                 stops.append(StopMatch(update.request_id, update.index, stop))
             elif update.finish_reason is not None:
-                completion.output.finish_reason = update.finish_reason
-                completion.output.stop_reason = update.stop_reason
-            if completion.output.finish_reason is not None:
+                completion.finish(update.finish_reason, update.stop_reason)
+            if completion.finish_reason is not None:
                 state.num_finished += 1
-                if state.num_finished == len(state.completions):
-                    output.finished = True
-                    finished.append(self.requests.pop(update.request_id).output)
-        return finished, stops
+        deltas = []
+        for request_id, completions in changed.items():
+            state = self.requests[request_id]
+            finished = state.num_finished == len(state.completions)
+            if finished:
+                del self.requests[request_id]
+            deltas.append(self._delta(state, completions, finished))
+        return deltas, stops
+
+    @staticmethod
+    def _delta(state: RequestState, completions: list[CompletionDecoder], finished: bool) -> RequestOutput:
+        delta = RequestOutput(request_id=state.request_id, prompt=state.prompt,
+                              outputs=[c.take_delta() for c in completions], finished=finished,
+                              num_cached_tokens=state.num_cached_tokens)
+        if not state.sent_first:
+            delta.prompt_token_ids = state.prompt_token_ids
+            state.sent_first = True
+        if state.new_prompt_logprobs:
+            delta.prompt_logprobs, state.new_prompt_logprobs = state.new_prompt_logprobs, []
+        return delta
+
+
+def merge_delta(accumulated: RequestOutput | None, delta: RequestOutput) -> RequestOutput:
+    """Folds a delta into the request's whole output so far (what offline callers get).
+    The accumulated output is updated in place and returned."""
+    if accumulated is None:
+        accumulated = RequestOutput(request_id=delta.request_id, prompt=delta.prompt)
+    if delta.prompt_token_ids:
+        accumulated.prompt_token_ids = delta.prompt_token_ids
+    if delta.prompt_logprobs:
+        accumulated.prompt_logprobs = (accumulated.prompt_logprobs or []) + delta.prompt_logprobs
+    accumulated.num_cached_tokens = max(accumulated.num_cached_tokens, delta.num_cached_tokens)
+    accumulated.finished = delta.finished
+    by_index = {c.index: c for c in accumulated.outputs}
+    for part in delta.outputs:
+        whole = by_index.get(part.index)
+        if whole is None:
+            whole = by_index[part.index] = CompletionOutput(index=part.index)
+            accumulated.outputs.append(whole)
+            accumulated.outputs.sort(key=lambda c: c.index)
+        whole.text += part.text
+        whole.token_ids.extend(part.token_ids)
+        if part.logprobs is not None:
+            whole.logprobs = (whole.logprobs or []) + part.logprobs
+        whole.cumulative_logprob = part.cumulative_logprob
+        whole.finish_reason, whole.stop_reason = part.finish_reason, part.stop_reason
+    return accumulated
+
+
+class DetokenizerActor(Actor):
+    """Receives TrackRequest, StepOutputs and AbortRequest from the scheduler; sends
+    RequestOutputs deltas to the frontend and FinishRequest to the scheduler when a stop
+    string matches. Owns one decode stream per live completion."""
+
+    inbox_type = DetokenizerInbox
+
+    def __init__(self, name: str, addresses: dict[str, str], sockets: Sockets, processor: OutputProcessor) -> None:
+        super().__init__(name, addresses, sockets)
+        self.to_scheduler = sockets.outbox(addresses["scheduler"])
+        self.processor = processor
+
+    @classmethod
+    def from_spec(cls, spec: ActorSpec, sockets: Sockets) -> DetokenizerActor:
+        from actors.worker.loader import load_tokenizer
+
+        return cls(spec.name, spec.addresses, sockets, OutputProcessor(load_tokenizer(spec.engine.tokenizer_path)))
+
+    def handle(self, message) -> None:
+        match message:
+            case StepOutputs(updates=updates):
+                deltas, stops = self.processor.process(updates)
+                for stop in stops:
+                    self.to_scheduler.send(FinishRequest(stop.request_id, stop.index, stop.stop))
+                if deltas:
+                    self.to_frontend.send(RequestOutputs(deltas))
+            case TrackRequest():
+                self.processor.add_request(message.request_id, None, message.prompt_token_ids, message.params)
+            case AbortRequest(request_id=request_id):
+                self.processor.abort_request(request_id)  # the frontend has stopped listening

@@ -7,7 +7,7 @@ from __future__ import annotations
 import logging
 
 from actors.config import EngineConfig
-from actors.detokenizer import OutputProcessor
+from actors.detokenizer import OutputProcessor, merge_delta
 from actors.scheduler.scheduler import Scheduler
 from actors.worker.model_runner import ModelRunner, kv_block_bytes
 from messages.common import RequestOutput, SamplingParams
@@ -26,13 +26,13 @@ def num_kv_blocks(engine: EngineConfig) -> int:
 
 
 class EngineCore:
-    def __init__(self, engine: EngineConfig, tokenizer, attention_backend: str = "auto",
-                 load_format: str = "auto") -> None:
+    def __init__(self, engine: EngineConfig, tokenizer) -> None:
         self.config = engine
         self.num_blocks = num_kv_blocks(engine)
-        self.runner = ModelRunner(engine, self.num_blocks, attention_backend, load_format)
+        self.runner = ModelRunner(engine, self.num_blocks, engine.attention_backend, engine.load_format)
         self.scheduler = Scheduler(engine.scheduler, engine.cache, self.num_blocks, engine.model.eos_token_ids)
         self.outputs = OutputProcessor(tokenizer)
+        self._accumulated: dict[str, RequestOutput] = {}  # request_id -> its output so far
         logger.info("KV cache: %d blocks of %d tokens", self.num_blocks, engine.cache.block_size)
 
     def add_request(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
@@ -42,7 +42,9 @@ class EngineCore:
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
         self.scheduler.abort_request(request_id)
-        return self.outputs.abort_request(request_id)
+        delta = self.outputs.abort_request(request_id)
+        accumulated = self._accumulated.pop(request_id, None)
+        return merge_delta(accumulated, delta) if delta is not None else accumulated
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
@@ -52,7 +54,15 @@ class EngineCore:
         plan = self.scheduler.schedule()
         result = self.runner.execute(plan)
         updates = self.scheduler.update(plan, result)
-        finished, stops = self.outputs.process(updates)
+        deltas, stops = self.outputs.process(updates)
         for stop in stops:
             self.scheduler.finish_sequence(stop.request_id, stop.index, "stop", stop.stop)
+        finished = []
+        for delta in deltas:
+            whole = merge_delta(self._accumulated.get(delta.request_id), delta)
+            if delta.finished:
+                self._accumulated.pop(delta.request_id, None)
+                finished.append(whole)
+            else:
+                self._accumulated[delta.request_id] = whole
         return finished

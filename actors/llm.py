@@ -9,38 +9,11 @@ from collections.abc import Sequence
 import msgspec
 from tqdm import tqdm
 
-from actors.config import CacheConfig, EngineConfig, SchedulerConfig, parse_size
+from actors.engine_args import EngineArgs
 from actors.engine_core import EngineCore
 from actors.input_processor import InputProcessor, Prompt
-from actors.worker.loader import load_model_config, load_tokenizer, resolve_model
+from actors.worker.loader import load_tokenizer
 from messages.common import RequestOutput, SamplingParams
-
-
-def build_engine_config(model: str | None, *, max_num_seqs: int, max_num_batched_tokens: int,
-                        block_size: int, kv_cache_memory: int | str, num_kv_blocks: int | None,
-                        max_model_len: int | None, dtype: str, seed: int,
-                        enable_prefix_caching: bool) -> EngineConfig:
-    """Resolves the model and checks the engine arguments (ValueError naming the field)."""
-    for name, value in (("max_num_seqs", max_num_seqs), ("max_num_batched_tokens", max_num_batched_tokens),
-                        ("block_size", block_size)):
-        if not isinstance(value, int) or value < 1:
-            raise ValueError(f"{name} must be a positive integer, got {value!r}")
-    if num_kv_blocks is not None and num_kv_blocks < 1:
-        raise ValueError(f"num_kv_blocks must be positive, got {num_kv_blocks}")
-    model_dir = resolve_model(model)
-    model_config = load_model_config(model_dir)
-    if max_model_len is None:
-        max_model_len = model_config.max_position_embeddings
-    elif not 1 < max_model_len <= model_config.max_position_embeddings:
-        raise ValueError(f"max_model_len must be in [2, {model_config.max_position_embeddings}] for this "
-                         f"model, got {max_model_len}")
-    return EngineConfig(
-        model=model_config,
-        cache=CacheConfig(block_size=block_size, kv_cache_memory=parse_size(kv_cache_memory),
-                          num_kv_blocks=num_kv_blocks, enable_prefix_caching=enable_prefix_caching),
-        scheduler=SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-                                  max_model_len=max_model_len),
-        dtype=dtype, seed=seed, tokenizer_path=model_dir)
 
 
 class LLM:
@@ -52,12 +25,13 @@ class LLM:
                  max_model_len: int | None = None, dtype: str = "float32", seed: int = 0,
                  enable_prefix_caching: bool = True, attention_backend: str = "auto",
                  load_format: str = "auto") -> None:
-        self.config = build_engine_config(
-            model, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+        self.config = EngineArgs(
+            model=model, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
             block_size=block_size, kv_cache_memory=kv_cache_memory, num_kv_blocks=num_kv_blocks,
-            max_model_len=max_model_len, dtype=dtype, seed=seed, enable_prefix_caching=enable_prefix_caching)
+            max_model_len=max_model_len, dtype=dtype, seed=seed, enable_prefix_caching=enable_prefix_caching,
+            attention_backend=attention_backend, load_format=load_format).build()
         self.tokenizer = load_tokenizer(self.config.tokenizer_path)
-        self.engine = EngineCore(self.config, self.tokenizer, attention_backend, load_format)
+        self.engine = EngineCore(self.config, self.tokenizer)
         self.inputs = InputProcessor(self.tokenizer, self.config.model.vocab_size,
                                      self.config.scheduler.max_model_len)
         self._request_counter = itertools.count()

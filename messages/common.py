@@ -73,9 +73,18 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
             _check(token_id >= 0, "stop_token_ids", f"must be non-negative, got {token_id}")
 
 
+class InvalidRequestError(ValueError):
+    """A request the engine will not run, and the field at fault (None when it is the
+    request as a whole). A ValueError, so callers that catch ValueError still do."""
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
+
+
 def _check(ok: bool, field: str, message: str) -> None:
     if not ok:
-        raise ValueError(f"{field} {message}")
+        raise InvalidRequestError(f"{field} {message}", param=field)
 
 
 class Logprob(msgspec.Struct, array_like=True, frozen=True):
@@ -117,3 +126,9 @@ class RequestOutput(msgspec.Struct, kw_only=True):
     outputs: list[CompletionOutput] = msgspec.field(default_factory=list)
     finished: bool = False
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
+
+
+class Shutdown(msgspec.Struct, array_like=True, frozen=True, tag="shutdown"):
+    """launcher or signal handler → any actor: stop taking work, close sockets, exit 0."""
+
+    reason: str = ""

@@ -1,11 +1,13 @@
-"""What the detokenizer receives. For now: NewTokens, the scheduler's per-sequence
-update after each step (in one process it is handed over directly)."""
+"""What the detokenizer receives: the requests to track, each step's new tokens, and
+aborts, all from the scheduler (one pipe, so a TrackRequest always comes before the
+request's first tokens)."""
 
 from __future__ import annotations
 
 import msgspec
 
-from messages.scheduler import TokenLogprobs
+from messages.common import SamplingParams, Shutdown
+from messages.scheduler import AbortRequest, TokenLogprobs
 
 
 class NewTokens(msgspec.Struct, array_like=True, frozen=True, gc=False, tag="new_tokens"):
@@ -21,3 +23,21 @@ class NewTokens(msgspec.Struct, array_like=True, frozen=True, gc=False, tag="new
     stop_reason: int | str | None = None  # the stop token id that matched
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
+
+
+class StepOutputs(msgspec.Struct, array_like=True, frozen=True, gc=False, tag="step_outputs"):
+    """scheduler → detokenizer: every NewTokens of one step, in one message."""
+
+    step_id: int
+    updates: list[NewTokens]
+
+
+class TrackRequest(msgspec.Struct, array_like=True, frozen=True, kw_only=True, tag="track"):
+    """scheduler → detokenizer: a request the scheduler accepted; its outputs follow."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+
+
+DetokenizerInbox = StepOutputs | TrackRequest | AbortRequest | Shutdown

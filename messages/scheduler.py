@@ -1,8 +1,11 @@
-"""What the scheduler receives. For now: the worker's StepResult."""
+"""What the scheduler receives: tokenized requests, aborts, stop-string finishes from the
+detokenizer, the worker's StepResult, and stats queries."""
 
 from __future__ import annotations
 
 import msgspec
+
+from messages.common import SamplingParams, Shutdown
 
 
 class TokenLogprobs(msgspec.Struct, array_like=True, frozen=True, gc=False):
@@ -15,8 +18,8 @@ class TokenLogprobs(msgspec.Struct, array_like=True, frozen=True, gc=False):
 
 
 class StepResult(msgspec.Struct, array_like=True, frozen=True, gc=False, tag="result"):
-    """worker (rank 0) → scheduler: what one StepPlan produced. Field order is the
-    wire format: append fields, never reorder."""
+    """worker (rank 0) → executor → scheduler: what one StepPlan produced. Field order is
+    the wire format: append fields, never reorder."""
 
     step_id: int
     request_ids: list[str]  # requests that sampled a token this step, in batch order
@@ -25,3 +28,37 @@ class StepResult(msgspec.Struct, array_like=True, frozen=True, gc=False, tag="re
     # request_id -> logprobs of prompt tokens: entry i is prompt token c + 1 + i given the
     # tokens before it, where c is the request's num_computed_tokens before this step
     prompt_logprobs: dict[str, list[TokenLogprobs]] = msgspec.field(default_factory=dict)
+
+
+class TokenizedRequest(msgspec.Struct, array_like=True, frozen=True, kw_only=True, tag="tokenized"):
+    """input_processor → scheduler: a validated request, ready to queue."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    arrival_time: float = 0.0
+
+
+class AbortRequest(msgspec.Struct, array_like=True, frozen=True, tag="abort"):
+    """frontend → scheduler (→ detokenizer): drop a request wherever it is; its blocks are
+    freed. An id not (yet) known is remembered, so a request still being tokenized is
+    dropped when it arrives."""
+
+    request_id: str
+
+
+class FinishRequest(msgspec.Struct, array_like=True, frozen=True, tag="finish"):
+    """detokenizer → scheduler: a stop string ended one completion of a request."""
+
+    request_id: str
+    index: int  # which of the request's n completions
+    stop: str  # the stop string that matched
+
+
+class GetStats(msgspec.Struct, array_like=True, frozen=True, tag="get_stats"):
+    """frontend → scheduler: send back a Stats message with this query_id."""
+
+    query_id: int
+
+
+SchedulerInbox = StepResult | TokenizedRequest | AbortRequest | FinishRequest | GetStats | Shutdown

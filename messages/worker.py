@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import msgspec
 
-from messages.common import SamplingParams
+from messages.common import SamplingParams, Shutdown
 
 
 class NewRequest(msgspec.Struct, array_like=True, frozen=True, gc=False):
@@ -46,3 +46,6 @@ class StepPlan(msgspec.Struct, array_like=True, frozen=True, gc=False, tag="plan
     continuing_requests: list[ContinuingRequest]
     num_scheduled_tokens: dict[str, int]  # request_id -> tokens to compute this step
     finished_request_ids: list[str]  # drop their state (finished, aborted or preempted)
+
+
+WorkerInbox = StepPlan | Shutdown

@@ -124,6 +124,14 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self.sequences)
 
+    def has_request(self, request_id: str) -> bool:
+        """Whether the request has a live (waiting or running) sequence."""
+        return request_id in self._request_id_to_seq_ids
+
+    def has_pending_drops(self) -> bool:
+        """Whether the next plan must tell the worker to drop some sequence's state."""
+        return bool(self._ids_to_drop)
+
     @property
     def num_running(self) -> int:
         return len(self.running)

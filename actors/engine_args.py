@@ -1,0 +1,59 @@
+"""Engine arguments: what LLM, AsyncClient and the launcher's flags take, checked and
+resolved into an EngineConfig. Light to import (no torch): the frontend process needs it."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from actors.config import CacheConfig, EngineConfig, SchedulerConfig, parse_size
+from actors.worker.loader import load_model_config, resolve_model
+
+DTYPES = ("float32", "bfloat16", "float16")
+ATTENTION_BACKENDS = ("auto", "torch", "triton")
+LOAD_FORMATS = ("auto", "dummy")
+
+
+@dataclass
+class EngineArgs:
+    model: str | None = None  # a Hugging Face directory or .gguf file; None: the embedded SmolLM2
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+    block_size: int = 16
+    kv_cache_memory: int | str = "2GiB"
+    num_kv_blocks: int | None = None  # overrides the pool size derived from kv_cache_memory
+    max_model_len: int | None = None  # None: the model's max_position_embeddings
+    dtype: str = "float32"
+    seed: int = 0
+    enable_prefix_caching: bool = True
+    attention_backend: str = "auto"
+    load_format: str = "auto"
+
+    def build(self) -> EngineConfig:
+        """Resolves the model and checks every argument (ValueError naming the field)."""
+        for name in ("max_num_seqs", "max_num_batched_tokens", "block_size"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
+            raise ValueError(f"num_kv_blocks must be positive, got {self.num_kv_blocks}")
+        for name, allowed in (("dtype", DTYPES), ("attention_backend", ATTENTION_BACKENDS),
+                              ("load_format", LOAD_FORMATS)):
+            if getattr(self, name) not in allowed:
+                raise ValueError(f"{name} must be one of {', '.join(allowed)}, got {getattr(self, name)!r}")
+        model_dir = resolve_model(self.model)
+        model_config = load_model_config(model_dir)
+        max_model_len = self.max_model_len
+        if max_model_len is None:
+            max_model_len = model_config.max_position_embeddings
+        elif not 1 < max_model_len <= model_config.max_position_embeddings:
+            raise ValueError(f"max_model_len must be in [2, {model_config.max_position_embeddings}] for this "
+                             f"model, got {max_model_len}")
+        return EngineConfig(
+            model=model_config,
+            cache=CacheConfig(block_size=self.block_size, kv_cache_memory=parse_size(self.kv_cache_memory),
+                              num_kv_blocks=self.num_kv_blocks, enable_prefix_caching=self.enable_prefix_caching),
+            scheduler=SchedulerConfig(max_num_seqs=self.max_num_seqs,
+                                      max_num_batched_tokens=self.max_num_batched_tokens,
+                                      max_model_len=max_model_len),
+            dtype=self.dtype, seed=self.seed, tokenizer_path=model_dir,
+            attention_backend=self.attention_backend, load_format=self.load_format)

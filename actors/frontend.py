@@ -1,0 +1,358 @@
+"""The frontend: AsyncClient, in the caller's process and event loop.
+
+It starts the other actors as child processes (supervisor.py) and talks to them over
+ZeroMQ: AddRequest to the input processors, AbortRequest and GetStats to the scheduler;
+it receives RequestOutputs deltas from the detokenizer, RequestRejected from the input
+processors or the scheduler, and Stats. Each request gets an id and an output stream;
+giving up on a stream (breaking out of it, cancelling its task) aborts the request
+everywhere. When any actor process dies, every pending call raises EngineDeadError and
+new calls fail at once.
+
+    async with AsyncClient(model=path) as client:
+        async for delta in client.generate("Hello", SamplingParams(max_tokens=16)):
+            print(delta.outputs[0].text, end="")
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator, Sequence
+from typing import Any
+
+import zmq
+
+from actors.config import EngineConfig
+from actors.detokenizer import merge_delta
+from actors.engine_args import EngineArgs
+from actors.errors import EngineDeadError, InvalidRequestError
+from actors.supervisor import EngineProcesses, engine_addresses
+from messages.common import CompletionOutput, RequestOutput, SamplingParams, Shutdown
+from messages.frontend import ActorFailed, FrontendInbox, RequestOutputs, RequestRejected, Stats
+from messages.input_processor import AddRequest
+from messages.scheduler import AbortRequest, GetStats
+from messages.transport import Namespace, Sockets
+
+logger = logging.getLogger(__name__)
+
+Prompt = str | list[int]
+
+
+class _Stream:
+    """One live request as the frontend sees it."""
+
+    def __init__(self, prompt: str | None, n: int) -> None:
+        self.queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
+        self.prompt = prompt
+        self.n = n
+
+
+class AsyncClient:
+    """Starts and supervises a troupe engine; generate() streams RequestOutput deltas."""
+
+    def __init__(self, model: str | None = None, *, num_input_processors: int = 1, startup_timeout: float = 600.0,
+                 log_level: str = "WARNING", transport: str = "ipc", **engine_args: Any) -> None:
+        self.engine_args = EngineArgs(model=model, **engine_args)
+        if not isinstance(num_input_processors, int) or num_input_processors < 1:
+            raise ValueError(f"num_input_processors must be a positive integer, got {num_input_processors!r}")
+        self.num_input_processors = num_input_processors
+        self.startup_timeout = startup_timeout
+        self.log_level = log_level
+        self.transport = transport
+        self.config: EngineConfig | None = None
+        self.processes: EngineProcesses | None = None
+        self._streams: dict[str, _Stream] = {}
+        self._stats_queries: dict[int, asyncio.Future] = {}
+        self._query_ids = itertools.count()
+        self._dead: EngineDeadError | None = None
+        self._death_listeners: list[asyncio.Event] = []
+        self._reader: asyncio.Task | None = None
+        self._tokenizer = None
+        self._namespace: Namespace | None = None
+        self._sockets: Sockets | None = None
+
+    # ---- life cycle ----
+
+    async def __aenter__(self) -> AsyncClient:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.close()
+
+    async def start(self) -> None:
+        self.config = await asyncio.to_thread(self.engine_args.build)
+        self._namespace = Namespace(self.transport)
+        addresses = engine_addresses(self._namespace, self.num_input_processors, 1)
+        self._sockets = Sockets()
+        self._inbox = self._sockets.inbox(addresses["frontend"], FrontendInbox)
+        self._to_input_processors = self._sockets.outbox(addresses["input_processor"], bind=True)
+        self._to_scheduler = self._sockets.outbox(addresses["scheduler"])
+        self.processes = EngineProcesses(self.config, addresses, num_input_processors=self.num_input_processors,
+                                         log_level=self.log_level)
+        try:
+            await self.processes.start(self._inbox, self.startup_timeout)
+        except BaseException:
+            self._close_sockets()
+            raise
+        self.processes.watch(self._on_actor_exit)
+        self._reader = asyncio.create_task(self._read_inbox(), name="troupe-frontend-reader")
+
+    async def close(self) -> None:
+        """Stops every actor process and fails whatever is still pending. Idempotent."""
+        if self._dead is None:
+            self._fail_all(EngineDeadError("the client was closed"))
+        if self.processes is not None:
+            await self.processes.stop()
+        if self._reader is not None:
+            self._reader.cancel()
+            await asyncio.gather(self._reader, return_exceptions=True)
+            self._reader = None
+        self._close_sockets()
+
+    def _close_sockets(self) -> None:
+        if self._sockets is not None:
+            self._sockets.close()
+            self._sockets = None
+        if self._namespace is not None:
+            self._namespace.cleanup()
+            self._namespace = None
+
+    # ---- health ----
+
+    @property
+    def is_running(self) -> bool:
+        return self._dead is None and self.processes is not None and self.processes.all_alive()
+
+    @property
+    def dead_error(self) -> EngineDeadError | None:
+        return self._dead
+
+    def check_health(self) -> None:
+        """Raises EngineDeadError unless every actor process is alive."""
+        if self._dead is not None:
+            raise self._dead
+        if self.processes is None:
+            raise EngineDeadError("the client is not started")
+        if not self.processes.all_alive():
+            raise EngineDeadError("an actor process has exited")
+
+    async def wait_until_dead(self) -> EngineDeadError:
+        """Returns (the error) once the engine has died or been closed."""
+        if self._dead is None:
+            event = asyncio.Event()
+            self._death_listeners.append(event)
+            await event.wait()
+        assert self._dead is not None
+        return self._dead
+
+    def _on_actor_exit(self, name: str, returncode: int | None) -> None:
+        logger.error("actor %s exited with code %s; failing every request", name, returncode)
+        self._fail_all(EngineDeadError(f"actor {name} exited with code {returncode}"))
+        if self.processes is not None:
+            asyncio.ensure_future(self.processes.stop())
+
+    def _fail_all(self, error: EngineDeadError) -> None:
+        if self._dead is not None:
+            return
+        self._dead = error
+        streams, self._streams = self._streams, {}
+        for stream in streams.values():
+            stream.queue.put_nowait(error)
+        for future in self._stats_queries.values():
+            if not future.done():
+                future.set_exception(error)
+        for event in self._death_listeners:
+            event.set()
+
+    # ---- requests ----
+
+    def generate(self, prompt: Prompt, sampling_params: SamplingParams | None = None,
+                 request_id: str | None = None) -> AsyncIterator[RequestOutput]:
+        """Streams the request's RequestOutput deltas: each holds the text and tokens that
+        are new since the last one; the last has finished=True. The request starts when
+        the stream is first iterated; leaving the stream early aborts it."""
+        params = _check_params(sampling_params)
+        if not isinstance(prompt, (str, list)):
+            raise InvalidRequestError("prompt must be a string or a list of token ids", param="prompt")
+        request = AddRequest(request_id=self._new_id(request_id), prompt=prompt, params=params,
+                             arrival_time=time.time())
+        return self._run(request, prompt if isinstance(prompt, str) else None)
+
+    def chat(self, messages: list[dict[str, Any]], sampling_params: SamplingParams | None = None,
+             request_id: str | None = None, add_generation_prompt: bool = True) -> AsyncIterator[RequestOutput]:
+        """generate() for a conversation, rendered with the model's chat template."""
+        params = _check_params(sampling_params)
+        if not isinstance(messages, list):
+            raise InvalidRequestError("messages must be a list of {'role', 'content'} objects", param="messages")
+        request = AddRequest(request_id=self._new_id(request_id), messages=messages,
+                             add_generation_prompt=add_generation_prompt, params=params, arrival_time=time.time())
+        return self._run(request, None)
+
+    async def generate_batch(self, prompts: Sequence[Prompt],
+                             sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+                             use_tqdm: bool = True) -> list[RequestOutput]:
+        """Every prompt at once; the whole outputs, in prompt order."""
+        from tqdm import tqdm
+
+        params_list = _broadcast_params(sampling_params, len(prompts))
+        progress = tqdm(total=len(prompts), desc="Generating", unit="req", disable=not use_tqdm)
+        start, num_output_tokens = time.perf_counter(), 0
+
+        async def run_one(prompt: Prompt, params: SamplingParams) -> RequestOutput:
+            nonlocal num_output_tokens
+            whole = None
+            async for delta in self.generate(prompt, params):
+                whole = merge_delta(whole, delta)
+                num_output_tokens += sum(len(c.token_ids) for c in delta.outputs)
+            progress.update(1)
+            progress.set_postfix_str(f"{num_output_tokens / max(time.perf_counter() - start, 1e-9):.1f} tok/s out")
+            return whole
+
+        tasks = [asyncio.ensure_future(run_one(p, sp)) for p, sp in zip(prompts, params_list)]
+        try:
+            return list(await asyncio.gather(*tasks))
+        finally:
+            for task in tasks:
+                task.cancel()  # after a failure, the rest are aborted
+            await asyncio.gather(*tasks, return_exceptions=True)
+            progress.close()
+
+    async def abort(self, request_id: str) -> None:
+        """Ends a request wherever it is; its stream gets a last output with
+        finish_reason "abort". Unknown or finished ids are ignored."""
+        stream = self._streams.pop(request_id, None)
+        if stream is None:
+            return
+        outputs = [CompletionOutput(index=i, finish_reason="abort") for i in range(stream.n)]
+        stream.queue.put_nowait(RequestOutput(request_id=request_id, prompt=stream.prompt, outputs=outputs,
+                                              finished=True))
+        self._send_abort(request_id)
+
+    async def get_stats(self, timeout: float = 10.0) -> dict[str, float]:
+        """The scheduler's counters: running and waiting requests, KV blocks held and free,
+        prefix-cache hits, preemptions."""
+        self.check_health()
+        query_id = next(self._query_ids)
+        future = asyncio.get_running_loop().create_future()
+        self._stats_queries[query_id] = future
+        try:
+            self._to_scheduler.send(GetStats(query_id))
+            return await asyncio.wait_for(future, timeout)
+        finally:
+            self._stats_queries.pop(query_id, None)
+
+    @property
+    def num_unfinished_requests(self) -> int:
+        return len(self._streams)
+
+    async def _run(self, request: AddRequest, prompt_text: str | None) -> AsyncIterator[RequestOutput]:
+        self.check_health()
+        request_id = request.request_id
+        if request_id in self._streams:
+            raise InvalidRequestError(f"request_id {request_id!r} is already in use", param="request_id")
+        stream = self._streams[request_id] = _Stream(prompt_text, request.params.n)
+        finished = False
+        try:
+            try:
+                self._to_input_processors.send(request)
+            except zmq.Again as error:  # no input processor is connected any more
+                raise EngineDeadError("no input processor is running") from error
+            while True:
+                item = await stream.queue.get()
+                if isinstance(item, BaseException):
+                    finished = True
+                    raise item
+                finished = item.finished
+                yield item
+                if finished:
+                    return
+        finally:
+            if not finished:
+                self._streams.pop(request_id, None)
+                self._send_abort(request_id)
+
+    def _send_abort(self, request_id: str) -> None:
+        if self._dead is None and self._sockets is not None:
+            self._to_scheduler.send(AbortRequest(request_id))
+
+    def _new_id(self, request_id: str | None) -> str:
+        if request_id is None:
+            return uuid.uuid4().hex
+        if not isinstance(request_id, str) or not request_id:
+            raise InvalidRequestError("request_id must be a non-empty string", param="request_id")
+        return request_id
+
+    # ---- the inbox ----
+
+    async def _read_inbox(self) -> None:
+        try:
+            while True:
+                self._dispatch(await self._inbox.recv())
+        except asyncio.CancelledError:
+            raise
+        except Exception as error:  # noqa: BLE001 - a dead reader would hang every stream
+            logger.exception("the frontend's inbox reader failed")
+            self._fail_all(EngineDeadError(f"the frontend's inbox reader failed: {error}"))
+
+    def _dispatch(self, message: Any) -> None:
+        match message:
+            case RequestOutputs(outputs=outputs):
+                for output in outputs:
+                    stream = self._streams.get(output.request_id)
+                    if stream is None:
+                        continue  # aborted: the scheduler will drop it
+                    output.prompt = stream.prompt
+                    if output.finished:
+                        del self._streams[output.request_id]
+                    stream.queue.put_nowait(output)
+            case RequestRejected(request_id=request_id):
+                stream = self._streams.pop(request_id, None)
+                if stream is not None:
+                    stream.queue.put_nowait(_rejection_error(message))
+            case Stats(query_id=query_id, stats=stats):
+                future = self._stats_queries.get(query_id)
+                if future is not None and not future.done():
+                    future.set_result(stats)
+            case ActorFailed(name=name, error=error):
+                self._fail_all(EngineDeadError(f"actor {name} failed: {error}"))
+
+    # ---- tokenizer, for the HTTP API's /tokenize and /detokenize ----
+
+    async def get_tokenizer(self):
+        if self._tokenizer is None:
+            from actors.worker.loader import load_tokenizer
+
+            assert self.config is not None, "start() the client first"
+            self._tokenizer = await asyncio.to_thread(load_tokenizer, self.config.tokenizer_path)
+        return self._tokenizer
+
+
+def _rejection_error(rejection: RequestRejected) -> Exception:
+    if rejection.error_type == "invalid_request":
+        return InvalidRequestError(rejection.message, param=rejection.param)
+    return RuntimeError(rejection.message)
+
+
+def _check_params(params: SamplingParams | None) -> SamplingParams:
+    if params is None:
+        return SamplingParams()
+    if not isinstance(params, SamplingParams):
+        raise InvalidRequestError(f"sampling_params must be SamplingParams, got {type(params).__name__}",
+                                  param="sampling_params")
+    params.validate()
+    return params
+
+
+def _broadcast_params(params: SamplingParams | Sequence[SamplingParams] | None,
+                      num_prompts: int) -> list[SamplingParams]:
+    if params is None or isinstance(params, SamplingParams):
+        return [_check_params(params)] * num_prompts
+    params = list(params)
+    if len(params) != num_prompts:
+        raise InvalidRequestError(f"got {len(params)} sampling_params for {num_prompts} prompts",
+                                  param="sampling_params")
+    return [_check_params(p) for p in params]

@@ -1,0 +1,133 @@
+"""One actor, one process: how the launcher starts an actor process, and what runs in it.
+
+Children are fresh interpreters (`python -m actors.process`) rather than forks or
+multiprocessing spawns: nothing of the caller's state (threads, event loop, CUDA) leaks
+into them, and the caller's __main__ is never re-imported. The ActorSpec travels on
+the child's stdin as msgpack.
+
+A child dies with its parent (PR_SET_PDEATHSIG), ignores SIGINT (the launcher decides
+how a Ctrl-C ends the engine) and exits 0 after a Shutdown, non-zero after an error it
+could not handle, having told the launcher what it was (ActorFailed)."""
+
+from __future__ import annotations
+
+import ctypes
+import importlib
+import logging
+import os
+import signal
+import subprocess
+import sys
+import traceback
+
+import msgspec
+
+from actors.actor import ActorSpec
+
+# kind -> "module:class" of the actor that runs it
+ACTOR_CLASSES = {
+    "input_processor": "actors.input_processor:InputProcessorActor",
+    "scheduler": "actors.scheduler.actor:SchedulerActor",
+    "executor": "actors.executor:ExecutorActor",
+    "worker": "actors.worker.actor:WorkerActor",
+    "detokenizer": "actors.detokenizer:DetokenizerActor",
+}
+
+_PR_SET_PDEATHSIG = 1
+
+
+class ActorProcess:
+    """The launcher's handle on one actor process."""
+
+    def __init__(self, spec: ActorSpec, env: dict[str, str] | None = None) -> None:
+        self.name = spec.name
+        package_root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+        child_env = dict(os.environ if env is None else env)
+        # the child imports this checkout's packages even when troupe is not installed
+        child_env["PYTHONPATH"] = os.pathsep.join(
+            [package_root] + [p for p in child_env.get("PYTHONPATH", "").split(os.pathsep) if p])
+        self.popen = subprocess.Popen([sys.executable, "-m", "actors.process"], stdin=subprocess.PIPE,
+                                      env=child_env)
+        assert self.popen.stdin is not None
+        self.popen.stdin.write(msgspec.msgpack.encode(spec))
+        self.popen.stdin.close()
+        self.pid = self.popen.pid
+        # a file descriptor that becomes readable when the process ends (Linux 5.3+)
+        self.pidfd: int | None = None
+        if hasattr(os, "pidfd_open"):
+            try:
+                self.pidfd = os.pidfd_open(self.pid)
+            except OSError:
+                self.pidfd = None
+
+    @property
+    def returncode(self) -> int | None:
+        return self.popen.poll()
+
+    def is_alive(self) -> bool:
+        return self.popen.poll() is None
+
+    def terminate(self) -> None:
+        if self.is_alive():
+            self.popen.terminate()
+
+    def kill(self) -> None:
+        if self.is_alive():
+            self.popen.kill()
+
+    def wait(self, timeout: float) -> int | None:
+        try:
+            return self.popen.wait(timeout)
+        except subprocess.TimeoutExpired:
+            return None
+
+    def close(self) -> None:
+        if self.pidfd is not None:
+            os.close(self.pidfd)
+            self.pidfd = None
+
+
+def _die_with_parent() -> None:
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+    except (OSError, AttributeError):
+        pass  # not Linux: the launcher's own clean-up has to do
+    if os.getppid() == 1:  # the parent died before prctl took effect
+        os._exit(1)
+
+
+def _load_actor_class(kind: str) -> type:
+    if kind not in ACTOR_CLASSES:
+        raise ValueError(f"unknown actor kind {kind!r}")
+    module_name, class_name = ACTOR_CLASSES[kind].split(":")
+    return getattr(importlib.import_module(module_name), class_name)
+
+
+def main() -> None:
+    _die_with_parent()
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    spec = msgspec.msgpack.decode(sys.stdin.buffer.read(), type=ActorSpec)
+    logging.basicConfig(level=spec.log_level.upper(),
+                        format=f"%(asctime)s %(levelname)s {spec.name}: %(message)s")
+    from messages.frontend import ActorFailed
+    from messages.transport import Sockets
+
+    sockets = Sockets()
+    try:
+        actor = _load_actor_class(spec.kind).from_spec(spec, sockets)
+        import uvloop
+
+        uvloop.run(actor.run())
+    except BaseException as error:  # noqa: BLE001 - report anything that ends the actor
+        detail = "".join(traceback.format_exception_only(type(error), error)).strip()
+        logging.getLogger(__name__).error("%s failed:\n%s", spec.name, traceback.format_exc())
+        failure = sockets.outbox(spec.addresses["frontend"])
+        failure.send(ActorFailed(name=spec.name, error=detail))
+        sockets.close()
+        sys.exit(1)
+    sys.exit(0)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,116 @@
+"""The scheduler actor: a thin shell around Scheduler.
+
+Receives TokenizedRequest (input processors), AbortRequest and GetStats (frontend),
+FinishRequest (detokenizer) and StepResult (executor). Sends StepPlans to the executor;
+TrackRequest, StepOutputs and AbortRequest to the detokenizer, on one pipe so that a
+request is always tracked before its first tokens arrive; Stats and RequestRejected to
+the frontend. Owns every request's scheduling state and the KV block pool."""
+
+from __future__ import annotations
+
+import logging
+from collections import OrderedDict, deque
+
+from actors.actor import Actor, ActorSpec
+from actors.scheduler.scheduler import Scheduler
+from messages.detokenizer import StepOutputs, TrackRequest
+from messages.frontend import RequestRejected, Stats
+from messages.scheduler import (AbortRequest, FinishRequest, GetStats, SchedulerInbox, StepResult,
+                                TokenizedRequest)
+from messages.transport import Sockets
+from messages.worker import StepPlan
+
+logger = logging.getLogger(__name__)
+
+# Aborts of ids the scheduler has not seen are remembered (the request may still be in an
+# input processor), up to this many; the oldest are forgotten first.
+_MAX_EARLY_ABORTS = 100_000
+
+
+class SchedulerActor(Actor):
+    inbox_type = SchedulerInbox
+
+    def __init__(self, name: str, addresses: dict[str, str], sockets: Sockets, scheduler: Scheduler) -> None:
+        super().__init__(name, addresses, sockets)
+        self.to_executor = sockets.outbox(addresses["executor"])
+        self.to_detokenizer = sockets.outbox(addresses["detokenizer"])
+        self.scheduler = scheduler
+        self.plans_in_flight: deque[StepPlan] = deque()
+        self._early_aborts: OrderedDict[str, None] = OrderedDict()
+        # Set when schedule() found nothing to do; any message may change that.
+        self._nothing_to_schedule = False
+
+    @classmethod
+    def from_spec(cls, spec: ActorSpec, sockets: Sockets) -> SchedulerActor:
+        engine = spec.engine
+        scheduler = Scheduler(engine.scheduler, engine.cache, spec.options["num_kv_blocks"],
+                              engine.model.eos_token_ids)
+        return cls(spec.name, spec.addresses, sockets, scheduler)
+
+    def ready_info(self) -> dict:
+        return {"num_kv_blocks": self.scheduler.block_pool.num_blocks}
+
+    # ---- messages ----
+
+    def handle(self, message) -> None:
+        self._nothing_to_schedule = False
+        match message:
+            case StepResult():
+                self._apply_result(message)
+            case TokenizedRequest():
+                self._add_request(message)
+            case AbortRequest(request_id=request_id):
+                if self.scheduler.has_request(request_id):
+                    self.scheduler.abort_request(request_id)
+                    self.to_detokenizer.send(message)
+                else:
+                    self._remember_early_abort(request_id)
+            case FinishRequest(request_id=request_id, index=index, stop=stop):
+                self.scheduler.finish_sequence(request_id, index, "stop", stop)
+            case GetStats(query_id=query_id):
+                stats = {**self.scheduler.stats(), "num_plans_in_flight": len(self.plans_in_flight)}
+                self.to_frontend.send(Stats(query_id=query_id, stats=stats))
+
+    def _add_request(self, request: TokenizedRequest) -> None:
+        if request.request_id in self._early_aborts:
+            del self._early_aborts[request.request_id]
+            return  # aborted while it was being tokenized
+        try:
+            self.scheduler.add_request(request.request_id, request.prompt_token_ids, request.params)
+        except ValueError as error:
+            self.to_frontend.send(RequestRejected(request_id=request.request_id, message=str(error),
+                                                  param=getattr(error, "param", None)))
+            return
+        self.to_detokenizer.send(TrackRequest(request_id=request.request_id,
+                                              prompt_token_ids=request.prompt_token_ids, params=request.params))
+
+    def _apply_result(self, result: StepResult) -> None:
+        if not self.plans_in_flight or self.plans_in_flight[0].step_id != result.step_id:
+            expected = self.plans_in_flight[0].step_id if self.plans_in_flight else None
+            raise RuntimeError(f"StepResult for step {result.step_id}, expected step {expected}")
+        plan = self.plans_in_flight.popleft()
+        updates = self.scheduler.update(plan, result)
+        if updates:
+            self.to_detokenizer.send(StepOutputs(step_id=plan.step_id, updates=updates))
+
+    def _remember_early_abort(self, request_id: str) -> None:
+        self._early_aborts[request_id] = None
+        while len(self._early_aborts) > _MAX_EARLY_ABORTS:
+            self._early_aborts.popitem(last=False)
+
+    # ---- steps ----
+
+    def has_work(self) -> bool:
+        if self.plans_in_flight or self._nothing_to_schedule:
+            return False
+        return self.scheduler.has_unfinished() or self.scheduler.has_pending_drops()
+
+    def step(self) -> None:
+        plan = self.scheduler.schedule()
+        if plan.num_scheduled_tokens:
+            self.plans_in_flight.append(plan)
+            self.to_executor.send(plan)
+        elif plan.finished_request_ids:
+            self.to_executor.send(plan)  # only drops worker state: no result comes back
+        else:
+            self._nothing_to_schedule = True

@@ -1,0 +1,153 @@
+"""The launcher's side of the actor processes: start them in order, wait until each says
+it is ready (bounded), watch them, and stop them all.
+
+Start-up order: the workers, input processors, detokenizer and executor start at once;
+the scheduler starts when every worker has reported its KV block count, since its block
+pool is the smallest of them. Every actor binds its inbox at an address of the engine's
+own Namespace, so two engines never collide.
+
+Watching uses a pidfd per process (readable when the process ends), so a death is
+noticed at once, not at the next poll."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+
+from actors.actor import ActorSpec
+from actors.config import EngineConfig
+from actors.errors import EngineStartupError
+from actors.process import ActorProcess
+from messages.frontend import ActorFailed, ActorReady
+from messages.transport import Inbox, Namespace
+
+logger = logging.getLogger(__name__)
+
+_POLL_INTERVAL_S = 0.2
+
+
+def engine_addresses(namespace: Namespace, num_input_processors: int, num_workers: int) -> dict[str, str]:
+    """Actor name -> inbox address. "input_processor" is the frontend's shared PUSH
+    socket that every input processor connects to."""
+    names = ["frontend", "input_processor", "scheduler", "executor", "detokenizer"]
+    names += [f"input_processor{i}" for i in range(num_input_processors)]
+    names += [f"worker{rank}" for rank in range(num_workers)]
+    return {name: namespace.address(name) for name in names}
+
+
+class EngineProcesses:
+    """The actor processes of one engine."""
+
+    def __init__(self, engine: EngineConfig, addresses: dict[str, str], *, num_input_processors: int = 1,
+                 num_workers: int = 1, log_level: str = "WARNING") -> None:
+        self.engine = engine
+        self.addresses = addresses
+        self.num_input_processors = num_input_processors
+        self.num_workers = num_workers
+        self.log_level = log_level
+        self.processes: dict[str, ActorProcess] = {}
+        self.ready: dict[str, ActorReady] = {}
+        self._stopping = False
+
+    def _spawn(self, kind: str, name: str, **options) -> None:
+        spec = ActorSpec(kind=kind, name=name, addresses=self.addresses, engine=self.engine, options=options,
+                         log_level=self.log_level)
+        self.processes[name] = ActorProcess(spec)
+
+    async def start(self, control: Inbox, timeout: float) -> None:
+        """Starts every actor and returns once all are ready. On a failure or timeout,
+        stops whatever started and raises EngineStartupError."""
+        deadline = time.monotonic() + timeout
+        try:
+            for rank in range(self.num_workers):
+                self._spawn("worker", f"worker{rank}", rank=rank)
+            for index in range(self.num_input_processors):
+                self._spawn("input_processor", f"input_processor{index}")
+            self._spawn("detokenizer", "detokenizer")
+            self._spawn("executor", "executor", num_workers=self.num_workers)
+            workers = [f"worker{rank}" for rank in range(self.num_workers)]
+            await self._wait_ready(control, workers, deadline)
+            num_kv_blocks = min(self.ready[name].info["num_kv_blocks"] for name in workers)
+            self._spawn("scheduler", "scheduler", num_kv_blocks=num_kv_blocks)
+            await self._wait_ready(control, list(self.processes), deadline)
+        except BaseException:
+            await self.stop()
+            raise
+
+    async def _wait_ready(self, control: Inbox, names: list[str], deadline: float) -> None:
+        while any(name not in self.ready for name in names):
+            for name, process in self.processes.items():
+                if not process.is_alive() and name not in self.ready:
+                    raise EngineStartupError(f"actor {name} exited with code {process.returncode} while starting "
+                                             "(its log above says why)")
+            if time.monotonic() > deadline:
+                missing = ", ".join(name for name in names if name not in self.ready)
+                raise EngineStartupError(f"timed out waiting for {missing} to start")
+            if not await control.socket.poll(int(_POLL_INTERVAL_S * 1000)):
+                continue
+            while (message := control.recv_nowait()) is not None:
+                match message:
+                    case ActorReady(name=name):
+                        self.ready[name] = message
+                        logger.debug("%s ready (pid %d)", name, message.pid)
+                    case ActorFailed(name=name, error=error):
+                        raise EngineStartupError(f"actor {name} failed to start: {error}")
+
+    def watch(self, on_death: Callable[[str, int | None], None]) -> None:
+        """Calls on_death(name, returncode) from the running loop when a process ends
+        while the engine is not being stopped."""
+        loop = asyncio.get_running_loop()
+        for name, process in self.processes.items():
+            if process.pidfd is not None:
+                loop.add_reader(process.pidfd, self._on_exit, name, on_death)
+        if any(process.pidfd is None for process in self.processes.values()):
+            asyncio.ensure_future(self._poll_exits(on_death))
+
+    def _on_exit(self, name: str, on_death: Callable[[str, int | None], None]) -> None:
+        process = self.processes[name]
+        asyncio.get_running_loop().remove_reader(process.pidfd)
+        process.wait(1.0)  # reap it: the pidfd is readable once it has exited
+        if not self._stopping:
+            on_death(name, process.returncode)
+
+    async def _poll_exits(self, on_death: Callable[[str, int | None], None]) -> None:
+        while not self._stopping:
+            for name, process in self.processes.items():
+                if process.pidfd is None and not process.is_alive():
+                    on_death(name, process.returncode)
+                    return
+            await asyncio.sleep(_POLL_INTERVAL_S)
+
+    def all_alive(self) -> bool:
+        return bool(self.processes) and all(process.is_alive() for process in self.processes.values())
+
+    async def stop(self, timeout: float = 5.0) -> None:
+        """Asks every actor to shut down (SIGTERM, which each turns into a Shutdown
+        message), waits up to timeout, then kills what is left. Idempotent."""
+        self._stopping = True
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:
+            loop = None
+        for process in self.processes.values():
+            if loop is not None and process.pidfd is not None:
+                loop.remove_reader(process.pidfd)
+            process.terminate()
+        deadline = time.monotonic() + timeout
+        for process in self.processes.values():
+            while process.is_alive() and time.monotonic() < deadline:
+                await asyncio.sleep(0.02)
+            if process.is_alive():
+                logger.warning("actor %s did not stop in %.0f s; killing it", process.name, timeout)
+                process.kill()
+                process.wait(5.0)
+            process.close()
+
+    def kill_all(self) -> None:
+        """Last resort, from any context (atexit, a finaliser): SIGKILL every process."""
+        self._stopping = True
+        for process in self.processes.values():
+            process.kill()
+            process.wait(5.0)

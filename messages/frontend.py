@@ -1,0 +1,53 @@
+"""What the frontend (AsyncClient, in the caller's process) receives: request outputs,
+rejections, the actors' start-up handshakes and answers to its queries."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+
+from messages.common import RequestOutput
+
+
+class RequestOutputs(msgspec.Struct, array_like=True, frozen=True, gc=False, tag="outputs"):
+    """detokenizer → frontend: one step's RequestOutput deltas, one per request that
+    gained text or tokens or finished in it."""
+
+    outputs: list[RequestOutput]
+
+
+class RequestRejected(msgspec.Struct, array_like=True, frozen=True, kw_only=True, tag="rejected"):
+    """input_processor or scheduler → frontend: a request that will not run, and why.
+    error_type "invalid_request" is the caller's fault (HTTP 400); others are ours."""
+
+    request_id: str
+    message: str
+    error_type: str = "invalid_request"
+    param: str | None = None  # the offending field, when one is known
+
+
+class ActorReady(msgspec.Struct, array_like=True, frozen=True, kw_only=True, tag="ready"):
+    """any actor → launcher: started, sockets bound, ready for work."""
+
+    name: str  # e.g. "worker0", "scheduler", "input_processor1"
+    pid: int
+    info: dict[str, Any] = msgspec.field(default_factory=dict)  # e.g. a worker's num_kv_blocks
+
+
+class ActorFailed(msgspec.Struct, array_like=True, frozen=True, kw_only=True, tag="failed"):
+    """any actor → launcher: an error it cannot recover from, sent just before it exits
+    non-zero, so the launcher can say more than "process died"."""
+
+    name: str
+    error: str
+
+
+class Stats(msgspec.Struct, array_like=True, frozen=True, kw_only=True, tag="stats"):
+    """scheduler → frontend: the answer to a GetStats query."""
+
+    query_id: int
+    stats: dict[str, int | float]
+
+
+FrontendInbox = RequestOutputs | RequestRejected | ActorReady | ActorFailed | Stats

@@ -1,0 +1,149 @@
+"""How messages travel: msgpack (msgspec) over ZeroMQ PUSH/PULL sockets. No pickle.
+
+Every actor binds one PULL socket, its inbox, and connects a PUSH socket to each peer
+it sends to (an "outbox", named after the peer). The input processors are the one
+exception: the frontend binds a PUSH socket that all of them connect to, so ZeroMQ
+balances requests across them.
+
+Every message an inbox takes is array_like (msgspec requires one layout per union; it
+is also the compact one), tagged, and appended to, never reordered.
+
+Addresses: ipc:// files in a private temporary directory (mode 0700) by default;
+inproc:// when actors share a process (tests); tcp:// only when asked for."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from typing import Any
+
+import msgspec
+import zmq
+import zmq.asyncio
+
+
+class Namespace:
+    """Where one engine's sockets live, so two engines never share an address."""
+
+    def __init__(self, scheme: str = "ipc", host: str = "127.0.0.1") -> None:
+        if scheme not in ("ipc", "inproc", "tcp"):
+            raise ValueError(f"transport scheme must be ipc, inproc or tcp, got {scheme!r}")
+        self.scheme = scheme
+        self.host = host
+        self.directory: str | None = None
+        if scheme == "ipc":
+            # mkdtemp creates the directory with mode 0700: other users cannot connect
+            self.directory = tempfile.mkdtemp(prefix="troupe-")
+        self._prefix = os.urandom(6).hex()
+
+    def address(self, name: str) -> str:
+        if self.scheme == "ipc":
+            return f"ipc://{self.directory}/{name}"
+        if self.scheme == "inproc":
+            return f"inproc://troupe-{self._prefix}-{name}"
+        return f"tcp://{self.host}:{free_tcp_port(self.host)}"
+
+    def cleanup(self) -> None:
+        if self.directory is not None:
+            shutil.rmtree(self.directory, ignore_errors=True)
+            self.directory = None
+
+
+def free_tcp_port(host: str = "127.0.0.1") -> int:
+    import socket
+
+    with socket.socket() as probe:
+        probe.bind((host, 0))
+        return probe.getsockname()[1]
+
+
+_encoder = msgspec.msgpack.Encoder()
+
+
+def encode(message: msgspec.Struct) -> bytes:
+    return _encoder.encode(message)
+
+
+class Outbox:
+    """A PUSH socket to one peer. send() never blocks: the queue is unbounded (a step's
+    messages are small, and blocking an actor's loop on a slow peer would stall it)."""
+
+    def __init__(self, context: zmq.Context, address: str, bind: bool = False) -> None:
+        self.socket = context.socket(zmq.PUSH)
+        self.socket.setsockopt(zmq.SNDHWM, 0)
+        self.socket.setsockopt(zmq.LINGER, 1000)  # on close, give queued messages 1 s to leave
+        if bind:
+            self.socket.bind(address)
+        else:
+            self.socket.connect(address)
+
+    def send(self, message: msgspec.Struct) -> None:
+        """Raises zmq.Again only on a bound socket with no peer connected."""
+        self.socket.send(encode(message), flags=zmq.NOBLOCK, copy=False)
+
+    def send_bytes(self, payload: bytes | memoryview) -> None:
+        self.socket.send(payload, flags=zmq.NOBLOCK, copy=False)
+
+    def close(self) -> None:
+        self.socket.close()
+
+
+class Inbox:
+    """A PULL socket decoding one tagged union of message types."""
+
+    def __init__(self, context: zmq.asyncio.Context, address: str, message_type: Any,
+                 bind: bool = True) -> None:
+        self.socket = context.socket(zmq.PULL)
+        self.socket.setsockopt(zmq.RCVHWM, 0)
+        self.socket.setsockopt(zmq.LINGER, 0)
+        if bind:
+            self.socket.bind(address)
+        else:
+            self.socket.connect(address)
+        # the same socket, used synchronously: draining a queue needs no future per message
+        self._sync_socket = zmq.Socket.shadow(self.socket.underlying)
+        self.decoder = msgspec.msgpack.Decoder(message_type)
+        self.last_payload: memoryview | None = None  # the raw bytes of the last message
+
+    async def recv(self) -> Any:
+        frame = await self.socket.recv(copy=False)
+        self.last_payload = frame.buffer
+        return self.decoder.decode(frame.buffer)
+
+    def recv_nowait(self) -> Any | None:
+        """The next queued message, or None when there is none."""
+        try:
+            frame = self._sync_socket.recv(flags=zmq.NOBLOCK, copy=False)
+        except zmq.Again:
+            return None
+        self.last_payload = frame.buffer
+        return self.decoder.decode(frame.buffer)
+
+    def close(self) -> None:
+        self.socket.close()
+
+
+class Sockets:
+    """One process's ZeroMQ context: sync for outboxes, an asyncio shadow for inboxes
+    (the same underlying context, so inproc:// addresses work between them)."""
+
+    def __init__(self, context: zmq.Context | None = None) -> None:
+        self.context = context or zmq.Context()
+        self.async_context = zmq.asyncio.Context.shadow(self.context)
+        self._opened: list[Outbox | Inbox] = []
+
+    def outbox(self, address: str, bind: bool = False) -> Outbox:
+        outbox = Outbox(self.context, address, bind)
+        self._opened.append(outbox)
+        return outbox
+
+    def inbox(self, address: str, message_type: Any, bind: bool = True) -> Inbox:
+        inbox = Inbox(self.async_context, address, message_type, bind)
+        self._opened.append(inbox)
+        return inbox
+
+    def close(self) -> None:
+        for opened in self._opened:
+            opened.close()
+        self._opened.clear()
