@@ -34,14 +34,14 @@ class TokenTexts:
     """The text of single tokens, for logprobs; memoized, as the same few thousand ids
     come up again and again."""
 
-    def __init__(self, tokenizer) -> None:
-        self.tokenizer = tokenizer
+    def __init__(self, backend) -> None:
+        self.backend = backend  # a `tokenizers` Tokenizer
         self._texts: dict[int, str] = {}
 
     def __call__(self, token_id: int) -> str:
         text = self._texts.get(token_id)
         if text is None:
-            text = self._texts[token_id] = self.tokenizer.decode([token_id])
+            text = self._texts[token_id] = self.backend.decode([token_id], skip_special_tokens=False)
         return text
 
     def logprob_dict(self, entry: TokenLogprobs) -> dict[int, Logprob]:
@@ -52,10 +52,10 @@ class TokenTexts:
 class CompletionDecoder:
     """Text, stop-string and delivery state of one completion."""
 
-    def __init__(self, index: int, params: SamplingParams, tokenizer) -> None:
+    def __init__(self, index: int, params: SamplingParams, backend) -> None:
         self.index = index
         self.params = params
-        self.decoder = IncrementalDecoder(tokenizer.backend_tokenizer, params.skip_special_tokens)
+        self.decoder = IncrementalDecoder(backend, params.skip_special_tokens)
         self.text = ""  # what may be shown: stable decoded text, cut at a stop string
         self.token_ids: list[int] = []
         self.logprobs: list[dict[int, Logprob]] | None = [] if params.logprobs is not None else None
@@ -126,11 +126,11 @@ class CompletionDecoder:
 
 class RequestState:
     def __init__(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
-                 params: SamplingParams, tokenizer) -> None:
+                 params: SamplingParams, backend) -> None:
         self.request_id = request_id
         self.prompt = prompt
         self.prompt_token_ids = prompt_token_ids
-        self.completions = [CompletionDecoder(i, params, tokenizer) for i in range(params.n)]
+        self.completions = [CompletionDecoder(i, params, backend) for i in range(params.n)]
         self.wants_prompt_logprobs = params.prompt_logprobs is not None
         self.new_prompt_logprobs: list[dict[int, Logprob] | None] = []  # not yet in a delta
         self.got_prompt_logprobs = False
@@ -144,13 +144,14 @@ class OutputProcessor:
     one RequestOutput delta per request that changed."""
 
     def __init__(self, tokenizer) -> None:
-        self.tokenizer = tokenizer
-        self.token_texts = TokenTexts(tokenizer)
+        # a transformers tokenizer or a `tokenizers` Tokenizer: only the latter's decode is used
+        self.backend = getattr(tokenizer, "backend_tokenizer", tokenizer)
+        self.token_texts = TokenTexts(self.backend)
         self.requests: dict[str, RequestState] = {}
 
     def add_request(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
                     params: SamplingParams) -> None:
-        self.requests[request_id] = RequestState(request_id, prompt, prompt_token_ids, params, self.tokenizer)
+        self.requests[request_id] = RequestState(request_id, prompt, prompt_token_ids, params, self.backend)
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
         """Forgets the request; returns its last delta, every unfinished completion
@@ -254,9 +255,10 @@ class DetokenizerActor(Actor):
 
     @classmethod
     def from_spec(cls, spec: ActorSpec, sockets: Sockets) -> DetokenizerActor:
-        from actors.worker.loader import load_tokenizer
+        from actors.worker.loader import load_backend_tokenizer
 
-        return cls(spec.name, spec.addresses, sockets, OutputProcessor(load_tokenizer(spec.engine.tokenizer_path)))
+        backend = load_backend_tokenizer(spec.engine.tokenizer_path)
+        return cls(spec.name, spec.addresses, sockets, OutputProcessor(backend))
 
     def handle(self, message) -> None:
         match message:

@@ -1,0 +1,106 @@
+"""Detokenization logic without processes: exact incremental decoding for byte-level BPE
+and SentencePiece-style (Metaspace + byte fallback) tokenizers, and stop strings held
+back while streaming."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers
+
+from actors.detokenizer import OutputProcessor, merge_delta
+from actors.incremental_decode import IncrementalDecoder
+from messages.common import SamplingParams
+from messages.detokenizer import NewTokens
+from tests.conftest import build_tiny_tokenizer
+
+
+def sentencepiece_style_tokenizer() -> Tokenizer:
+    """Llama-2 style: "▁" for spaces, <0xNN> byte-fallback tokens, and a decoder that strips
+    the first leading space of whatever it decodes."""
+    pieces = ["<unk>", "<s>", "</s>"] + [f"<0x{b:02X}>" for b in range(256)]
+    pieces += ["▁", "▁the", "▁cat", "▁sat", "the", "a", "b", ".", "猫", "▁猫", "é"]
+    tokenizer = Tokenizer(models.BPE({p: i for i, p in enumerate(pieces)}, [], unk_token="<unk>",
+                                     byte_fallback=True))
+    tokenizer.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
+    tokenizer.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="never")
+    tokenizer.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(),
+                                           decoders.Strip(" ", 1, 0)])
+    tokenizer.add_special_tokens(["<s>", "</s>"])
+    return tokenizer
+
+
+@pytest.mark.parametrize("make_tokenizer", [lambda: build_tiny_tokenizer().backend_tokenizer,
+                                            sentencepiece_style_tokenizer], ids=["byte-level-bpe", "sentencepiece"])
+@pytest.mark.parametrize("skip_special_tokens", [True, False])
+def test_incremental_text_is_always_a_prefix_and_ends_as_the_whole_decode(make_tokenizer, skip_special_tokens):
+    tokenizer = make_tokenizer()
+    rng = random.Random(1)
+    for _ in range(300):
+        ids = [rng.randrange(tokenizer.get_vocab_size()) for _ in range(rng.randint(1, 50))]
+        decoder = IncrementalDecoder(tokenizer, skip_special_tokens)
+        shown, position = "", 0
+        while position < len(ids):
+            step = rng.randint(1, 3)
+            decoder.add(ids[position:position + step])
+            position += step
+            assert decoder.stable_text.startswith(shown)
+            shown = decoder.stable_text
+        assert decoder.text == tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
+
+
+def test_a_run_of_byte_fallback_tokens_is_held_back_until_it_ends():
+    tokenizer = sentencepiece_style_tokenizer()
+    byte_ids = [tokenizer.token_to_id(f"<0x{b:02X}>") for b in "猫".encode()]
+    decoder = IncrementalDecoder(tokenizer)
+    decoder.add([tokenizer.token_to_id("▁the")])
+    assert decoder.stable_text == "the"
+    decoder.add(byte_ids[:2])
+    assert decoder.stable_text == "the"
+    decoder.add(byte_ids[2:])
+    # complete, but one more invalid byte would turn the whole run into U+FFFDs
+    assert decoder.stable_text == "the"
+    decoder.add([tokenizer.token_to_id("▁cat")])
+    assert decoder.stable_text == "the猫 cat"
+
+
+def stream_text(processor: OutputProcessor, token_ids: list[int], finish_at_end: bool = True) -> list[str]:
+    pieces = []
+    for i, token_id in enumerate(token_ids):
+        last = finish_at_end and i == len(token_ids) - 1
+        deltas, stops = processor.process([NewTokens("r", 0, [token_id], finish_reason="length" if last else None)])
+        for delta in deltas:
+            pieces.append(delta.outputs[0].text)
+        if stops:
+            break
+    return pieces
+
+
+def test_text_that_may_start_a_stop_string_is_held_back_then_released():
+    tokenizer = build_tiny_tokenizer()
+    ids = tokenizer.encode("The dog sleeps in the sun.")
+    processor = OutputProcessor(tokenizer)
+    processor.add_request("r", None, [1], SamplingParams(stop=["sleepy"], max_tokens=50))
+    assert [tokenizer.decode([i]) for i in ids] == ["The", " dog", " s", "le", "eps", " ", "in", " the", " s",
+                                                    "un", "."]
+    # " s", "le" could still grow into "sleepy": shown only once "eps" rules it out
+    assert stream_text(processor, ids) == ["The", " dog", " ", "", "sleep", "s ", "in", " the", " ", "sun", "."]
+
+
+def test_a_stop_string_cuts_the_text_and_is_reported():
+    tokenizer = build_tiny_tokenizer()
+    ids = tokenizer.encode("The dog sleeps in the sun.")
+    processor = OutputProcessor(tokenizer)
+    processor.add_request("r", None, [1], SamplingParams(stop=["in the"], max_tokens=50))
+    whole = None
+    for token_id in ids:
+        deltas, stops = processor.process([NewTokens("r", 0, [token_id])])
+        for delta in deltas:
+            whole = merge_delta(whole, delta)
+        if stops:
+            assert (stops[0].request_id, stops[0].index, stops[0].stop) == ("r", 0, "in the")
+            break
+    assert whole.finished and whole.outputs[0].text == "The dog sleeps "
+    assert whole.outputs[0].finish_reason == "stop" and whole.outputs[0].stop_reason == "in the"
+    assert "r" not in processor.requests
