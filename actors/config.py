@@ -63,6 +63,9 @@ class SchedulerConfig:
     max_num_seqs: int = 256  # running requests at once
     max_num_batched_tokens: int = 2048  # tokens computed in one step
     max_model_len: int = 2048  # prompt + output tokens of one request
+    # Build plan N+1 while the worker runs plan N (two plans in flight), so the worker
+    # never waits for the scheduler between decode steps.
+    async_scheduling: bool = True
 
 
 @dataclass(frozen=True)

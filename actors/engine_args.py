@@ -27,6 +27,7 @@ class EngineArgs:
     enable_prefix_caching: bool = True
     attention_backend: str = "auto"
     load_format: str = "auto"
+    async_scheduling: bool = True  # two plans in flight (the actor engine; LLM runs one step at a time)
 
     def build(self) -> EngineConfig:
         """Resolves the model and checks every argument (ValueError naming the field)."""
@@ -54,6 +55,6 @@ class EngineArgs:
                               num_kv_blocks=self.num_kv_blocks, enable_prefix_caching=self.enable_prefix_caching),
             scheduler=SchedulerConfig(max_num_seqs=self.max_num_seqs,
                                       max_num_batched_tokens=self.max_num_batched_tokens,
-                                      max_model_len=max_model_len),
+                                      max_model_len=max_model_len, async_scheduling=self.async_scheduling),
             dtype=self.dtype, seed=self.seed, tokenizer_path=model_dir,
             attention_backend=self.attention_backend, load_format=self.load_format)

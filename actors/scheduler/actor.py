@@ -12,6 +12,7 @@ import logging
 from collections import OrderedDict, deque
 
 from actors.actor import Actor, ActorSpec
+from actors.config import SchedulerConfig
 from actors.scheduler.scheduler import Scheduler
 from messages.detokenizer import StepOutputs, TrackRequest
 from messages.frontend import RequestRejected, Stats
@@ -30,12 +31,14 @@ _MAX_EARLY_ABORTS = 100_000
 class SchedulerActor(Actor):
     inbox_type = SchedulerInbox
 
-    def __init__(self, name: str, addresses: dict[str, str], sockets: Sockets, scheduler: Scheduler) -> None:
+    def __init__(self, name: str, addresses: dict[str, str], sockets: Sockets, scheduler: Scheduler,
+                 scheduler_config: SchedulerConfig) -> None:
         super().__init__(name, addresses, sockets)
         self.to_executor = sockets.outbox(addresses["executor"])
         self.to_detokenizer = sockets.outbox(addresses["detokenizer"])
         self.scheduler = scheduler
         self.plans_in_flight: deque[StepPlan] = deque()
+        self.max_plans_in_flight = 2 if scheduler_config.async_scheduling else 1
         self._early_aborts: OrderedDict[str, None] = OrderedDict()
         # Set when schedule() found nothing to do; any message may change that.
         self._nothing_to_schedule = False
@@ -45,7 +48,7 @@ class SchedulerActor(Actor):
         engine = spec.engine
         scheduler = Scheduler(engine.scheduler, engine.cache, spec.options["num_kv_blocks"],
                               engine.model.eos_token_ids)
-        return cls(spec.name, spec.addresses, sockets, scheduler)
+        return cls(spec.name, spec.addresses, sockets, scheduler, engine.scheduler)
 
     def ready_info(self) -> dict:
         return {"num_kv_blocks": self.scheduler.block_pool.num_blocks}
@@ -101,7 +104,7 @@ class SchedulerActor(Actor):
     # ---- steps ----
 
     def has_work(self) -> bool:
-        if self.plans_in_flight or self._nothing_to_schedule:
+        if len(self.plans_in_flight) >= self.max_plans_in_flight or self._nothing_to_schedule:
             return False
         return self.scheduler.has_unfinished() or self.scheduler.has_pending_drops()
 

@@ -39,7 +39,12 @@ class Sequence:
 
         self.status = SequenceStatus.WAITING
         self.block_ids: list[int] = []  # block table: block i holds tokens [i*bs, (i+1)*bs)
-        self.num_computed_tokens = 0  # leading tokens whose KV is in block_ids
+        # Leading tokens whose KV is in block_ids, or is being computed by a plan in flight.
+        self.num_computed_tokens = 0
+        # Tokens sampled by plans in flight that the scheduler has not seen yet: the worker
+        # feeds each to the next decode itself (async scheduling).
+        self.num_pending_tokens = 0
+        self.generation = 0  # bumped when the blocks are released: results of older plans are stale
         self.num_cached_blocks = 0  # leading blocks already offered to the prefix cache
         self.block_hashes: list[BlockHash] = []  # keys of its leading full blocks, grown lazily
         self.sent_to_worker = False  # the worker holds state for seq_id
@@ -55,6 +60,16 @@ class Sequence:
     @property
     def num_tokens(self) -> int:
         return len(self.token_ids)
+
+    @property
+    def num_total_tokens(self) -> int:
+        """Known tokens plus those sampled by plans still in flight."""
+        return len(self.token_ids) + self.num_pending_tokens
+
+    @property
+    def last_token_in_flight(self) -> bool:
+        """Its last allowed token is being sampled: computing more would overshoot."""
+        return self.num_pending_tokens > 0 and self.num_total_tokens >= self.max_num_tokens
 
     @property
     def num_output_tokens(self) -> int:

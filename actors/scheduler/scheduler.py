@@ -2,9 +2,12 @@
 step computes, and what the sampled tokens mean.
 
 Plain object, no sockets: the scheduler actor feeds it requests and StepResults and
-sends the StepPlans it builds. Calls alternate: schedule() builds a plan, update()
-applies that plan's result; add_request(), abort_request() and finish_sequence() may
-come at any time in between.
+sends the StepPlans it builds. schedule() builds a plan; update() applies a plan's result,
+in plan order. Several plans may be in flight (async scheduling): a sequence that samples
+in plan N decodes in plan N+1 a token the scheduler has not seen yet (a "pending" token;
+the worker feeds its own sample), and a sequence found finished in result N has its extra
+step's token discarded. add_request(), abort_request() and finish_sequence() may come at
+any time.
 
 Policy (as vLLM V1): running sequences first, in admission order (decodes and the rest
 of chunked prefills), then waiting ones first-come-first-served, under a token budget
@@ -16,6 +19,7 @@ are freed and it is recomputed later (prompt + output so far), prefix cache perm
 from __future__ import annotations
 
 from collections import deque
+from dataclasses import dataclass
 
 import msgspec
 
@@ -26,6 +30,17 @@ from messages.common import SamplingParams
 from messages.detokenizer import NewTokens
 from messages.scheduler import StepResult, TokenLogprobs
 from messages.worker import ContinuingRequest, NewRequest, StepPlan
+
+
+@dataclass
+class ScheduledSequence:
+    """What one plan asked of one sequence, kept until the plan's result is applied."""
+
+    seq: Sequence
+    generation: int  # the sequence's generation when scheduled
+    num_computed_before: int
+    num_new_tokens: int
+    samples: bool  # the step reaches the end of its tokens, so it samples one
 
 
 class Scheduler:
@@ -49,8 +64,8 @@ class Scheduler:
         self._request_id_to_seq_ids: dict[str, list[str]] = {}  # live request -> seq ids by index
         # seq ids whose worker state must be dropped, for the next plan (dict: ordered set).
         self._ids_to_drop: dict[str, None] = {}
-        self._in_flight: dict[str, Sequence] = {}  # seq_id -> sequence in the plan awaiting update()
-        self._in_flight_step_id = -1
+        # step_id -> seq_id -> what the step computes, for plans whose result is not applied yet
+        self._in_flight: dict[int, dict[str, ScheduledSequence]] = {}
         self._next_step_id = 0
 
         self.num_preemptions = 0
@@ -159,13 +174,12 @@ class Scheduler:
 
     def schedule(self) -> StepPlan:
         """The next step's plan. Send it whenever it schedules tokens or lists ids to drop;
-        call update() with its result before the next schedule()."""
-        if self._in_flight:
-            raise RuntimeError(f"schedule() called before update() applied step {self._in_flight_step_id}")
+        update() must later get its result (none comes for a plan that schedules nothing)."""
         budget = self.max_num_batched_tokens
         new_requests: list[NewRequest] = []
         continuing_requests: list[ContinuingRequest] = []
         num_scheduled_tokens: dict[str, int] = {}
+        scheduled: dict[str, ScheduledSequence] = {}
         num_preemptions_before = self.num_preemptions
 
         # 1. Running sequences first: each already holds KV, so advancing it frees its
@@ -173,7 +187,10 @@ class Scheduler:
         index = 0
         while index < len(self.running) and budget > 0:
             seq = self.running[index]
-            num_new_tokens = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            if seq.last_token_in_flight:
+                index += 1  # it finishes when that result comes
+                continue
+            num_new_tokens = min(seq.num_total_tokens - seq.num_computed_tokens, budget)
             assert num_new_tokens > 0, f"running {seq} has nothing to compute"
             new_block_ids = self._allocate_slots(seq, num_new_tokens)
             while new_block_ids is None:
@@ -186,6 +203,7 @@ class Scheduler:
                 break  # seq was the newest running sequence: nothing after it to schedule
             assert seq.sent_to_worker, f"running {seq} unknown to the worker"
             continuing_requests.append(ContinuingRequest(seq.seq_id, new_block_ids, seq.num_computed_tokens))
+            scheduled[seq.seq_id] = self._advance(seq, num_new_tokens)
             num_scheduled_tokens[seq.seq_id] = num_new_tokens
             budget -= num_new_tokens
             index += 1
@@ -209,6 +227,7 @@ class Scheduler:
                     num_prompt_tokens=seq.num_prompt_tokens, params=seq.params,
                     block_ids=list(seq.block_ids), num_computed_tokens=seq.num_computed_tokens))
                 seq.sent_to_worker = True
+                scheduled[seq.seq_id] = self._advance(seq, num_new_tokens)
                 num_scheduled_tokens[seq.seq_id] = num_new_tokens
                 budget -= num_new_tokens
             self.waiting.extendleft(reversed(held_back))
@@ -218,10 +237,20 @@ class Scheduler:
                         finished_request_ids=list(self._ids_to_drop))
         self._ids_to_drop.clear()
         self._next_step_id += 1
-        if num_scheduled_tokens:
-            self._in_flight = {seq_id: self.sequences[seq_id] for seq_id in num_scheduled_tokens}
-            self._in_flight_step_id = plan.step_id
+        if scheduled:
+            self._in_flight[plan.step_id] = scheduled
         return plan
+
+    @staticmethod
+    def _advance(seq: Sequence, num_new_tokens: int) -> ScheduledSequence:
+        """Counts the step's tokens as computed now, so the next plan can be built before
+        this one's result; a step that reaches the end samples a token, pending till then."""
+        entry = ScheduledSequence(seq, seq.generation, seq.num_computed_tokens, num_new_tokens, samples=False)
+        seq.num_computed_tokens += num_new_tokens
+        if seq.num_computed_tokens == seq.num_total_tokens:
+            entry.samples = True
+            seq.num_pending_tokens += 1
+        return entry
 
     def _allocate_slots(self, seq: Sequence, num_new_tokens: int) -> list[int] | None:
         """Grows seq's block table to hold num_new_tokens more tokens; the new block ids,
@@ -283,6 +312,8 @@ class Scheduler:
         self.block_pool.free(seq.block_ids)
         seq.block_ids = []
         seq.num_computed_tokens = 0
+        seq.num_pending_tokens = 0  # lost with the KV: recomputed from the known tokens
+        seq.generation += 1
         seq.num_cached_blocks = 0
         if seq.sent_to_worker:
             self._ids_to_drop[seq.seq_id] = None
@@ -309,23 +340,23 @@ class Scheduler:
         Raises ValueError when the result does not answer the plan."""
         if not plan.num_scheduled_tokens:
             return []
-        self._check_result(plan, result)
-        in_flight, self._in_flight = self._in_flight, {}
+        scheduled = self._in_flight.get(plan.step_id)
+        if scheduled is None:
+            raise ValueError(f"update() for step {plan.step_id}, which has no plan in flight")
+        self._check_result(plan, result, scheduled)
+        del self._in_flight[plan.step_id]
         sample_index = {seq_id: i for i, seq_id in enumerate(result.request_ids)}
         outputs = []
-        for seq_id, num_new_tokens in plan.num_scheduled_tokens.items():
-            seq = in_flight[seq_id]
-            if self.sequences.get(seq_id) is not seq or seq.status is not SequenceStatus.RUNNING:
-                continue  # aborted or finished by a stop string since the plan was built
-            output = self._apply_step(seq, num_new_tokens, result, sample_index.get(seq_id))
+        for seq_id, entry in scheduled.items():
+            seq = entry.seq
+            if self.sequences.get(seq_id) is not seq or seq.generation != entry.generation:
+                continue  # finished, aborted or preempted since the plan was built
+            output = self._apply_step(seq, entry, result, sample_index.get(seq_id))
             if output is not None:
                 outputs.append(output)
         return outputs
 
-    def _check_result(self, plan: StepPlan, result: StepResult) -> None:
-        if plan.step_id != self._in_flight_step_id or not self._in_flight:
-            raise ValueError(f"update() for step {plan.step_id}, but step {self._in_flight_step_id} "
-                             "is the one awaiting its result")
+    def _check_result(self, plan: StepPlan, result: StepResult, scheduled: dict[str, ScheduledSequence]) -> None:
         if result.step_id != plan.step_id:
             raise ValueError(f"StepResult is for step {result.step_id}, the plan is step {plan.step_id}")
         if len(result.sampled_token_ids) != len(result.request_ids):
@@ -333,37 +364,30 @@ class Scheduler:
         if result.logprobs is not None and len(result.logprobs) != len(result.request_ids):
             raise ValueError("StepResult needs one logprobs entry per request_ids entry")
         sampled_ids = set(result.request_ids)
-        for seq_id, num_new_tokens in plan.num_scheduled_tokens.items():
-            seq = self._in_flight.get(seq_id)
-            if seq is None:
-                raise ValueError(f"the plan of step {plan.step_id} did not schedule {seq_id!r}")
-            is_live = self.sequences.get(seq_id) is seq and seq.status is SequenceStatus.RUNNING
-            reaches_end = seq.num_computed_tokens + num_new_tokens == seq.num_tokens
-            if is_live and reaches_end and seq_id not in sampled_ids:
-                raise ValueError(f"StepResult has no sampled token for {seq_id!r}, which computed "
-                                 "all its tokens")
+        for seq_id, entry in scheduled.items():
+            if entry.samples and seq_id not in sampled_ids:
+                raise ValueError(f"StepResult has no sampled token for {seq_id!r}, which computed all its tokens")
 
-    def _apply_step(self, seq: Sequence, num_new_tokens: int, result: StepResult,
+    def _apply_step(self, seq: Sequence, entry: ScheduledSequence, result: StepResult,
                     sample_index: int | None) -> NewTokens | None:
-        num_computed_before = seq.num_computed_tokens
-        seq.num_computed_tokens += num_new_tokens
+        num_computed_before = entry.num_computed_before
+        num_computed_after = num_computed_before + entry.num_new_tokens
         if num_computed_before < seq.num_prompt_tokens:
-            self.num_computed_prefill_tokens += (min(seq.num_computed_tokens, seq.num_prompt_tokens)
-                                                 - num_computed_before)
-        if seq.num_computed_tokens >= seq.num_prompt_tokens:
+            self.num_computed_prefill_tokens += min(num_computed_after, seq.num_prompt_tokens) - num_computed_before
+        if num_computed_after >= seq.num_prompt_tokens:
             seq.prompt_computed = True
-        self._cache_computed_blocks(seq)
+        self._cache_computed_blocks(seq, num_computed_after)
         prompt_logprobs = self._take_prompt_logprobs(seq, num_computed_before,
                                                      result.prompt_logprobs.get(seq.seq_id))
 
         new_token_ids: list[int] = []
         new_logprobs: list[TokenLogprobs] | None = None
-        # Only a sequence that computed all its known tokens has logits to sample from.
-        if sample_index is not None and seq.num_computed_tokens == seq.num_tokens:
+        if entry.samples:
             token_id = result.sampled_token_ids[sample_index]
             new_token_ids.append(token_id)
             if seq.params.logprobs is not None and result.logprobs is not None:
                 new_logprobs = [result.logprobs[sample_index]]
+            seq.num_pending_tokens -= 1
             seq.append_token(token_id)
             stop = seq.stop_condition(self.eos_token_ids)
             if stop is not None:
@@ -376,11 +400,12 @@ class Scheduler:
                          finish_reason=seq.finish_reason, stop_reason=seq.stop_reason,
                          num_prompt_tokens=seq.num_prompt_tokens, num_cached_tokens=seq.num_cached_tokens)
 
-    def _cache_computed_blocks(self, seq: Sequence) -> None:
-        """Offers seq's blocks that just became full of computed tokens to the prefix cache."""
+    def _cache_computed_blocks(self, seq: Sequence, num_computed_tokens: int) -> None:
+        """Offers seq's blocks that a step just filled with computed tokens to the prefix
+        cache (later steps in flight may have filled more: they are offered with theirs)."""
         if not self.block_pool.enable_prefix_caching:
             return
-        num_full_blocks = seq.num_computed_tokens // self.block_size
+        num_full_blocks = num_computed_tokens // self.block_size
         if num_full_blocks <= seq.num_cached_blocks:
             return
         block_hashes = seq.full_block_hashes(self.block_size)

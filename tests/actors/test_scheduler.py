@@ -407,18 +407,47 @@ def test_invalid_requests_raise_value_error():
     assert scheduler.num_waiting == 3
 
 
-def test_schedule_before_update_and_mismatched_results_raise():
+def test_mismatched_results_raise():
     scheduler = make_scheduler()
     worker = FakeWorker(4, 64)
     scheduler.add_request("a", [1, 2, 3], make_params())
     plan = scheduler.schedule()
-    with pytest.raises(RuntimeError, match="update"):
-        scheduler.schedule()
     with pytest.raises(ValueError, match="step"):
         scheduler.update(plan, StepResult(plan.step_id + 1, ["a"], [SAMPLED]))
     with pytest.raises(ValueError, match="no sampled token"):
         scheduler.update(plan, StepResult(plan.step_id, [], []))
     assert len(scheduler.update(plan, worker.step(plan))) == 1
+
+
+def test_next_plan_decodes_the_pending_token_before_the_result_arrives():
+    # async scheduling: plan 1 is built while plan 0's result is still out
+    scheduler = make_scheduler()
+    worker = FakeWorker(4, 64)
+    scheduler.add_request("a", [1, 2, 3], make_params(max_tokens=2))
+    first = scheduler.schedule()
+    second = scheduler.schedule()
+    assert first.num_scheduled_tokens == {"a": 3} and second.num_scheduled_tokens == {"a": 1}
+    assert second.continuing_requests[0].num_computed_tokens == 3
+    # its second token is the last allowed one: nothing more until a result comes
+    assert scheduler.schedule().num_scheduled_tokens == {}
+    outputs = scheduler.update(first, worker.step(first)) + scheduler.update(second, worker.step(second))
+    assert [o.new_token_ids for o in outputs] == [[SAMPLED], [SAMPLED]]
+    assert outputs[-1].finish_reason == "length" and not scheduler.has_unfinished()
+
+
+def test_a_token_sampled_after_the_finish_is_discarded():
+    scheduler = make_scheduler()
+    worker = FakeWorker(4, 64, token_fn=lambda seq_id, position: EOS)
+    scheduler.add_request("a", [1, 2, 3], make_params(max_tokens=10, ignore_eos=False))
+    first, second = scheduler.schedule(), scheduler.schedule()
+    results = worker.step(first), worker.step(second)
+    outputs = scheduler.update(first, results[0])
+    assert outputs[0].finish_reason == "stop" and outputs[0].new_token_ids == [EOS]
+    assert scheduler.update(second, results[1]) == []
+    drop = scheduler.schedule()
+    assert drop.finished_request_ids == ["a"] and not drop.num_scheduled_tokens
+    worker.step(drop)
+    assert worker.states == {} and scheduler.block_pool.num_free_blocks == 64
 
 
 # ---- soak ----
@@ -445,8 +474,9 @@ def check_invariants(scheduler: Scheduler) -> None:
     assert scheduler.num_running + scheduler.num_waiting == len(scheduler.sequences)
 
 
+@pytest.mark.parametrize("plans_in_flight", [1, 2])
 @pytest.mark.parametrize("seed", range(8))
-def test_random_soak_keeps_invariants_and_completes_every_request(seed):
+def test_random_soak_keeps_invariants_and_completes_every_request(seed, plans_in_flight):
     rng = random.Random(seed)
     block_size, num_blocks = rng.choice([2, 4]), rng.randint(6, 16)
     capacity = block_size * num_blocks
@@ -459,6 +489,7 @@ def test_random_soak_keeps_invariants_and_completes_every_request(seed):
     expected: dict[tuple[str, int], tuple[SamplingParams, list[int]]] = {}  # completion -> (params, prompt)
     aborted: set[str] = set()
     completions: dict[tuple[str, int], Completion] = {}
+    in_flight: list[tuple[StepPlan, StepResult]] = []
     num_requests = 0
     for _ in range(3000):
         if num_requests < 40 and rng.random() < 0.4:
@@ -477,9 +508,15 @@ def test_random_soak_keeps_invariants_and_completes_every_request(seed):
             aborted.add(request_id)
         plan = scheduler.schedule()
         assert sum(plan.num_scheduled_tokens.values()) <= scheduler.max_num_batched_tokens
-        result = worker.step(plan)
-        sent = {seq.seq_id for seq in scheduler.sequences.values() if seq.sent_to_worker}
-        assert set(worker.states) == sent
+        # the worker runs plans in order; with 2 in flight, a result is applied only after
+        # the next plan is built, as the scheduler actor does
+        in_flight.append((plan, worker.step(plan)))
+        if plans_in_flight == 1:
+            sent = {seq.seq_id for seq in scheduler.sequences.values() if seq.sent_to_worker}
+            assert set(worker.states) == sent
+        if len(in_flight) < plans_in_flight and plan.num_scheduled_tokens:
+            continue
+        plan, result = in_flight.pop(0)
         for output in scheduler.update(plan, result):
             completion = completions.setdefault((output.request_id, output.index), Completion())
             assert completion.finish_reason is None
@@ -487,7 +524,7 @@ def test_random_soak_keeps_invariants_and_completes_every_request(seed):
             completion.finish_reason = output.finish_reason
             completion.prompt_logprob_positions += [e.ranks[0] for e in output.prompt_logprobs or []]
         check_invariants(scheduler)
-        if num_requests == 40 and not scheduler.has_unfinished():
+        if num_requests == 40 and not scheduler.has_unfinished() and not in_flight:
             break
     assert not scheduler.has_unfinished()
     worker.step(scheduler.schedule())  # flush the last drops
