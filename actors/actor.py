@@ -21,8 +21,8 @@ from typing import Any
 import msgspec
 
 from actors.config import EngineConfig
-from messages.common import Shutdown
-from messages.frontend import ActorReady
+from messages.common import Ping, Shutdown
+from messages.frontend import ActorReady, Pong
 from messages.transport import Inbox, Outbox, Sockets
 
 logger = logging.getLogger(__name__)
@@ -104,6 +104,9 @@ class Actor:
         if isinstance(message, Shutdown):
             logger.info("shutting down (%s)", message.reason or "asked to")
             self.stopping = True
+            return
+        if isinstance(message, Ping):
+            self.to_frontend.send(Pong(self.name, message.ping_id))
             return
         self.handle(message)
 

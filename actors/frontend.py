@@ -30,8 +30,8 @@ from actors.detokenizer import merge_delta
 from actors.engine_args import EngineArgs
 from actors.errors import EngineDeadError, InvalidRequestError
 from actors.supervisor import EngineProcesses, engine_addresses
-from messages.common import CompletionOutput, RequestOutput, SamplingParams, Shutdown
-from messages.frontend import ActorFailed, FrontendInbox, RequestOutputs, RequestRejected, Stats
+from messages.common import CompletionOutput, Ping, RequestOutput, SamplingParams
+from messages.frontend import ActorFailed, FrontendInbox, Pong, RequestOutputs, RequestRejected, Stats
 from messages.input_processor import AddRequest
 from messages.scheduler import AbortRequest, GetStats
 from messages.transport import Namespace, Sockets
@@ -67,6 +67,7 @@ class AsyncClient:
         self._streams: dict[str, _Stream] = {}
         self._stats_queries: dict[int, asyncio.Future] = {}
         self._query_ids = itertools.count()
+        self._pings: dict[int, tuple[set[str], asyncio.Future]] = {}  # ping_id -> (names to answer, done)
         self._dead: EngineDeadError | None = None
         self._death_listeners: list[asyncio.Event] = []
         self._reader: asyncio.Task | None = None
@@ -91,6 +92,7 @@ class AsyncClient:
         self._inbox = self._sockets.inbox(addresses["frontend"], FrontendInbox)
         self._to_input_processors = self._sockets.outbox(addresses["input_processor"], bind=True)
         self._to_scheduler = self._sockets.outbox(addresses["scheduler"])
+        self._outboxes = {"scheduler": self._to_scheduler}
         self.processes = EngineProcesses(self.config, addresses, num_input_processors=self.num_input_processors,
                                          log_level=self.log_level)
         try:
@@ -140,6 +142,30 @@ class AsyncClient:
         if not self.processes.all_alive():
             raise EngineDeadError("an actor process has exited")
 
+    async def ping(self, timeout: float = 5.0) -> float:
+        """Round-trip time in seconds for every actor to answer a Ping (each answers between
+        two of its steps). Raises EngineDeadError when one is dead, TimeoutError when one
+        does not answer in time."""
+        self.check_health()
+        names = {name for name in self.processes.processes}
+        ping_id = next(self._query_ids)
+        done = asyncio.get_running_loop().create_future()
+        self._pings[ping_id] = (set(names), done)
+        start = time.perf_counter()
+        try:
+            for name in names:
+                self._actor_outbox(name).send(Ping(ping_id))
+            await asyncio.wait_for(done, timeout)
+        finally:
+            self._pings.pop(ping_id, None)
+        return time.perf_counter() - start
+
+    def _actor_outbox(self, name: str):
+        outbox = self._outboxes.get(name)
+        if outbox is None:
+            outbox = self._outboxes[name] = self._sockets.outbox(self.processes.addresses[name])
+        return outbox
+
     async def wait_until_dead(self) -> EngineDeadError:
         """Returns (the error) once the engine has died or been closed."""
         if self._dead is None:
@@ -162,7 +188,7 @@ class AsyncClient:
         streams, self._streams = self._streams, {}
         for stream in streams.values():
             stream.queue.put_nowait(error)
-        for future in self._stats_queries.values():
+        for future in [*self._stats_queries.values(), *(done for _, done in self._pings.values())]:
             if not future.done():
                 future.set_exception(error)
         for event in self._death_listeners:
@@ -317,6 +343,12 @@ class AsyncClient:
                 future = self._stats_queries.get(query_id)
                 if future is not None and not future.done():
                     future.set_result(stats)
+            case Pong(name=name, ping_id=ping_id):
+                waiting = self._pings.get(ping_id)
+                if waiting is not None:
+                    waiting[0].discard(name)
+                    if not waiting[0] and not waiting[1].done():
+                        waiting[1].set_result(None)
             case ActorFailed(name=name, error=error):
                 self._fail_all(EngineDeadError(f"actor {name} failed: {error}"))
 

@@ -132,3 +132,10 @@ class Shutdown(msgspec.Struct, array_like=True, frozen=True, tag="shutdown"):
     """launcher or signal handler → any actor: stop taking work, close sockets, exit 0."""
 
     reason: str = ""
+
+
+class Ping(msgspec.Struct, array_like=True, frozen=True, tag="ping"):
+    """launcher → any actor: answer with a Pong to the frontend (a health check that an
+    actor's loop is turning, not just that its process exists)."""
+
+    ping_id: int

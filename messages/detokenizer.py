@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import msgspec
 
-from messages.common import SamplingParams, Shutdown
+from messages.common import Ping, SamplingParams, Shutdown
 from messages.scheduler import AbortRequest, TokenLogprobs
 
 
@@ -40,4 +40,4 @@ class TrackRequest(msgspec.Struct, array_like=True, frozen=True, kw_only=True, t
     params: SamplingParams
 
 
-DetokenizerInbox = StepOutputs | TrackRequest | AbortRequest | Shutdown
+DetokenizerInbox = StepOutputs | TrackRequest | AbortRequest | Ping | Shutdown

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from messages.common import Shutdown
+from messages.common import Ping, Shutdown
 from messages.scheduler import StepResult
 from messages.worker import StepPlan
 
-ExecutorInbox = StepPlan | StepResult | Shutdown
+ExecutorInbox = StepPlan | StepResult | Ping | Shutdown

@@ -50,4 +50,11 @@ class Stats(msgspec.Struct, array_like=True, frozen=True, kw_only=True, tag="sta
     stats: dict[str, int | float]
 
 
-FrontendInbox = RequestOutputs | RequestRejected | ActorReady | ActorFailed | Stats
+class Pong(msgspec.Struct, array_like=True, frozen=True, tag="pong"):
+    """any actor → frontend: the answer to a Ping."""
+
+    name: str
+    ping_id: int
+
+
+FrontendInbox = RequestOutputs | RequestRejected | ActorReady | ActorFailed | Stats | Pong

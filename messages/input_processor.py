@@ -6,7 +6,7 @@ from typing import Any
 
 import msgspec
 
-from messages.common import SamplingParams, Shutdown
+from messages.common import Ping, SamplingParams, Shutdown
 
 
 class AddRequest(msgspec.Struct, array_like=True, frozen=True, kw_only=True, tag="add"):
@@ -22,4 +22,4 @@ class AddRequest(msgspec.Struct, array_like=True, frozen=True, kw_only=True, tag
     arrival_time: float = 0.0  # time.time() at the frontend
 
 
-InputProcessorInbox = AddRequest | Shutdown
+InputProcessorInbox = AddRequest | Ping | Shutdown

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import msgspec
 
-from messages.common import SamplingParams, Shutdown
+from messages.common import Ping, SamplingParams, Shutdown
 
 
 class TokenLogprobs(msgspec.Struct, array_like=True, frozen=True, gc=False):
@@ -61,4 +61,4 @@ class GetStats(msgspec.Struct, array_like=True, frozen=True, tag="get_stats"):
     query_id: int
 
 
-SchedulerInbox = StepResult | TokenizedRequest | AbortRequest | FinishRequest | GetStats | Shutdown
+SchedulerInbox = StepResult | TokenizedRequest | AbortRequest | FinishRequest | GetStats | Ping | Shutdown

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import msgspec
 
-from messages.common import SamplingParams, Shutdown
+from messages.common import Ping, SamplingParams, Shutdown
 
 
 class NewRequest(msgspec.Struct, array_like=True, frozen=True, gc=False):
@@ -48,4 +48,4 @@ class StepPlan(msgspec.Struct, array_like=True, frozen=True, gc=False, tag="plan
     finished_request_ids: list[str]  # drop their state (finished, aborted or preempted)
 
 
-WorkerInbox = StepPlan | Shutdown
+WorkerInbox = StepPlan | Ping | Shutdown

@@ -69,7 +69,7 @@ async def test_kill_9_of_an_actor_fails_pending_calls_within_5_seconds(long_cont
 
 
 async def test_close_leaves_no_process_and_two_engines_coexist(tiny_llama_dir, tiny_qwen2_dir):
-    first = AsyncClient(tiny_llama_dir, kv_cache_memory="32MiB")
+    first = AsyncClient(tiny_llama_dir, kv_cache_memory="32MiB", num_input_processors=2)
     second = AsyncClient(tiny_qwen2_dir, kv_cache_memory="32MiB")
     async with asyncio.timeout(120):
         await asyncio.gather(first.start(), second.start())
@@ -77,9 +77,12 @@ async def test_close_leaves_no_process_and_two_engines_coexist(tiny_llama_dir, t
     params = SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True)
     try:
         async with asyncio.timeout(30):
-            outs = await asyncio.gather(first.generate_batch([[5, 6, 7]], params, use_tqdm=False),
-                                        second.generate_batch([[5, 6, 7]], params, use_tqdm=False))
+            assert await first.ping() < 5.0 and await second.ping() < 5.0
+            outs = await asyncio.gather(first.generate_batch(["Hello world!"] * 6, params, use_tqdm=False),
+                                        second.generate_batch(["Hello world!"], params, use_tqdm=False))
         assert all(len(out[0].outputs[0].token_ids) == 5 for out in outs)
+        # the two input processors tokenized alike
+        assert len({tuple(o.prompt_token_ids) for o in outs[0]}) == 1
     finally:
         async with asyncio.timeout(30):
             await asyncio.gather(first.close(), second.close())
