@@ -69,12 +69,21 @@ class SchedulerConfig:
 
 
 @dataclass(frozen=True)
+class ParallelConfig:
+    tensor_parallel_size: int = 1  # worker processes, one per device, each with a slice of the model
+    # torch.distributed rendezvous of the workers, e.g. "tcp://127.0.0.1:29500"; chosen by
+    # the launcher (a free port) when None
+    distributed_init_method: str | None = None
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     model: ModelConfig
     cache: CacheConfig
     scheduler: SchedulerConfig
-    dtype: str = "float32"
-    device: str = "cpu"
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    dtype: str = "float32"  # or "auto": float32 on the CPU, bfloat16 on CUDA
+    device: str = "cpu"  # "cpu", "cuda", or "auto" (CUDA when available)
     seed: int = 0
     tokenizer_path: str = ""  # directory holding the tokenizer files; defaults to model_path
     attention_backend: str = "auto"  # "auto" (Triton on CUDA, torch on CPU) | "triton" | "torch"

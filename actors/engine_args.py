@@ -5,10 +5,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from actors.config import CacheConfig, EngineConfig, SchedulerConfig, parse_size
+from actors.config import CacheConfig, EngineConfig, ParallelConfig, SchedulerConfig, parse_size
 from actors.worker.loader import load_model_config, resolve_model
+from actors.worker.parallel import check_tensor_parallel_size
 
-DTYPES = ("float32", "bfloat16", "float16")
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+DEVICES = ("auto", "cpu", "cuda")
 ATTENTION_BACKENDS = ("auto", "torch", "triton")
 LOAD_FORMATS = ("auto", "dummy")
 
@@ -22,7 +24,9 @@ class EngineArgs:
     kv_cache_memory: int | str = "2GiB"
     num_kv_blocks: int | None = None  # overrides the pool size derived from kv_cache_memory
     max_model_len: int | None = None  # None: the model's max_position_embeddings
-    dtype: str = "float32"
+    dtype: str = "float32"  # "auto": float32 on the CPU, bfloat16 on CUDA
+    device: str = "cpu"  # "auto": CUDA when there is a GPU
+    tensor_parallel_size: int = 1
     seed: int = 0
     enable_prefix_caching: bool = True
     attention_backend: str = "auto"
@@ -37,12 +41,13 @@ class EngineArgs:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             raise ValueError(f"num_kv_blocks must be positive, got {self.num_kv_blocks}")
-        for name, allowed in (("dtype", DTYPES), ("attention_backend", ATTENTION_BACKENDS),
+        for name, allowed in (("dtype", DTYPES), ("device", DEVICES), ("attention_backend", ATTENTION_BACKENDS),
                               ("load_format", LOAD_FORMATS)):
             if getattr(self, name) not in allowed:
                 raise ValueError(f"{name} must be one of {', '.join(allowed)}, got {getattr(self, name)!r}")
         model_dir = resolve_model(self.model)
         model_config = load_model_config(model_dir)
+        check_tensor_parallel_size(model_config, self.tensor_parallel_size)
         max_model_len = self.max_model_len
         if max_model_len is None:
             max_model_len = model_config.max_position_embeddings
@@ -56,5 +61,6 @@ class EngineArgs:
             scheduler=SchedulerConfig(max_num_seqs=self.max_num_seqs,
                                       max_num_batched_tokens=self.max_num_batched_tokens,
                                       max_model_len=max_model_len, async_scheduling=self.async_scheduling),
-            dtype=self.dtype, seed=self.seed, tokenizer_path=model_dir,
+            parallel=ParallelConfig(tensor_parallel_size=self.tensor_parallel_size),
+            dtype=self.dtype, device=self.device, seed=self.seed, tokenizer_path=model_dir,
             attention_backend=self.attention_backend, load_format=self.load_format)

@@ -9,24 +9,15 @@ import logging
 from actors.config import EngineConfig
 from actors.detokenizer import OutputProcessor, merge_delta
 from actors.scheduler.scheduler import Scheduler
-from actors.worker.model_runner import ModelRunner, kv_block_bytes
+from actors.worker.model_runner import ModelRunner, num_kv_blocks, resolve_device
 from messages.common import RequestOutput, SamplingParams
 
 logger = logging.getLogger(__name__)
 
 
-def num_kv_blocks(engine: EngineConfig) -> int:
-    """The pool size: num_kv_blocks if given, else what kv_cache_memory holds."""
-    cache = engine.cache
-    blocks = cache.num_kv_blocks or cache.kv_cache_memory // kv_block_bytes(engine)
-    if blocks < 1:
-        raise ValueError(f"kv_cache_memory ({cache.kv_cache_memory} bytes) holds no KV block "
-                         f"of {kv_block_bytes(engine)} bytes")
-    return blocks
-
-
 class EngineCore:
     def __init__(self, engine: EngineConfig, tokenizer) -> None:
+        engine = resolve_device(engine)
         self.config = engine
         self.num_blocks = num_kv_blocks(engine)
         self.runner = ModelRunner(engine, self.num_blocks, engine.attention_backend, engine.load_format)

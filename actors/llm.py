@@ -17,28 +17,49 @@ from messages.common import RequestOutput, SamplingParams
 
 
 class LLM:
-    """Generates for a batch of prompts at once, scheduling them all together."""
+    """Generates for a batch of prompts at once, scheduling them all together.
+
+    With one device the engine core runs in this process, one step at a time. With
+    tensor_parallel_size > 1 it needs a worker process per device, so the whole actor
+    engine runs behind an AsyncClient on a background thread: the same scheduler, workers
+    and detokenizer code either way."""
 
     def __init__(self, model: str | None = None, *, max_num_seqs: int = 256,
                  max_num_batched_tokens: int = 2048, block_size: int = 16,
                  kv_cache_memory: int | str = "2GiB", num_kv_blocks: int | None = None,
                  max_model_len: int | None = None, dtype: str = "float32", seed: int = 0,
                  enable_prefix_caching: bool = True, attention_backend: str = "auto",
-                 load_format: str = "auto") -> None:
-        self.config = EngineArgs(
+                 load_format: str = "auto", device: str = "cpu", tensor_parallel_size: int = 1) -> None:
+        args = EngineArgs(
             model=model, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
             block_size=block_size, kv_cache_memory=kv_cache_memory, num_kv_blocks=num_kv_blocks,
             max_model_len=max_model_len, dtype=dtype, seed=seed, enable_prefix_caching=enable_prefix_caching,
-            attention_backend=attention_backend, load_format=load_format).build()
+            attention_backend=attention_backend, load_format=load_format, device=device,
+            tensor_parallel_size=tensor_parallel_size)
+        self.config = args.build()
         self.tokenizer = load_tokenizer(self.config.tokenizer_path)
-        self.engine = EngineCore(self.config, self.tokenizer)
+        self.engine = EngineCore(self.config, self.tokenizer) if tensor_parallel_size == 1 else None
+        self._remote = ThreadedClient(args) if self.engine is None else None
         self.inputs = InputProcessor(self.tokenizer, self.config.model.vocab_size,
                                      self.config.scheduler.max_model_len)
         self._request_counter = itertools.count()
 
     @property
     def scheduler(self):
+        if self.engine is None:
+            raise AttributeError("the scheduler runs in its own process when tensor_parallel_size > 1")
         return self.engine.scheduler
+
+    def close(self) -> None:
+        """Stops the engine's processes (tensor_parallel_size > 1); idempotent."""
+        if self._remote is not None:
+            self._remote.close()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
 
     def generate(self, prompts: Prompt | Sequence[Prompt],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
@@ -51,6 +72,11 @@ class LLM:
         prompts = list(prompts)
         params_list = _broadcast_params(sampling_params, len(prompts))
         processed = [self.inputs.process(prompt, params) for prompt, params in zip(prompts, params_list)]
+        if self._remote is not None:
+            outputs = self._remote.generate_batch([ids for _, ids in processed], params_list, use_tqdm)
+            for output, (text, _) in zip(outputs, processed):
+                output.prompt = text
+            return outputs
         request_ids: list[str] = []
         try:
             for (text, token_ids), params in zip(processed, params_list):
@@ -106,3 +132,34 @@ def _broadcast_params(params: SamplingParams | Sequence[SamplingParams] | None,
         if not isinstance(p, SamplingParams):
             raise ValueError(f"sampling_params must be SamplingParams, got {type(p).__name__}")
     return [msgspec.structs.replace(p) for p in params]
+
+
+class ThreadedClient:
+    """An AsyncClient on its own event loop in a daemon thread, for synchronous callers."""
+
+    def __init__(self, args: EngineArgs) -> None:
+        import asyncio
+        import threading
+
+        from actors.frontend import AsyncClient
+
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="troupe-engine", daemon=True)
+        self._thread.start()
+        self.client = AsyncClient(**vars(args))
+        self._call(self.client.start())
+
+    def _call(self, coroutine):
+        import asyncio
+
+        return asyncio.run_coroutine_threadsafe(coroutine, self._loop).result()
+
+    def generate_batch(self, prompts: list[list[int]], params: list[SamplingParams],
+                       use_tqdm: bool) -> list[RequestOutput]:
+        return self._call(self.client.generate_batch(prompts, params, use_tqdm=use_tqdm))
+
+    def close(self) -> None:
+        if self._loop.is_running():
+            self._call(self.client.close())
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._thread.join(10)

@@ -21,7 +21,7 @@ from actors.config import EngineConfig
 from actors.errors import EngineStartupError
 from actors.process import ActorProcess
 from messages.frontend import ActorFailed, ActorReady
-from messages.transport import Inbox, Namespace
+from messages.transport import Inbox, Namespace, free_tcp_port
 
 logger = logging.getLogger(__name__)
 
@@ -41,11 +41,11 @@ class EngineProcesses:
     """The actor processes of one engine."""
 
     def __init__(self, engine: EngineConfig, addresses: dict[str, str], *, num_input_processors: int = 1,
-                 num_workers: int = 1, log_level: str = "WARNING") -> None:
+                 log_level: str = "WARNING") -> None:
         self.engine = engine
         self.addresses = addresses
         self.num_input_processors = num_input_processors
-        self.num_workers = num_workers
+        self.num_workers = engine.parallel.tensor_parallel_size
         self.log_level = log_level
         self.processes: dict[str, ActorProcess] = {}
         self.ready: dict[str, ActorReady] = {}
@@ -61,8 +61,10 @@ class EngineProcesses:
         stops whatever started and raises EngineStartupError."""
         deadline = time.monotonic() + timeout
         try:
+            init_method = (self.engine.parallel.distributed_init_method
+                           or f"tcp://127.0.0.1:{free_tcp_port()}")
             for rank in range(self.num_workers):
-                self._spawn("worker", f"worker{rank}", rank=rank)
+                self._spawn("worker", f"worker{rank}", rank=rank, distributed_init_method=init_method)
             for index in range(self.num_input_processors):
                 self._spawn("input_processor", f"input_processor{index}")
             self._spawn("detokenizer", "detokenizer")

@@ -25,18 +25,43 @@ class WorkerActor(Actor):
 
     @classmethod
     def from_spec(cls, spec: ActorSpec, sockets: Sockets) -> WorkerActor:
-        from actors.engine_core import num_kv_blocks
-        from actors.worker.model_runner import ModelRunner
+        from actors.worker.model_runner import ModelRunner, num_kv_blocks, resolve_device
+        from actors.worker.parallel import TensorParallel
 
-        engine = spec.engine
-        num_blocks = num_kv_blocks(engine)
-        runner = ModelRunner(engine, num_blocks, engine.attention_backend, engine.load_format)
-        return cls(spec.name, spec.addresses, sockets, runner, num_blocks, spec.options.get("rank", 0))
+        rank = spec.options.get("rank", 0)
+        engine = resolve_device(spec.engine, rank)
+        parallel = TensorParallel(rank, engine.parallel.tensor_parallel_size)
+        if parallel.enabled:
+            _join_group(engine, parallel, spec.options["distributed_init_method"])
+        num_blocks = num_kv_blocks(engine, parallel)
+        runner = ModelRunner(engine, num_blocks, engine.attention_backend, engine.load_format, parallel)
+        return cls(spec.name, spec.addresses, sockets, runner, num_blocks, rank)
 
     def ready_info(self) -> dict:
-        return {"num_kv_blocks": self.num_kv_blocks, "rank": self.rank}
+        return {"num_kv_blocks": self.num_kv_blocks, "rank": self.rank,
+                "weight_bytes": self.runner.model.num_weight_bytes()}
 
     def handle(self, message: StepPlan) -> None:
         result = self.runner.execute(message)
         if message.num_scheduled_tokens and self.to_executor is not None:
             self.to_executor.send(result)
+
+
+def _join_group(engine, parallel, init_method: str) -> None:
+    """torch.distributed for the tensor-parallel group: NCCL between GPUs, gloo on the CPU
+    (where the ranks also share the cores instead of each taking them all)."""
+    import os
+    from datetime import timedelta
+
+    import torch
+    import torch.distributed as dist
+
+    on_cuda = engine.device.startswith("cuda")
+    if on_cuda:
+        torch.cuda.set_device(torch.device(engine.device))
+    else:
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // parallel.size))
+    # a rank that dies leaves the others blocked in a collective: the launcher notices the
+    # death and stops them; the timeout only bounds a rendezvous that never completes
+    dist.init_process_group("nccl" if on_cuda else "gloo", init_method=init_method, rank=parallel.rank,
+                            world_size=parallel.size, timeout=timedelta(seconds=600))

@@ -195,6 +195,18 @@ def iter_weights(model_dir: str) -> Iterator[tuple[str, torch.Tensor]]:
                 yield name, weights_file.get_tensor(name)
 
 
+def iter_weight_slices(model_dir: str) -> Iterator[tuple[str, object]]:
+    """(Hugging Face name, lazy slice) for every weight: indexing a slice (`s[a:b]`,
+    `s[:, a:b]`, `s[:]`) reads only those elements, so a tensor-parallel rank never holds
+    a whole weight it keeps a part of."""
+    from safetensors import safe_open
+
+    for weights_path in _safetensors_files(model_dir):
+        with safe_open(weights_path, framework="pt") as weights_file:
+            for name in weights_file.keys():
+                yield name, weights_file.get_slice(name)
+
+
 def _safetensors_files(model_dir: str) -> list[str]:
     index_path = os.path.join(model_dir, _WEIGHTS_INDEX_FILE)
     if os.path.isfile(index_path):

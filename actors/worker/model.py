@@ -15,6 +15,7 @@ import torch.nn.functional as F
 
 from actors.config import ModelConfig
 from actors.worker.attention import AttentionBackend, StepAttention
+from actors.worker.parallel import TensorParallel
 from kernels.rotary import build_cos_sin_cache
 
 
@@ -33,13 +34,14 @@ class DecoderLayerWeights:
 
 class LlamaModel:
     def __init__(self, config: ModelConfig, dtype: torch.dtype, device: torch.device,
-                 backend: AttentionBackend) -> None:
+                 backend: AttentionBackend, parallel: TensorParallel = TensorParallel()) -> None:
         self.config = config
         self.dtype = dtype
         self.device = device
         self.backend = backend
-        self.num_heads = config.num_attention_heads
-        self.num_kv_heads = config.num_key_value_heads
+        self.parallel = parallel  # this rank's heads, features and vocabulary slice
+        self.num_heads = parallel.num_heads(config)
+        self.num_kv_heads = parallel.num_kv_heads(config)
         self.head_dim = config.head_dim
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
@@ -96,6 +98,13 @@ class LlamaModel:
             down_proj=self._place(_take(t, f"{mlp}down_proj.weight")),
         )
 
+    def num_weight_bytes(self) -> int:
+        """Bytes of weights this rank holds (a tied LM head counted once)."""
+        tensors = {id(t): t for t in (self.embed_tokens, self.final_norm, self.lm_head) if t is not None}
+        for layer in self.layers:
+            tensors.update((id(t), t) for t in vars(layer).values() if t is not None)
+        return sum(t.numel() * t.element_size() for t in tensors.values())
+
     def _place(self, tensor: torch.Tensor) -> torch.Tensor:
         return tensor.to(device=self.device, dtype=self.dtype).contiguous()
 
@@ -129,7 +138,7 @@ class LlamaModel:
             if c.qk_norm:
                 for norm in ("self_attn.q_norm", "self_attn.k_norm"):
                     weights[f"{prefix}{norm}.weight"] = torch.ones(self.head_dim)
-        self.load_weights(weights.items())
+        self.load_weights((name, self.parallel.shard(name, tensor, c)) for name, tensor in weights.items())
 
     # -- forward ---------------------------------------------------------------------------
 
@@ -140,7 +149,7 @@ class LlamaModel:
         ops = self.backend
         eps = self.config.rms_norm_eps
         num_tokens = input_ids.shape[0]
-        hidden = F.embedding(input_ids, self.embed_tokens)
+        hidden = self.parallel.embed(input_ids, self.embed_tokens, self.config.vocab_size)
         residual = None
         for layer, (key_cache, value_cache) in zip(self.layers, kv_caches):
             # 1. attention block: norm (fused with the residual add), qkv, rotary, paged attention
@@ -160,16 +169,18 @@ class LlamaModel:
             q, k = ops.rotary(positions, q, k, self.cos_sin_cache)
             ops.store_kv(k, v, key_cache, value_cache, attention.slot_mapping)
             attn = ops.attention(q, key_cache, value_cache, attention, self.scale)
-            hidden = F.linear(attn.view(num_tokens, self.q_size), layer.o_proj)
+            hidden = self.parallel.all_reduce(F.linear(attn.view(num_tokens, self.q_size), layer.o_proj))
             # 2. MLP block
             x, residual = ops.rms_norm(hidden, layer.post_attention_norm, eps, residual)
             hidden = F.linear(ops.silu_mul(F.linear(x, layer.gate_up_proj)), layer.down_proj)
+            hidden = self.parallel.all_reduce(hidden)
         if residual is None:
             return ops.rms_norm(hidden, self.final_norm, eps)
         return ops.rms_norm(hidden, self.final_norm, eps, residual)[0]
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [n, hidden] -> [n, vocab] fp32
-        return F.linear(hidden, self.lm_head).float()
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:  # [n, hidden] -> [n, vocab] fp32
+        """The logits on rank 0 (None on the other ranks of a tensor-parallel group)."""
+        return self.parallel.gather_logits(F.linear(hidden, self.lm_head).float(), self.config.vocab_size)
 
 
 def _take(tensors: dict[str, torch.Tensor], name: str) -> torch.Tensor:

@@ -6,6 +6,7 @@ contiguous run at the start of the batch."""
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -14,6 +15,7 @@ from actors.config import EngineConfig
 from actors.worker.attention import StepAttention, make_backend
 from actors.worker.cpu_tuning import tune_allocator
 from actors.worker.model import LlamaModel
+from actors.worker.parallel import TensorParallel
 from actors.worker.sampler import Sampler, prompt_token_logprobs
 from messages.common import SamplingParams
 from messages.scheduler import StepResult, TokenLogprobs
@@ -34,16 +36,50 @@ class CachedRequest:
     num_computed_tokens: int
 
 
-def kv_block_bytes(engine: EngineConfig) -> int:
-    """Bytes one KV block takes across all layers (keys and values)."""
+def kv_block_bytes(engine: EngineConfig, parallel: TensorParallel = TensorParallel()) -> int:
+    """Bytes one KV block takes across all layers (keys and values) on one rank."""
     m = engine.model
     element = torch.empty((), dtype=_DTYPES[engine.dtype]).element_size()
-    return 2 * m.num_hidden_layers * m.num_key_value_heads * m.head_dim * engine.cache.block_size * element
+    num_kv_heads = parallel.num_kv_heads(m)
+    return 2 * m.num_hidden_layers * num_kv_heads * m.head_dim * engine.cache.block_size * element
+
+
+def num_kv_blocks(engine: EngineConfig, parallel: TensorParallel = TensorParallel()) -> int:
+    """The pool size: num_kv_blocks if given, else what kv_cache_memory holds (per rank)."""
+    cache = engine.cache
+    block_bytes = kv_block_bytes(engine, parallel)
+    blocks = cache.num_kv_blocks or cache.kv_cache_memory // block_bytes
+    if blocks < 1:
+        raise ValueError(f"kv_cache_memory ({cache.kv_cache_memory} bytes) holds no KV block of {block_bytes} bytes")
+    return blocks
+
+
+def resolve_device(engine: EngineConfig, rank: int = 0) -> EngineConfig:
+    """The config with a concrete device for this rank and a concrete dtype: "auto" picks
+    CUDA when there is one (rank r on GPU r) and float32 on the CPU, bfloat16 on CUDA."""
+    device = engine.device
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device.startswith("cuda"):
+        if not torch.cuda.is_available():
+            raise ValueError("device 'cuda' was asked for, but no CUDA device is available")
+        if ":" not in device:
+            num_devices = torch.cuda.device_count()
+            if rank >= num_devices:
+                raise ValueError(f"tensor_parallel_size {engine.parallel.tensor_parallel_size} needs as many GPUs; "
+                                 f"{num_devices} are visible")
+            device = f"cuda:{rank}"
+    dtype = engine.dtype
+    if dtype == "auto":
+        dtype = "bfloat16" if device.startswith("cuda") else "float32"
+    if (device, dtype) == (engine.device, engine.dtype):
+        return engine
+    return dataclasses.replace(engine, device=device, dtype=dtype)
 
 
 class ModelRunner:
     def __init__(self, engine: EngineConfig, num_blocks: int, attention_backend: str = "auto",
-                 load_format: str = "auto") -> None:
+                 load_format: str = "auto", parallel: TensorParallel = TensorParallel()) -> None:
         if engine.dtype not in _DTYPES:
             raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {engine.dtype!r}")
         tune_allocator()
@@ -51,15 +87,17 @@ class ModelRunner:
         self.dtype = _DTYPES[engine.dtype]
         self.block_size = engine.cache.block_size
         self.backend = make_backend(attention_backend, self.device)
-        self.model = LlamaModel(engine.model, self.dtype, self.device, self.backend)
+        self.parallel = parallel
+        self.model = LlamaModel(engine.model, self.dtype, self.device, self.backend, parallel)
         if load_format == "dummy":
             self.model.init_dummy_weights(engine.seed)
         else:
-            from actors.worker.loader import iter_weights
+            from actors.worker.loader import iter_weight_slices
 
-            self.model.load_weights(iter_weights(engine.model.model_path))
+            self.model.load_weights((name, parallel.shard(name, weight_slice, engine.model))
+                                    for name, weight_slice in iter_weight_slices(engine.model.model_path))
         m = engine.model
-        shape = (num_blocks, m.num_key_value_heads, self.block_size, m.head_dim)
+        shape = (num_blocks, self.model.num_kv_heads, self.block_size, m.head_dim)
         # zeros, not empty: masked slots are multiplied by 0, and 0 * NaN garbage is NaN
         self.kv_caches = [(torch.zeros(shape, dtype=self.dtype, device=self.device),
                            torch.zeros(shape, dtype=self.dtype, device=self.device))
@@ -93,10 +131,16 @@ class ModelRunner:
         sample_rows, samplers, prompt_rows = self._logit_rows(batch)
         hidden = self.model.forward(input_ids, positions, self.kv_caches, attention)
         rows = sample_rows + [row for _, rows_of_request, _ in prompt_rows for row in rows_of_request]
+        # (a collective under tensor parallelism: the logits end up on rank 0 only)
         logits = self.model.compute_logits(hidden[torch.tensor(rows, dtype=torch.long)]) if rows else None
-        # 4. sample, and advance every scheduled request
-        tokens, logprobs = self.sampler(logits[: len(sample_rows)], samplers) if samplers else ([], None)
-        prompt_logprobs = self._prompt_logprobs(logits, len(sample_rows), prompt_rows)
+        # 4. sample (rank 0, which then hands its tokens to the other ranks), and advance
+        #    every scheduled request
+        tokens, logprobs, prompt_logprobs = [], None, {}
+        if logits is not None:
+            if samplers:
+                tokens, logprobs = self.sampler(logits[: len(sample_rows)], samplers)
+            prompt_logprobs = self._prompt_logprobs(logits, len(sample_rows), prompt_rows)
+        tokens = self.parallel.broadcast_tokens(tokens, len(samplers), self.device)
         for request, num_tokens in batch:
             request.num_computed_tokens += num_tokens
         for request, token in zip(samplers, tokens):

@@ -1,0 +1,143 @@
+"""Tensor parallelism: how a Llama-family model is split across ranks, and the few
+collectives a step needs (over torch.distributed: NCCL on CUDA, gloo on the CPU).
+
+The split (as Megatron-LM and vLLM):
+- column-parallel: q/k/v and gate/up projections, each rank a contiguous slice of the
+  heads / intermediate features (biases alike);
+- row-parallel: o_proj and down_proj, each rank the matching input columns; the partial
+  outputs are summed with an all-reduce;
+- vocab-parallel: embedding and LM head, each rank a contiguous slice of the vocabulary
+  (padded so every rank's slice has the same size); the embedding is summed across ranks,
+  the logits gathered to rank 0, which samples and broadcasts the tokens;
+- KV heads: split like the query heads when there are at least as many as ranks;
+  otherwise each rank keeps the one KV head its query heads use (replicated).
+Norms are replicated. Each rank reads only its slices from the checkpoint."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from actors.config import ModelConfig
+
+
+def check_tensor_parallel_size(model: ModelConfig, tp_size: int) -> None:
+    """ValueError naming what tp_size does not divide."""
+    if not isinstance(tp_size, int) or tp_size < 1:
+        raise ValueError(f"tensor_parallel_size must be a positive integer, got {tp_size!r}")
+    heads, kv_heads = model.num_attention_heads, model.num_key_value_heads
+    if heads % tp_size:
+        raise ValueError(f"tensor_parallel_size {tp_size} does not divide the model's {heads} attention heads")
+    if kv_heads % tp_size and tp_size % kv_heads:
+        raise ValueError(f"tensor_parallel_size {tp_size} and the model's {kv_heads} KV heads must divide one "
+                         "another")
+    if model.intermediate_size % tp_size:
+        raise ValueError(f"tensor_parallel_size {tp_size} does not divide the model's intermediate size "
+                         f"{model.intermediate_size}")
+
+
+@dataclass(frozen=True)
+class TensorParallel:
+    """One rank's place in the group and its share of the model."""
+
+    rank: int = 0
+    size: int = 1
+
+    @property
+    def enabled(self) -> bool:
+        return self.size > 1
+
+    # ---- shapes ----
+
+    def num_heads(self, model: ModelConfig) -> int:
+        return model.num_attention_heads // self.size
+
+    def num_kv_heads(self, model: ModelConfig) -> int:
+        return max(1, model.num_key_value_heads // self.size)
+
+    def kv_head_start(self, model: ModelConfig) -> int:
+        """The first KV head of this rank: its query heads' group."""
+        if model.num_key_value_heads >= self.size:
+            return self.rank * self.num_kv_heads(model)
+        return self.rank * model.num_key_value_heads // self.size
+
+    def vocab_shard(self, vocab_size: int) -> tuple[int, int]:
+        """[start, end) of this rank's vocabulary slice; every slice is padded to
+        ceil(vocab / size) rows, so end - start may be less than the padded size."""
+        padded = -(-vocab_size // self.size)
+        start = min(self.rank * padded, vocab_size)
+        return start, min(start + padded, vocab_size)
+
+    def padded_vocab_shard_size(self, vocab_size: int) -> int:
+        return -(-vocab_size // self.size)
+
+    # ---- checkpoint slices ----
+
+    def shard(self, name: str, tensor_slice, model: ModelConfig) -> torch.Tensor:
+        """This rank's part of one Hugging Face-named weight. tensor_slice is anything
+        indexable like a tensor (a safetensors slice reads only the rows asked for)."""
+        if not self.enabled:
+            return tensor_slice[:]
+        head_dim = model.head_dim
+        if name.endswith(("q_proj.weight", "q_proj.bias")):
+            rows = self.num_heads(model) * head_dim
+            return tensor_slice[self.rank * rows:(self.rank + 1) * rows]
+        if name.endswith(("k_proj.weight", "k_proj.bias", "v_proj.weight", "v_proj.bias")):
+            start = self.kv_head_start(model) * head_dim
+            return tensor_slice[start:start + self.num_kv_heads(model) * head_dim]
+        if name.endswith(("gate_proj.weight", "up_proj.weight")):
+            rows = model.intermediate_size // self.size
+            return tensor_slice[self.rank * rows:(self.rank + 1) * rows]
+        if name.endswith("o_proj.weight"):
+            cols = self.num_heads(model) * head_dim
+            return tensor_slice[:, self.rank * cols:(self.rank + 1) * cols]
+        if name.endswith("down_proj.weight"):
+            cols = model.intermediate_size // self.size
+            return tensor_slice[:, self.rank * cols:(self.rank + 1) * cols]
+        if name in ("model.embed_tokens.weight", "lm_head.weight"):
+            start, end = self.vocab_shard(model.vocab_size)
+            rows = tensor_slice[start:end]
+            padding = self.padded_vocab_shard_size(model.vocab_size) - (end - start)
+            if padding:
+                rows = torch.cat([rows, rows.new_zeros(padding, rows.shape[1])])
+            return rows
+        return tensor_slice[:]  # norms: replicated
+
+    # ---- collectives ----
+
+    def all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
+        if self.enabled:
+            torch.distributed.all_reduce(tensor)
+        return tensor
+
+    def embed(self, input_ids: torch.Tensor, embed_shard: torch.Tensor, vocab_size: int) -> torch.Tensor:
+        """Embedding rows of a vocab-parallel table: each rank looks up the ids in its
+        slice (zeros elsewhere), and the sum across ranks has every row."""
+        if not self.enabled:
+            return torch.nn.functional.embedding(input_ids, embed_shard)
+        start, end = self.vocab_shard(vocab_size)
+        mine = (input_ids >= start) & (input_ids < end)
+        local_ids = torch.where(mine, input_ids - start, torch.zeros_like(input_ids))
+        hidden = torch.nn.functional.embedding(local_ids, embed_shard)
+        hidden = hidden * mine.unsqueeze(-1).to(hidden.dtype)
+        return self.all_reduce(hidden)
+
+    def gather_logits(self, local_logits: torch.Tensor, vocab_size: int) -> torch.Tensor | None:
+        """[n, padded shard] on every rank -> [n, vocab] on rank 0 (None elsewhere)."""
+        if not self.enabled:
+            return local_logits
+        local_logits = local_logits.contiguous()
+        parts = [torch.empty_like(local_logits) for _ in range(self.size)] if self.rank == 0 else None
+        torch.distributed.gather(local_logits, parts, dst=0)
+        if self.rank != 0:
+            return None
+        return torch.cat(parts, dim=-1)[:, :vocab_size]
+
+    def broadcast_tokens(self, token_ids: list[int], count: int, device: torch.device) -> list[int]:
+        """Rank 0's sampled tokens, on every rank (count is known to all)."""
+        if not self.enabled or count == 0:
+            return token_ids
+        tokens = torch.tensor(token_ids if self.rank == 0 else [0] * count, dtype=torch.long, device=device)
+        torch.distributed.broadcast(tokens, src=0)
+        return tokens.tolist()
