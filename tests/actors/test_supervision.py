@@ -38,9 +38,10 @@ def long_context_model_dir(make_tiny_model) -> str:
     return make_tiny_model("llama", max_position_embeddings=8192)
 
 
-@pytest.mark.parametrize("victim", ["worker0", "detokenizer"])
-async def test_kill_9_of_an_actor_fails_pending_calls_within_5_seconds(long_context_model_dir, victim):
-    client = AsyncClient(long_context_model_dir, kv_cache_memory="64MiB")
+async def kill_during_generation(model_dir: str, victim: str, **engine_args) -> None:
+    """Starts an engine, kills one actor with SIGKILL while requests run, and checks that
+    every pending call fails within 5 s, new calls fail at once, and no process is left."""
+    client = AsyncClient(model_dir, kv_cache_memory="64MiB", **engine_args)
     async with asyncio.timeout(120):
         await client.start()
     pids = [process.pid for process in client.processes.processes.values()]
@@ -66,6 +67,11 @@ async def test_kill_9_of_an_actor_fails_pending_calls_within_5_seconds(long_cont
         async with asyncio.timeout(30):
             await client.close()
     assert not [pid for pid in pids if pid_exists(pid)]
+
+
+@pytest.mark.parametrize("victim", ["worker0", "detokenizer"])
+async def test_kill_9_of_an_actor_fails_pending_calls_within_5_seconds(long_context_model_dir, victim):
+    await kill_during_generation(long_context_model_dir, victim)
 
 
 async def test_close_leaves_no_process_and_two_engines_coexist(tiny_llama_dir, tiny_qwen2_dir):

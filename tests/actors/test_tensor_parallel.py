@@ -4,15 +4,12 @@ holding its share of the weights, and a dead rank failing every request."""
 from __future__ import annotations
 
 import asyncio
-import os
-import signal
-import time
 
 import pytest
 
-from actors import LLM, AsyncClient, EngineDeadError, SamplingParams
+from actors import LLM, AsyncClient, SamplingParams
 from tests.actors.test_llm_matches_hf import PROMPT_LENGTHS, make_prompts
-from tests.actors.test_supervision import consume, pid_exists
+from tests.actors.test_supervision import kill_during_generation
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
 
@@ -58,25 +55,8 @@ async def test_tp3_on_smollm2_equals_one_rank(smollm2_dir):
 
 
 async def test_kill_9_of_rank_1_fails_pending_requests_and_stops_every_rank(make_tiny_model):
-    model_dir = make_tiny_model("llama", max_position_embeddings=8192)
-    client = AsyncClient(model_dir, kv_cache_memory="32MiB", tensor_parallel_size=2)
-    async with asyncio.timeout(120):
-        await client.start()
-    pids = [p.pid for p in client.processes.processes.values()]
-    try:
-        prompts = make_prompts(client.config.model.vocab_size, [20] * 4, seed=41)
-        params = SamplingParams(temperature=0.0, max_tokens=8000, ignore_eos=True)
-        tasks = [asyncio.create_task(consume(client.generate(p, params))) for p in prompts]
-        await asyncio.sleep(0.5)
-        os.kill(client.processes.processes["worker1"].pid, signal.SIGKILL)
-        killed_at = time.monotonic()
-        results = await asyncio.wait_for(asyncio.gather(*tasks, return_exceptions=True), 5.0)
-        assert time.monotonic() - killed_at < 5.0
-        assert all(isinstance(result, EngineDeadError) for result in results), results
-    finally:
-        async with asyncio.timeout(30):
-            await client.close()
-    assert not [pid for pid in pids if pid_exists(pid)]
+    await kill_during_generation(make_tiny_model("llama", max_position_embeddings=8192), "worker1",
+                                 tensor_parallel_size=2)
 
 
 def test_tensor_parallel_size_must_divide_the_heads(tiny_llama_dir):
