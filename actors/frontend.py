@@ -50,6 +50,32 @@ class _Stream:
         self.n = n
 
 
+class RequestStream:
+    """What generate() and chat() return: iterate it for the deltas (`async for`), or
+    await it for the whole output at once."""
+
+    def __init__(self, deltas: AsyncIterator[RequestOutput]) -> None:
+        self._deltas = deltas
+
+    def __aiter__(self) -> AsyncIterator[RequestOutput]:
+        return self._deltas
+
+    async def __anext__(self) -> RequestOutput:
+        return await anext(self._deltas)
+
+    async def aclose(self) -> None:
+        await self._deltas.aclose()
+
+    def __await__(self):
+        return self._collect().__await__()
+
+    async def _collect(self) -> RequestOutput:
+        whole = None
+        async for delta in self._deltas:
+            whole = merge_delta(whole, delta)
+        return whole
+
+
 class AsyncClient:
     """Starts and supervises a troupe engine; generate() streams RequestOutput deltas."""
 
@@ -198,26 +224,27 @@ class AsyncClient:
     # ---- requests ----
 
     def generate(self, prompt: Prompt, sampling_params: SamplingParams | None = None,
-                 request_id: str | None = None) -> AsyncIterator[RequestOutput]:
+                 request_id: str | None = None) -> RequestStream:
         """Streams the request's RequestOutput deltas: each holds the text and tokens that
         are new since the last one; the last has finished=True. The request starts when
-        the stream is first iterated; leaving the stream early aborts it."""
+        the stream is first iterated (or awaited, which gives the whole output); leaving
+        the stream early aborts it."""
         params = _check_params(sampling_params)
         if not isinstance(prompt, (str, list)):
             raise InvalidRequestError("prompt must be a string or a list of token ids", param="prompt")
         request = AddRequest(request_id=self._new_id(request_id), prompt=prompt, params=params,
                              arrival_time=time.time())
-        return self._run(request, prompt if isinstance(prompt, str) else None)
+        return RequestStream(self._run(request, prompt if isinstance(prompt, str) else None))
 
     def chat(self, messages: list[dict[str, Any]], sampling_params: SamplingParams | None = None,
-             request_id: str | None = None, add_generation_prompt: bool = True) -> AsyncIterator[RequestOutput]:
+             request_id: str | None = None, add_generation_prompt: bool = True) -> RequestStream:
         """generate() for a conversation, rendered with the model's chat template."""
         params = _check_params(sampling_params)
         if not isinstance(messages, list):
             raise InvalidRequestError("messages must be a list of {'role', 'content'} objects", param="messages")
         request = AddRequest(request_id=self._new_id(request_id), messages=messages,
                              add_generation_prompt=add_generation_prompt, params=params, arrival_time=time.time())
-        return self._run(request, None)
+        return RequestStream(self._run(request, None))
 
     async def generate_batch(self, prompts: Sequence[Prompt],
                              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
@@ -271,6 +298,12 @@ class AsyncClient:
             return await asyncio.wait_for(future, timeout)
         finally:
             self._stats_queries.pop(query_id, None)
+
+    stats = get_stats  # the same, under a shorter name
+
+    def actor_pids(self) -> dict[str, int]:
+        """Actor name ("worker0", "scheduler", ...) -> process id."""
+        return {name: process.pid for name, process in (self.processes.processes if self.processes else {}).items()}
 
     @property
     def num_unfinished_requests(self) -> int:

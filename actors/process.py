@@ -34,6 +34,7 @@ ACTOR_CLASSES = {
 }
 
 _PR_SET_PDEATHSIG = 1
+_PR_SET_NAME = 15
 
 
 class ActorProcess:
@@ -46,8 +47,9 @@ class ActorProcess:
         # the child imports this checkout's packages even when troupe is not installed
         child_env["PYTHONPATH"] = os.pathsep.join(
             [package_root] + [p for p in child_env.get("PYTHONPATH", "").split(os.pathsep) if p])
-        self.popen = subprocess.Popen([sys.executable, "-m", "actors.process"], stdin=subprocess.PIPE,
-                                      env=child_env)
+        # the name on the command line tells the processes apart in ps, top and psutil
+        self.popen = subprocess.Popen([sys.executable, "-m", "actors.process", "--name", spec.name],
+                                      stdin=subprocess.PIPE, env=child_env)
         assert self.popen.stdin is not None
         self.popen.stdin.write(msgspec.msgpack.encode(spec))
         self.popen.stdin.close()
@@ -87,10 +89,12 @@ class ActorProcess:
             self.pidfd = None
 
 
-def _die_with_parent() -> None:
+def _die_with_parent(name: str) -> None:
+    """Also names the process (what ps -o comm and psutil's name() show; 15 bytes)."""
     try:
         libc = ctypes.CDLL(None, use_errno=True)
         libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+        libc.prctl(_PR_SET_NAME, ctypes.c_char_p(f"troupe-{name}".encode()[:15]))
     except (OSError, AttributeError):
         pass  # not Linux: the launcher's own clean-up has to do
     if os.getppid() == 1:  # the parent died before prctl took effect
@@ -105,9 +109,9 @@ def _load_actor_class(kind: str) -> type:
 
 
 def main() -> None:
-    _die_with_parent()
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     spec = msgspec.msgpack.decode(sys.stdin.buffer.read(), type=ActorSpec)
+    _die_with_parent(spec.name)
     logging.basicConfig(level=spec.log_level.upper(),
                         format=f"%(asctime)s %(levelname)s {spec.name}: %(message)s")
     from messages.frontend import ActorFailed

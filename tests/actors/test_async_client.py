@@ -156,6 +156,18 @@ async def test_bad_requests_fail_alone_and_the_engine_keeps_serving(client):
     assert joined(await collect(client.generate(good, params)))[1] == expected
 
 
+async def test_awaiting_a_stream_gives_the_whole_output(client):
+    prompt = make_prompts(client.config.model.vocab_size, [12], seed=26)[0]
+    params = SamplingParams(temperature=0.0, max_tokens=7, ignore_eos=True, n=2)
+    whole = await client.generate(prompt, params)
+    deltas = await collect(client.generate(prompt, params))
+    assert whole.finished and [c.index for c in whole.outputs] == [0, 1]
+    assert [(c.text, c.token_ids) for c in whole.outputs] == [joined(deltas, 0), joined(deltas, 1)]
+    chat = await client.chat([{"role": "user", "content": "Hi"}], SamplingParams(max_tokens=3, ignore_eos=True))
+    assert len(chat.outputs[0].token_ids) == 3
+    assert set(client.actor_pids()) == {"input_processor0", "scheduler", "executor", "detokenizer", "worker0"}
+
+
 async def test_chat_renders_the_template(client):
     messages = [{"role": "user", "content": "Hello world!"}]
     params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
