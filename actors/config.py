@@ -74,6 +74,21 @@ class ParallelConfig:
     # torch.distributed rendezvous of the workers, e.g. "tcp://127.0.0.1:29500"; chosen by
     # the launcher (a free port) when None
     distributed_init_method: str | None = None
+    # Several machines: node 0 runs every actor and the first ranks; node i > 0 runs ranks
+    # [i * size / nnodes, (i + 1) * size / nnodes) only. They meet at master_addr: the
+    # workers' rendezvous at master_port, ZeroMQ (tcp) on the ports just above it.
+    nnodes: int = 1
+    node_rank: int = 0
+    master_addr: str = "127.0.0.1"
+    master_port: int = 29500
+
+    @property
+    def ranks_per_node(self) -> int:
+        return self.tensor_parallel_size // self.nnodes
+
+    @property
+    def local_ranks(self) -> range:
+        return range(self.node_rank * self.ranks_per_node, (self.node_rank + 1) * self.ranks_per_node)
 
 
 @dataclass(frozen=True)

@@ -27,6 +27,11 @@ class EngineArgs:
     dtype: str = "float32"  # "auto": float32 on the CPU, bfloat16 on CUDA
     device: str = "cpu"  # "auto": CUDA when there is a GPU
     tensor_parallel_size: int = 1
+    # several machines (see ParallelConfig): node 0 runs the engine, the others only ranks
+    nnodes: int = 1
+    node_rank: int = 0
+    master_addr: str = "127.0.0.1"
+    master_port: int = 29500
     seed: int = 0
     enable_prefix_caching: bool = True
     attention_backend: str = "auto"
@@ -48,6 +53,10 @@ class EngineArgs:
         model_dir = resolve_model(self.model)
         model_config = load_model_config(model_dir)
         check_tensor_parallel_size(model_config, self.tensor_parallel_size)
+        if self.nnodes < 1 or self.tensor_parallel_size % self.nnodes:
+            raise ValueError(f"nnodes ({self.nnodes}) must divide tensor_parallel_size ({self.tensor_parallel_size})")
+        if not 0 <= self.node_rank < self.nnodes:
+            raise ValueError(f"node_rank must be in [0, {self.nnodes}), got {self.node_rank}")
         max_model_len = self.max_model_len
         if max_model_len is None:
             max_model_len = model_config.max_position_embeddings
@@ -61,6 +70,8 @@ class EngineArgs:
             scheduler=SchedulerConfig(max_num_seqs=self.max_num_seqs,
                                       max_num_batched_tokens=self.max_num_batched_tokens,
                                       max_model_len=max_model_len, async_scheduling=self.async_scheduling),
-            parallel=ParallelConfig(tensor_parallel_size=self.tensor_parallel_size),
+            parallel=ParallelConfig(tensor_parallel_size=self.tensor_parallel_size, nnodes=self.nnodes,
+                                    node_rank=self.node_rank, master_addr=self.master_addr,
+                                    master_port=self.master_port),
             dtype=self.dtype, device=self.device, seed=self.seed, tokenizer_path=model_dir,
             attention_backend=self.attention_backend, load_format=self.load_format)

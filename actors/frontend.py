@@ -113,8 +113,7 @@ class AsyncClient:
     async def start(self) -> None:
         self.config = await asyncio.to_thread(self.engine_args.build)
         self._namespace = Namespace(self.transport)
-        addresses = engine_addresses(self._namespace, self.num_input_processors,
-                                     self.config.parallel.tensor_parallel_size)
+        addresses = engine_addresses(self._namespace, self.num_input_processors, self.config.parallel)
         self._sockets = Sockets()
         self._inbox = self._sockets.inbox(addresses["frontend"], FrontendInbox)
         self._to_input_processors = self._sockets.outbox(addresses["input_processor"], bind=True)

@@ -17,7 +17,7 @@ import time
 from collections.abc import Callable
 
 from actors.actor import ActorSpec
-from actors.config import EngineConfig
+from actors.config import EngineConfig, ParallelConfig
 from actors.errors import EngineStartupError
 from actors.process import ActorProcess
 from messages.frontend import ActorFailed, ActorReady
@@ -28,13 +28,34 @@ logger = logging.getLogger(__name__)
 _POLL_INTERVAL_S = 0.2
 
 
-def engine_addresses(namespace: Namespace, num_input_processors: int, num_workers: int) -> dict[str, str]:
-    """Actor name -> inbox address. "input_processor" is the frontend's shared PUSH
-    socket that every input processor connects to."""
+def engine_addresses(namespace: Namespace, num_input_processors: int, parallel: ParallelConfig) -> dict[str, str]:
+    """Actor name -> inbox address, for the actors of this node. Two are bound sockets
+    that peers connect to: "input_processor" (the frontend's, shared by every input
+    processor) and "plans{rank}" (the executor's, one per rank). With several nodes, what
+    other nodes reach (the frontend's inbox, the executor's plan sockets) is on tcp at
+    master_addr, on the ports above master_port."""
     names = ["frontend", "input_processor", "scheduler", "executor", "detokenizer"]
     names += [f"input_processor{i}" for i in range(num_input_processors)]
-    names += [f"worker{rank}" for rank in range(num_workers)]
-    return {name: namespace.address(name) for name in names}
+    names += [f"worker{rank}" for rank in parallel.local_ranks]
+    addresses = {name: namespace.address(name) for name in names}
+    for rank in range(parallel.tensor_parallel_size):
+        addresses[f"plans{rank}"] = namespace.address(f"plans{rank}")
+    if parallel.nnodes > 1:
+        host, port = parallel.master_addr, parallel.master_port
+        addresses["frontend"] = f"tcp://{host}:{port + 1}"
+        for rank in range(parallel.tensor_parallel_size):
+            addresses[f"plans{rank}"] = f"tcp://{host}:{port + 2 + rank}"
+    return addresses
+
+
+def distributed_init_method(parallel: ParallelConfig) -> str:
+    """Where the workers' torch.distributed rendezvous: as configured, master_addr:master_port
+    across nodes, else a free port on this machine."""
+    if parallel.distributed_init_method:
+        return parallel.distributed_init_method
+    if parallel.nnodes > 1:
+        return f"tcp://{parallel.master_addr}:{parallel.master_port}"
+    return f"tcp://127.0.0.1:{free_tcp_port()}"
 
 
 class EngineProcesses:
@@ -61,15 +82,12 @@ class EngineProcesses:
         stops whatever started and raises EngineStartupError."""
         deadline = time.monotonic() + timeout
         try:
-            init_method = (self.engine.parallel.distributed_init_method
-                           or f"tcp://127.0.0.1:{free_tcp_port()}")
-            for rank in range(self.num_workers):
-                self._spawn("worker", f"worker{rank}", rank=rank, distributed_init_method=init_method)
+            self.spawn_local_workers()
             for index in range(self.num_input_processors):
                 self._spawn("input_processor", f"input_processor{index}")
             self._spawn("detokenizer", "detokenizer")
             self._spawn("executor", "executor", num_workers=self.num_workers)
-            workers = [f"worker{rank}" for rank in range(self.num_workers)]
+            workers = [f"worker{rank}" for rank in range(self.num_workers)]  # other nodes' too
             await self._wait_ready(control, workers, deadline)
             num_kv_blocks = min(self.ready[name].info["num_kv_blocks"] for name in workers)
             self._spawn("scheduler", "scheduler", num_kv_blocks=num_kv_blocks)
@@ -77,6 +95,11 @@ class EngineProcesses:
         except BaseException:
             await self.stop()
             raise
+
+    def spawn_local_workers(self) -> None:
+        init_method = distributed_init_method(self.engine.parallel)
+        for rank in self.engine.parallel.local_ranks:
+            self._spawn("worker", f"worker{rank}", rank=rank, distributed_init_method=init_method)
 
     async def _wait_ready(self, control: Inbox, names: list[str], deadline: float) -> None:
         while any(name not in self.ready for name in names):
@@ -153,3 +176,37 @@ class EngineProcesses:
         for process in self.processes.values():
             process.kill()
             process.wait(5.0)
+
+
+async def run_worker_node(engine: EngineConfig, stop: asyncio.Event, log_level: str = "WARNING") -> int:
+    """Node i > 0 of a multi-node engine: runs this node's ranks until the engine shuts them
+    down (the executor sends every rank a Shutdown; returns 0) or `stop` is set (returns
+    0), or one of them dies: then node 0's frontend is told, so every request fails at
+    once, the other local ranks are stopped, and this returns 1."""
+    from messages.transport import Sockets
+
+    namespace = Namespace("ipc")
+    addresses = engine_addresses(namespace, 0, engine.parallel)
+    processes = EngineProcesses(engine, addresses, num_input_processors=0, log_level=log_level)
+    deaths: asyncio.Queue[tuple[str, int | None]] = asyncio.Queue()
+    try:
+        processes.spawn_local_workers()
+        processes.watch(lambda name, returncode: deaths.put_nowait((name, returncode)))
+        stopped = asyncio.ensure_future(stop.wait())
+        died = asyncio.ensure_future(deaths.get())
+        await asyncio.wait([stopped, died], return_when=asyncio.FIRST_COMPLETED)
+        stopped.cancel()
+        if not died.done():
+            died.cancel()
+            return 0
+        name, returncode = died.result()
+        if returncode == 0:
+            return 0  # shut down by the executor: the others follow
+        sockets = Sockets()
+        sockets.outbox(addresses["frontend"]).send(
+            ActorFailed(name=name, error=f"exited with code {returncode} on node {engine.parallel.node_rank}"))
+        sockets.close()
+        return 1
+    finally:
+        await processes.stop()
+        namespace.cleanup()

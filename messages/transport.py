@@ -58,6 +58,30 @@ def free_tcp_port(host: str = "127.0.0.1") -> int:
         return probe.getsockname()[1]
 
 
+def free_tcp_port_range(count: int, host: str = "127.0.0.1", first: int = 20000, last: int = 32000) -> int:
+    """The first of `count` consecutive ports that are free now, below the kernel's usual
+    ephemeral range (where outgoing connections could take one meanwhile)."""
+    import random
+    import socket
+
+    rng = random.Random()
+    for _ in range(200):
+        start = rng.randrange(first, last - count)
+        probes = []
+        try:
+            for port in range(start, start + count):
+                probe = socket.socket()
+                probes.append(probe)
+                probe.bind((host, port))
+            return start
+        except OSError:
+            continue
+        finally:
+            for probe in probes:
+                probe.close()
+    raise RuntimeError(f"no {count} consecutive free ports in [{first}, {last})")
+
+
 _encoder = msgspec.msgpack.Encoder()
 
 
@@ -69,7 +93,10 @@ class Outbox:
     """A PUSH socket to one peer. send() never blocks: the queue is unbounded (a step's
     messages are small, and blocking an actor's loop on a slow peer would stall it)."""
 
-    def __init__(self, context: zmq.Context, address: str, bind: bool = False) -> None:
+    def __init__(self, context: zmq.Context, address: str, bind: bool = False, blocking: bool = False) -> None:
+        # A bound PUSH socket has no queue until a peer connects: a blocking one waits for
+        # that peer instead of raising zmq.Again.
+        self._flags = 0 if blocking else zmq.NOBLOCK
         self.socket = context.socket(zmq.PUSH)
         self.socket.setsockopt(zmq.SNDHWM, 0)
         self.socket.setsockopt(zmq.LINGER, 1000)  # on close, give queued messages 1 s to leave
@@ -80,10 +107,10 @@ class Outbox:
 
     def send(self, message: msgspec.Struct) -> None:
         """Raises zmq.Again only on a bound socket with no peer connected."""
-        self.socket.send(encode(message), flags=zmq.NOBLOCK, copy=False)
+        self.socket.send(encode(message), flags=self._flags, copy=False)
 
     def send_bytes(self, payload: bytes | memoryview) -> None:
-        self.socket.send(payload, flags=zmq.NOBLOCK, copy=False)
+        self.socket.send(payload, flags=self._flags, copy=False)
 
     def close(self) -> None:
         self.socket.close()
@@ -133,8 +160,8 @@ class Sockets:
         self.async_context = zmq.asyncio.Context.shadow(self.context)
         self._opened: list[Outbox | Inbox] = []
 
-    def outbox(self, address: str, bind: bool = False) -> Outbox:
-        outbox = Outbox(self.context, address, bind)
+    def outbox(self, address: str, bind: bool = False, blocking: bool = False) -> Outbox:
+        outbox = Outbox(self.context, address, bind, blocking)
         self._opened.append(outbox)
         return outbox
 

@@ -18,6 +18,7 @@ class WorkerActor(Actor):
     def __init__(self, name: str, addresses: dict[str, str], sockets: Sockets, runner, num_kv_blocks: int,
                  rank: int = 0) -> None:
         super().__init__(name, addresses, sockets)
+        self.inbox.socket.connect(addresses[f"plans{rank}"])  # the executor's socket for this rank
         self.rank = rank
         self.runner = runner
         self.num_kv_blocks = num_kv_blocks

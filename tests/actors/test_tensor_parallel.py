@@ -4,24 +4,27 @@ holding its share of the weights, and a dead rank failing every request."""
 from __future__ import annotations
 
 import asyncio
+import subprocess
+import sys
 
 import pytest
 
 from actors import LLM, AsyncClient, SamplingParams
 from tests.actors.test_llm_matches_hf import PROMPT_LENGTHS, make_prompts
+from messages.transport import free_tcp_port_range
 from tests.actors.test_supervision import kill_during_generation
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
 
 
-async def greedy_tokens(model_dir: str, prompts: list[list[int]], tensor_parallel_size: int,
-                        **engine_args) -> tuple[list[list[int]], dict]:
-    """The greedy tokens of an actor engine, and its workers' ready reports."""
+async def greedy_tokens(model_dir: str, prompts: list[list[int]], **engine_args) -> tuple[list[list[int]], dict]:
+    """The greedy tokens of an actor engine, and its local workers' ready reports."""
+    engine_args.setdefault("kv_cache_memory", "32MiB")
     async with asyncio.timeout(180):
-        async with AsyncClient(model_dir, kv_cache_memory="32MiB", tensor_parallel_size=tensor_parallel_size,
-                               **engine_args) as client:
+        async with AsyncClient(model_dir, **engine_args) as client:
             outputs = await client.generate_batch(prompts, GREEDY, use_tqdm=False)
-            ready = {name: r.info for name, r in client.processes.ready.items() if name.startswith("worker")}
+            ready = {name: client.processes.ready[name].info for name in client.processes.processes
+                     if name.startswith("worker")}
     return [o.outputs[0].token_ids for o in outputs], ready
 
 
@@ -36,7 +39,7 @@ async def test_tp2_greedy_tokens_equal_one_rank(make_tiny_model, arch, overrides
     one = LLM(model_dir, kv_cache_memory="32MiB")
     prompts = make_prompts(one.config.model.vocab_size, PROMPT_LENGTHS, seed=40)
     expected = [o.outputs[0].token_ids for o in one.generate(prompts, GREEDY, use_tqdm=False)]
-    tokens, ready = await greedy_tokens(model_dir, prompts, 2)
+    tokens, ready = await greedy_tokens(model_dir, prompts, tensor_parallel_size=2)
     assert tokens == expected
     total = one.engine.runner.model.num_weight_bytes()
     for info in ready.values():
@@ -50,7 +53,7 @@ async def test_tp3_on_smollm2_equals_one_rank(smollm2_dir):
     prompts = [[1, 504, 3458, 282, 4649, 314], [1, 19556, 28, 957, 1462, 314, 216]]
     with LLM(smollm2_dir, kv_cache_memory="64MiB") as one:
         expected = [o.outputs[0].token_ids for o in one.generate(prompts, GREEDY, use_tqdm=False)]
-    tokens, ready = await greedy_tokens(smollm2_dir, prompts, 3)
+    tokens, ready = await greedy_tokens(smollm2_dir, prompts, tensor_parallel_size=3)
     assert tokens == expected and len(ready) == 3
 
 
@@ -62,3 +65,25 @@ async def test_kill_9_of_rank_1_fails_pending_requests_and_stops_every_rank(make
 def test_tensor_parallel_size_must_divide_the_heads(tiny_llama_dir):
     with pytest.raises(ValueError, match="attention heads"):
         LLM(tiny_llama_dir, tensor_parallel_size=3)
+
+
+async def test_two_nodes_on_loopback_give_the_tokens_of_one_rank(tiny_llama_dir):
+    # node 1 runs rank 1 alone; node 0 runs the engine and rank 0; they meet at master_port
+    port = free_tcp_port_range(4)  # the rendezvous, the frontend's inbox, a plan socket per rank
+    engine_args = dict(kv_cache_memory="32MiB", tensor_parallel_size=2, nnodes=2, master_port=port)
+    node1 = subprocess.Popen([sys.executable, "-c", (
+        "import asyncio, sys\n"
+        "from actors.engine_args import EngineArgs\n"
+        "from actors.supervisor import run_worker_node\n"
+        f"engine = EngineArgs(model={tiny_llama_dir!r}, node_rank=1, **{engine_args!r}).build()\n"
+        "sys.exit(asyncio.run(run_worker_node(engine, asyncio.Event())))\n")])
+    try:
+        one = LLM(tiny_llama_dir, kv_cache_memory="32MiB")
+        prompts = make_prompts(one.config.model.vocab_size, PROMPT_LENGTHS, seed=42)
+        expected = [o.outputs[0].token_ids for o in one.generate(prompts, GREEDY, use_tqdm=False)]
+        tokens, ready = await greedy_tokens(tiny_llama_dir, prompts, node_rank=0, **engine_args)
+        assert tokens == expected and set(ready) == {"worker0"}  # rank 1 is not this node's process
+        assert node1.wait(30) == 0  # the engine's shutdown reached the other node
+    finally:
+        node1.kill()
+        node1.wait(10)
