@@ -1,0 +1,257 @@
+"""python -m actors.launch: the OpenAI-compatible HTTP server over a troupe engine.
+
+    python -m actors.launch                      # the embedded SmolLM2-135M-Instruct on 127.0.0.1:8000
+    python -m actors.launch --model PATH --port 8080 --api-key secret
+
+Start-up: bind the port (so a port in use fails at once, before the model loads), start
+the engine's actor processes (AsyncClient), serve the app (api/) with uvicorn on uvloop,
+and print one line, `Serving MODEL on http://HOST:PORT`, once requests are taken.
+
+Shutdown: SIGTERM or SIGINT stops taking connections, gives running requests
+--shutdown-timeout seconds to finish, aborts the rest, stops every actor process and
+exits 0 (a second SIGINT skips the wait). If an engine actor dies, in-flight requests
+fail (503) and the server exits 1."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import logging
+import signal
+import socket
+import sys
+from collections.abc import Iterator
+
+import uvicorn
+import uvloop
+
+from actors.config import parse_size
+from actors.engine_args import ATTENTION_BACKENDS, DTYPES, LOAD_FORMATS
+from actors.errors import EngineStartupError
+from actors.frontend import AsyncClient
+from api.app import build_app
+from api.serving import DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_WAITING_REQUESTS, ServerSettings
+
+logger = logging.getLogger("actors.launch")
+
+DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+LOG_LEVELS = ("debug", "info", "warning", "error")
+
+
+def _size(text: str) -> int:
+    try:
+        return parse_size(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected bytes or a size like 512MiB or 2GiB, got {text!r}") from None
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m actors.launch",
+        description="Serve a model with troupe behind an OpenAI-compatible HTTP API "
+                    "(/v1/completions, /v1/chat/completions, /v1/models, /health, /metrics).",
+        epilog="example: python -m actors.launch --model ~/models/Qwen3-0.6B --port 8080 --api-key secret\n"
+               "then:    curl http://127.0.0.1:8080/v1/chat/completions -H 'Authorization: Bearer secret' "
+               "-H 'Content-Type: application/json' -d '{\"messages\": [{\"role\": \"user\", \"content\": \"Hi\"}]}'",
+        formatter_class=argparse.RawDescriptionHelpFormatter)
+    model = parser.add_argument_group("model")
+    model.add_argument("--model", default=None, metavar="PATH",
+                       help="a local Hugging Face model directory or .gguf file (default: the embedded "
+                            "SmolLM2-135M-Instruct)")
+    model.add_argument("--served-model-name", nargs="+", metavar="NAME",
+                       help="the name(s) clients use in the 'model' field (default: --model as given)")
+    model.add_argument("--dtype", choices=DTYPES, default="float32", help="weights and activations (default: %(default)s)")
+    model.add_argument("--max-model-len", type=int, metavar="TOKENS",
+                       help="the longest prompt plus output (default: the model's own limit)")
+    model.add_argument("--load-format", choices=LOAD_FORMATS, default="auto",
+                       help="'dummy' runs random weights, for benchmarks (default: %(default)s)")
+    model.add_argument("--seed", type=int, default=0, help="the engine's random seed (default: %(default)s)")
+
+    server = parser.add_argument_group("HTTP server")
+    server.add_argument("--host", default="127.0.0.1", help="the address to listen on (default: %(default)s)")
+    server.add_argument("--port", type=int, default=8000, help="the port to listen on; 0 picks a free one "
+                                                               "(default: %(default)s)")
+    server.add_argument("--api-key", metavar="KEY",
+                        help="require 'Authorization: Bearer KEY' on the /v1 routes")
+    server.add_argument("--max-waiting-requests", type=int, default=DEFAULT_MAX_WAITING_REQUESTS, metavar="N",
+                        help="requests allowed to wait beyond the --max-num-seqs running ones; past that, new "
+                             "requests get 503 with Retry-After (default: %(default)s)")
+    server.add_argument("--max-request-size", type=_size, default=DEFAULT_MAX_BODY_BYTES, metavar="SIZE",
+                        help="larger request bodies get 413 (default: 16MiB)")
+    server.add_argument("--shutdown-timeout", type=float, default=10.0, metavar="SECONDS",
+                        help="on SIGTERM/SIGINT, how long running requests may take to finish before they "
+                             "are aborted (default: %(default)s)")
+    server.add_argument("--log-level", choices=LOG_LEVELS, default="info",
+                        help="'info' logs one line per request (default: %(default)s)")
+
+    engine = parser.add_argument_group("engine")
+    engine.add_argument("--max-num-seqs", type=int, default=256, metavar="N", help="requests running at once (default: %(default)s)")
+    engine.add_argument("--max-num-batched-tokens", type=int, default=2048, metavar="TOKENS",
+                        help="tokens computed in one step (default: %(default)s)")
+    engine.add_argument("--block-size", type=int, default=16, metavar="TOKENS", help="tokens per KV-cache block (default: %(default)s)")
+    engine.add_argument("--kv-cache-memory", type=_size, default="2GiB", metavar="SIZE",
+                        help="memory for the KV cache, e.g. 512MiB or 4GiB (default: 2GiB)")
+    engine.add_argument("--gpu-memory-utilization", type=float, metavar="FRACTION",
+                        help="size the KV cache from a share of GPU memory (not supported yet: the engine runs "
+                             "on the CPU; use --kv-cache-memory)")
+    engine.add_argument("--no-prefix-caching", action="store_true", help="do not reuse the KV cache of shared "
+                                                                         "prompt prefixes")
+    engine.add_argument("--attention-backend", choices=ATTENTION_BACKENDS, default="auto",
+                        help="'auto': Triton kernels on CUDA, plain torch on the CPU (default: %(default)s)")
+    engine.add_argument("--tensor-parallel-size", type=int, default=1, metavar="N",
+                        help="GPUs to shard the model over (only 1 is supported for now)")
+    engine.add_argument("--num-input-processors", type=int, default=1, metavar="N",
+                        help="processes that tokenize requests side by side (default: %(default)s)")
+    return parser
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.tensor_parallel_size != 1:
+        parser.error(f"--tensor-parallel-size {args.tensor_parallel_size}: only 1 is supported until tensor "
+                     "parallelism lands")
+    if args.gpu_memory_utilization is not None:
+        parser.error("--gpu-memory-utilization is not supported yet: the engine runs on the CPU and sizes its KV "
+                     "cache from --kv-cache-memory")
+    if not 0 <= args.port <= 65535:
+        parser.error(f"--port must be in [0, 65535], got {args.port}")
+    for name in ("max_waiting_requests", "num_input_processors"):
+        if getattr(args, name) < (0 if name == "max_waiting_requests" else 1):
+            parser.error(f"--{name.replace('_', '-')} is too small: {getattr(args, name)}")
+    if args.shutdown_timeout < 0:
+        parser.error("--shutdown-timeout must be non-negative")
+    return args
+
+
+def engine_args(args: argparse.Namespace) -> dict:
+    return dict(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+                block_size=args.block_size, kv_cache_memory=args.kv_cache_memory, max_model_len=args.max_model_len,
+                dtype=args.dtype, seed=args.seed, enable_prefix_caching=not args.no_prefix_caching,
+                attention_backend=args.attention_backend, load_format=args.load_format)
+
+
+def bind_socket(host: str, port: int) -> socket.socket:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError:
+        sock.close()
+        raise
+    return sock
+
+
+class _Server(uvicorn.Server):
+    """uvicorn's server without its own signal handling: uvicorn re-raises a caught
+    SIGTERM once it has stopped (so the process would die of it, not exit 0); the
+    launcher handles signals itself."""
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        yield
+
+
+class Launcher:
+    """One server's life: start the engine, serve, stop on a signal or an engine death."""
+
+    def __init__(self, args: argparse.Namespace, sock: socket.socket) -> None:
+        self.args = args
+        self.sock = sock
+        self.stop_requested = asyncio.Event()
+        self.server: _Server | None = None
+
+    def on_signal(self, signum: int) -> None:
+        name = signal.Signals(signum).name
+        if self.server is not None and self.server.should_exit and signum == signal.SIGINT:
+            logger.warning("second %s: aborting the running requests now", name)
+            self.server.force_exit = True
+            return
+        logger.info("%s: stopping (running requests get %.0f s to finish)", name, self.args.shutdown_timeout)
+        self.stop_requested.set()
+        if self.server is not None:
+            self.server.should_exit = True
+
+    async def run(self) -> int:
+        """The exit code: 0 after a signal, 1 when the engine failed to start or died."""
+        loop = asyncio.get_running_loop()
+        for signum in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(signum, self.on_signal, signum)
+        args = self.args
+        client = AsyncClient(args.model, num_input_processors=args.num_input_processors,
+                             log_level="DEBUG" if args.log_level == "debug" else "WARNING", **engine_args(args))
+        try:
+            if not await self._start(client):
+                return 0
+            return await self._serve(client)
+        except (EngineStartupError, ValueError, OSError, ImportError) as error:
+            logger.error("the engine did not start: %s", error)
+            return 1
+        finally:
+            await client.close()
+            self.sock.close()
+
+    async def _start(self, client: AsyncClient) -> bool:
+        """Starts the engine; False when a signal came first (the start is cancelled)."""
+        starting = asyncio.ensure_future(client.start())
+        stopping = asyncio.ensure_future(self.stop_requested.wait())
+        await asyncio.wait((starting, stopping), return_when=asyncio.FIRST_COMPLETED)
+        stopping.cancel()
+        if not starting.done():
+            starting.cancel()
+            await asyncio.gather(starting, return_exceptions=True)
+            return False
+        starting.result()
+        await client.get_tokenizer()  # loaded now, not by the first request that needs it
+        return not self.stop_requested.is_set()
+
+    async def _serve(self, client: AsyncClient) -> int:
+        args = self.args
+        names = args.served_model_name or [args.model or DEFAULT_MODEL_NAME]
+        settings = ServerSettings(served_model_names=names, api_key=args.api_key,
+                                  max_waiting_requests=args.max_waiting_requests,
+                                  max_body_bytes=args.max_request_size, model_root=client.config.model.model_path)
+        config = uvicorn.Config(build_app(client, settings), lifespan="off", log_config=None, access_log=False,
+                                timeout_graceful_shutdown=args.shutdown_timeout)
+        self.server = _Server(config)
+        serving = asyncio.ensure_future(self.server.serve(sockets=[self.sock]))
+        dying = asyncio.ensure_future(client.wait_until_dead())
+        try:
+            while not self.server.started and not serving.done():
+                await asyncio.sleep(0.02)
+            if self.server.started:
+                print(f"Serving {names[0]} on {_url(args.host, self.sock.getsockname()[1])}", flush=True)
+            await asyncio.wait((serving, dying), return_when=asyncio.FIRST_COMPLETED)
+            exit_code = 0
+            if dying.done() and not serving.done():
+                logger.error("the engine died (%s); in-flight requests failed; stopping", dying.result())
+                self.server.should_exit = True
+                exit_code = 1
+            await serving
+            return exit_code
+        finally:
+            dying.cancel()
+
+
+def _url(host: str, port: int) -> str:
+    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    # uvicorn's own start/stop chatter only at debug; its warnings and errors always
+    logging.getLogger("uvicorn.error").setLevel(logging.DEBUG if args.log_level == "debug" else logging.WARNING)
+    try:
+        sock = bind_socket(args.host, args.port)
+    except OSError as error:
+        logger.error("cannot listen on %s: %s", _url(args.host, args.port), error)
+        sys.exit(1)
+    sys.exit(uvloop.run(Launcher(args, sock).run()))
+
+
+if __name__ == "__main__":
+    main()

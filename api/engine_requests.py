@@ -1,0 +1,160 @@
+"""The engine requests behind one HTTP request, and the gate that bounds how many there are.
+
+A completions request with several prompts is one engine request per prompt; a chat
+request is one. EngineRequests runs each AsyncClient stream in its own task and merges
+their deltas into one stream of (prompt index, delta), in the order they come, while it
+counts usage and feeds the metrics. close() cancels whatever still runs, and cancelling
+an AsyncClient stream aborts its request in the engine (its KV blocks are freed)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import deque
+from collections.abc import AsyncIterator
+from contextlib import aclosing
+
+from actors.errors import InvalidRequestError
+from api.errors import server_busy
+from api.metrics import ServerMetrics
+from api.responses import Usage
+from messages.common import RequestOutput
+
+# How long a client turned away by back-pressure is told to wait.
+RETRY_AFTER_S = 1
+
+
+class RequestGate:
+    """Back-pressure: at most max_num_seqs running plus max_waiting_requests waiting
+    engine requests are admitted at once; past that a request is turned away (503 with
+    Retry-After) instead of queueing without bound."""
+
+    def __init__(self, max_num_seqs: int, max_waiting_requests: int) -> None:
+        self.limit = max_num_seqs + max_waiting_requests
+        self.num_admitted = 0
+
+    def admit(self, num_requests: int) -> None:
+        if self.num_admitted + num_requests > self.limit:
+            raise server_busy(RETRY_AFTER_S)
+        self.num_admitted += num_requests
+
+    def release(self, num_requests: int) -> None:
+        self.num_admitted -= num_requests
+        assert self.num_admitted >= 0, "released more requests than were admitted"
+
+
+class _Timing:
+    """When one engine request arrived, produced its first token and finished."""
+
+    def __init__(self) -> None:
+        self.arrival = time.monotonic()
+        self.first_token: float | None = None
+        self.num_tokens_by_completion: dict[int, int] = {}
+
+
+class EngineRequests:
+    """Merges the delta streams of one HTTP request's engine requests."""
+
+    def __init__(self, streams: list[AsyncIterator[RequestOutput]], *, max_model_len: int,
+                 max_tokens: int | None, metrics: ServerMetrics, gate: RequestGate) -> None:
+        self.num_requests = len(streams)
+        self.usage = Usage()
+        self._max_model_len = max_model_len
+        self._max_tokens = max_tokens
+        self._metrics = metrics
+        self._gate = gate
+        # (prompt index, a delta | the error that ended the stream | None once it finished)
+        self._queue: asyncio.Queue[tuple[int, RequestOutput | BaseException | None]] = asyncio.Queue()
+        self._ready: deque[tuple[int, RequestOutput]] = deque()  # taken from the queue by start()
+        self._num_open = len(streams)
+        self._closed = False
+        self._tasks = [asyncio.create_task(self._pump(index, stream), name=f"troupe-api-stream-{index}")
+                       for index, stream in enumerate(streams)]
+
+    async def start(self) -> None:
+        """Returns once every engine request has produced its first delta, so that an
+        error the engine finds (a prompt too long) becomes an error status before a
+        streaming response has sent its headers. Raises that error."""
+        started: set[int] = set()
+        while len(started) < self.num_requests and self._num_open:
+            item = await self._next()
+            if item is None:
+                break
+            self._ready.append(item)
+            started.add(item[0])
+
+    async def deltas(self) -> AsyncIterator[tuple[int, RequestOutput]]:
+        """(prompt index, delta) until every engine request has finished."""
+        while self._ready:
+            yield self._ready.popleft()
+        while (item := await self._next()) is not None:
+            yield item
+
+    async def _next(self) -> tuple[int, RequestOutput] | None:
+        while self._num_open:
+            index, item = await self._queue.get()
+            if item is None:
+                self._num_open -= 1
+            elif isinstance(item, BaseException):
+                self.close()
+                raise item
+            else:
+                return index, item
+        return None
+
+    def close(self) -> None:
+        """Aborts whatever still runs. Synchronous, so that it also works inside a
+        cancelled task; idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        for task in self._tasks:
+            task.cancel()
+        self._gate.release(self.num_requests)
+
+    async def _pump(self, index: int, stream: AsyncIterator[RequestOutput]) -> None:
+        timing = _Timing()
+        try:
+            async with aclosing(stream):
+                async for delta in stream:
+                    if delta.prompt_token_ids:
+                        self._on_prompt(delta)
+                    self._on_tokens(timing, delta)
+                    self._queue.put_nowait((index, delta))
+            self._queue.put_nowait((index, None))
+        except asyncio.CancelledError:
+            raise
+        except Exception as error:  # noqa: BLE001 - handed to the consumer, which decides what the client sees
+            self._queue.put_nowait((index, error))
+
+    def _on_prompt(self, delta: RequestOutput) -> None:
+        num_prompt_tokens = len(delta.prompt_token_ids)
+        # OpenAI's rule: prompt plus max_tokens must fit the context. The prompt's length
+        # is only known once the input processor has tokenized it, hence the check here.
+        if self._max_tokens is not None and num_prompt_tokens + self._max_tokens > self._max_model_len:
+            raise InvalidRequestError(
+                f"this model's maximum context length is {self._max_model_len} tokens; the request asks for "
+                f"{num_prompt_tokens + self._max_tokens} ({num_prompt_tokens} in the prompt, {self._max_tokens} "
+                "for the completion)", param="max_tokens")
+        self.usage.add(num_prompt_tokens, 0)
+        self._metrics.prompt_tokens.inc(num_prompt_tokens)
+
+    def _on_tokens(self, timing: _Timing, delta: RequestOutput) -> None:
+        now = time.monotonic()
+        num_new = 0
+        for completion in delta.outputs:
+            counts = timing.num_tokens_by_completion
+            counts[completion.index] = counts.get(completion.index, 0) + len(completion.token_ids)
+            num_new += len(completion.token_ids)
+        if num_new:
+            self.usage.add(0, num_new)
+            self._metrics.generation_tokens.inc(num_new)
+            if timing.first_token is None:
+                timing.first_token = now
+                self._metrics.time_to_first_token.observe(now - timing.arrival)
+        if delta.finished:
+            self._metrics.request_latency.observe(now - timing.arrival)
+            # decode steps after the first token; the n completions of a request share them
+            num_steps = max(timing.num_tokens_by_completion.values(), default=0) - 1
+            if timing.first_token is not None and num_steps > 0:
+                self._metrics.time_per_output_token.observe((now - timing.first_token) / num_steps)

@@ -1,0 +1,146 @@
+"""The OpenAI API's response bodies, as msgspec Structs.
+
+Fields that OpenAI sends as null are plain `X | None`; fields it leaves out in some
+messages (a stream chunk's `usage` unless include_usage is set, a chat delta's `role`
+after the first chunk) default to msgspec.UNSET, which the encoder omits."""
+
+from __future__ import annotations
+
+import time
+
+import msgspec
+from msgspec import UNSET, UnsetType
+
+
+class Usage(msgspec.Struct):
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    total_tokens: int = 0
+
+    def add(self, num_prompt_tokens: int, num_completion_tokens: int) -> None:
+        self.prompt_tokens += num_prompt_tokens
+        self.completion_tokens += num_completion_tokens
+        self.total_tokens = self.prompt_tokens + self.completion_tokens
+
+
+# ---- /v1/completions ----
+
+class CompletionLogprobs(msgspec.Struct):
+    """The legacy completions shape: parallel lists, one entry per token."""
+
+    tokens: list[str] = msgspec.field(default_factory=list)
+    token_logprobs: list[float | None] = msgspec.field(default_factory=list)
+    top_logprobs: list[dict[str, float] | None] = msgspec.field(default_factory=list)
+    text_offset: list[int] = msgspec.field(default_factory=list)  # where each token starts in the choice's text
+
+
+class CompletionChoice(msgspec.Struct):
+    index: int
+    text: str
+    logprobs: CompletionLogprobs | None = None
+    finish_reason: str | None = None  # "stop" | "length" | "abort"; None while streaming
+    stop_reason: int | str | None = None  # the stop string or token id that ended it (vLLM's extension)
+
+
+class CompletionResponse(msgspec.Struct):
+    """A whole completion, and (object "text_completion" too) each streamed chunk."""
+
+    id: str
+    model: str
+    choices: list[CompletionChoice]
+    object: str = "text_completion"
+    created: int = msgspec.field(default_factory=lambda: int(time.time()))
+    usage: Usage | None | UnsetType = UNSET
+
+
+# ---- /v1/chat/completions ----
+
+class TopLogprob(msgspec.Struct):
+    token: str
+    logprob: float
+    bytes: list[int] | None
+
+
+class ChatTokenLogprob(msgspec.Struct):
+    token: str
+    logprob: float
+    bytes: list[int] | None
+    top_logprobs: list[TopLogprob]
+
+
+class ChatLogprobs(msgspec.Struct):
+    content: list[ChatTokenLogprob] | None = None
+
+
+class AssistantMessage(msgspec.Struct):
+    content: str
+    role: str = "assistant"
+
+
+class ChatChoice(msgspec.Struct):
+    index: int
+    message: AssistantMessage
+    logprobs: ChatLogprobs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+class ChatCompletionResponse(msgspec.Struct):
+    id: str
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+    object: str = "chat.completion"
+    created: int = msgspec.field(default_factory=lambda: int(time.time()))
+
+
+class DeltaMessage(msgspec.Struct):
+    role: str | UnsetType = UNSET  # "assistant", on a choice's first chunk only
+    content: str | UnsetType = UNSET
+
+
+class ChatChunkChoice(msgspec.Struct):
+    index: int
+    delta: DeltaMessage
+    logprobs: ChatLogprobs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+class ChatCompletionChunk(msgspec.Struct):
+    id: str
+    model: str
+    choices: list[ChatChunkChoice]
+    object: str = "chat.completion.chunk"
+    created: int = msgspec.field(default_factory=lambda: int(time.time()))
+    usage: Usage | None | UnsetType = UNSET
+
+
+# ---- models, tokens, version ----
+
+class ModelCard(msgspec.Struct):
+    id: str
+    root: str  # the model's directory
+    max_model_len: int
+    object: str = "model"
+    created: int = msgspec.field(default_factory=lambda: int(time.time()))
+    owned_by: str = "troupe"
+
+
+class ModelList(msgspec.Struct):
+    data: list[ModelCard]
+    object: str = "list"
+
+
+class TokenizeResponse(msgspec.Struct):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+
+
+class DetokenizeResponse(msgspec.Struct):
+    prompt: str
+
+
+class VersionResponse(msgspec.Struct):
+    version: str

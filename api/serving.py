@@ -1,0 +1,190 @@
+"""What every endpoint shares: the server's settings and engine handle (ServingContext),
+reading a JSON body under a size limit, giving up on work when the client disconnects,
+and Server-Sent Events.
+
+Disconnects: a non-streaming request, or a streaming one before its headers are sent,
+races its work against the client's http.disconnect; once streaming, Starlette's
+StreamingResponse cancels the body when the client goes. Either way the cancellation
+reaches EngineRequests, which aborts the engine requests (and frees their KV blocks)."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+import msgspec
+from starlette.requests import ClientDisconnect, Request
+from starlette.responses import Response, StreamingResponse
+
+from actors.detokenizer import merge_delta
+from actors.errors import EngineDeadError
+from actors.frontend import AsyncClient
+from api.engine_requests import EngineRequests, RequestGate
+from api.errors import APIError, bad_request, engine_unavailable, from_decode_error, from_exception
+from api.metrics import ServerMetrics
+from messages.common import RequestOutput, SamplingParams
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+DEFAULT_MAX_BODY_BYTES = 16 * 2**20
+DEFAULT_MAX_WAITING_REQUESTS = 1024
+
+
+@dataclass
+class ServerSettings:
+    served_model_names: list[str]  # the first is the name responses carry
+    api_key: str | None = None  # when set, /v1 routes need "Authorization: Bearer <api_key>"
+    max_waiting_requests: int = DEFAULT_MAX_WAITING_REQUESTS  # past max_num_seqs running, then 503
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES  # larger request bodies get 413
+    model_root: str = field(default="")  # the model's directory, for /v1/models
+
+
+class ClientGone(Exception):
+    """The client disconnected before its response was ready."""
+
+
+class ServingContext:
+    """The engine and the server-wide state every endpoint uses."""
+
+    def __init__(self, client: AsyncClient, settings: ServerSettings) -> None:
+        assert client.config is not None, "start the AsyncClient before serving it"
+        self.client = client
+        self.settings = settings
+        self.model_name = settings.served_model_names[0]
+        self.max_model_len = client.config.scheduler.max_model_len
+        self.metrics = ServerMetrics()
+        self.gate = RequestGate(client.config.scheduler.max_num_seqs, settings.max_waiting_requests)
+
+    def check_model(self, name: str | None) -> str:
+        """The model name a response carries; 400 for a model this server does not serve."""
+        if name is None or name in self.settings.served_model_names:
+            return self.model_name
+        raise bad_request(f"the model {name!r} does not exist; this server serves "
+                          f"{', '.join(map(repr, self.settings.served_model_names))}",
+                          param="model", code="model_not_found")
+
+    def check_health(self) -> None:
+        try:
+            self.client.check_health()
+        except EngineDeadError as error:
+            raise engine_unavailable(error) from error
+
+    def open(self, start_streams: Callable[[], list[AsyncIterator[RequestOutput]]], num_streams: int,
+             params: SamplingParams) -> EngineRequests:
+        """Admits num_streams engine requests (503 past the waiting limit) and starts them."""
+        self.check_health()
+        self.gate.admit(num_streams)
+        try:
+            streams = start_streams()
+        except BaseException:
+            self.gate.release(num_streams)
+            raise
+        return EngineRequests(streams, max_model_len=self.max_model_len, max_tokens=params.max_tokens,
+                              metrics=self.metrics, gate=self.gate)
+
+
+async def read_json(request: Request, body_type: type[T], max_bytes: int) -> T:
+    """The request body decoded as body_type: 413 past max_bytes, 400 for anything
+    that is not JSON of the right shape."""
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > max_bytes:
+        raise _too_large(max_bytes)
+    chunks, size = [], 0
+    try:
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > max_bytes:  # a chunked body declares no length
+                raise _too_large(max_bytes)
+            chunks.append(chunk)
+    except ClientDisconnect as error:
+        raise ClientGone() from error
+    try:
+        return msgspec.json.decode(b"".join(chunks), type=body_type)
+    except msgspec.DecodeError as error:
+        raise from_decode_error(error) from error
+
+
+def _too_large(max_bytes: int) -> APIError:
+    return APIError(413, f"the request body is larger than the limit of {max_bytes} bytes",
+                    code="request_too_large")
+
+
+async def until_disconnected(request: Request, work: Awaitable[T]) -> T:
+    """work's result; if the client disconnects first, cancels work and raises ClientGone."""
+    work_task = asyncio.ensure_future(work)
+    watch_task = asyncio.ensure_future(_wait_for_disconnect(request))
+    try:
+        await asyncio.wait((work_task, watch_task), return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        # also when this task itself is cancelled (the server shutting down)
+        for task in (work_task, watch_task):
+            task.cancel()
+    if not work_task.cancelled() and work_task.done():
+        return work_task.result()
+    await asyncio.gather(work_task, return_exceptions=True)
+    raise ClientGone()
+
+
+async def _wait_for_disconnect(request: Request) -> None:
+    # the body is already read, so the only message left is http.disconnect
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+def json_response(body: Any, status: int = 200) -> Response:
+    return Response(msgspec.json.encode(body), status_code=status, media_type="application/json")
+
+
+_DONE = b"data: [DONE]\n\n"
+
+
+def sse_response(events: AsyncIterator[Any], requests: EngineRequests) -> StreamingResponse:
+    """Streams each event as `data: {json}\\n\\n`, then `data: [DONE]\\n\\n`. An error
+    after the headers are sent becomes an error event. The response owns requests:
+    it closes them when the stream ends, fails or is cancelled by a disconnect."""
+
+    async def body() -> AsyncIterator[bytes]:
+        try:
+            async for event in events:
+                yield b"data: " + msgspec.json.encode(event) + b"\n\n"
+        except Exception as error:  # noqa: BLE001 - the status is sent; the client still deserves the reason
+            yield b"data: " + msgspec.json.encode(from_exception(error).body) + b"\n\n"
+        finally:
+            requests.close()
+        yield _DONE
+
+    return StreamingResponse(body(), media_type="text/event-stream",
+                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+
+async def respond(request: Request, requests: EngineRequests, stream: bool,
+                  events: Callable[[], AsyncIterator[Any]],
+                  whole_response: Callable[[list[RequestOutput]], Any]) -> Response:
+    """The response of a generation endpoint: SSE of events() when streaming, else
+    whole_response(the whole outputs, in prompt order) as JSON. Both start only once every
+    engine request has produced its first delta, so engine errors get their status."""
+    request.state.usage = requests.usage  # for the request's log line
+    try:
+        await until_disconnected(request, requests.start())
+        if stream:
+            return sse_response(events(), requests)
+        outputs = await until_disconnected(request, collect_outputs(requests))
+    except BaseException:
+        requests.close()
+        raise
+    requests.close()
+    return json_response(whole_response(outputs))
+
+
+async def collect_outputs(requests: EngineRequests) -> list[RequestOutput]:
+    """Each engine request's whole output, in prompt order."""
+    outputs: list[RequestOutput | None] = [None] * requests.num_requests
+    async for index, delta in requests.deltas():
+        outputs[index] = merge_delta(outputs[index], delta)
+    assert all(output is not None for output in outputs), "an engine request ended without any output"
+    return outputs  # type: ignore[return-value]

@@ -1,0 +1,128 @@
+"""POST /v1/completions: one engine request per prompt; choice index = prompt index * n +
+completion index, as OpenAI numbers them."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import AsyncIterator
+
+from msgspec import UNSET
+from starlette.requests import Request
+from starlette.responses import Response
+
+from api.engine_requests import EngineRequests
+from api.protocol import CompletionRequest, Prompt
+from api.responses import CompletionChoice, CompletionLogprobs, CompletionResponse
+from api.serving import ServingContext, read_json, respond
+from messages.common import CompletionOutput, Logprob, RequestOutput
+
+
+async def create_completion(ctx: ServingContext, request: Request) -> Response:
+    body = await read_json(request, CompletionRequest, ctx.settings.max_body_bytes)
+    model = ctx.check_model(body.model)
+    params = body.to_sampling_params()
+    prompts = body.prompts()
+    echoes = await _echo_texts(ctx, prompts) if body.echo else None
+    tokenizer = await ctx.client.get_tokenizer() if body.echo and body.logprobs is not None else None
+    choices = _Choices(body, echoes, tokenizer)
+    request_id = f"cmpl-{uuid.uuid4().hex}"
+    requests = ctx.open(lambda: [ctx.client.generate(prompt, params, request_id=f"{request_id}-{index}")
+                                 for index, prompt in enumerate(prompts)], len(prompts), params)
+
+    def whole_response(outputs: list[RequestOutput]) -> CompletionResponse:
+        for prompt_index, output in enumerate(outputs):
+            choices.note_prompt(prompt_index, output)
+        return CompletionResponse(id=request_id, model=model, usage=requests.usage,
+                                  choices=[choices.choice(prompt_index, completion)
+                                           for prompt_index, output in enumerate(outputs)
+                                           for completion in output.outputs])
+
+    return await respond(request, requests, body.stream, lambda: _chunks(request_id, model, body, requests, choices),
+                         whole_response)
+
+
+async def _echo_texts(ctx: ServingContext, prompts: list[Prompt]) -> list[str]:
+    tokenizer = await ctx.client.get_tokenizer() if any(isinstance(p, list) for p in prompts) else None
+    return [prompt if isinstance(prompt, str) else tokenizer.decode(prompt) for prompt in prompts]
+
+
+class _Choices:
+    """Builds choices from deltas or whole outputs, remembering per choice what was sent
+    (the echoed prompt goes first, and logprobs' text_offset runs on across chunks)."""
+
+    def __init__(self, body: CompletionRequest, echoes: list[str] | None, tokenizer) -> None:
+        self.n = body.n
+        self.wants_logprobs = body.logprobs is not None
+        self.echoes = echoes
+        self.tokenizer = tokenizer  # set when the prompt's logprobs are echoed
+        self.text_offsets: dict[int, int] = {}  # choice index -> characters sent so far
+        # prompt index -> its prompt logprobs so far (chunked prefill spreads them over deltas)
+        self.prompt_logprobs: dict[int, list[dict[int, Logprob] | None]] = {}
+        self.prompt_token_ids: dict[int, list[int]] = {}
+
+    def note_prompt(self, prompt_index: int, output: RequestOutput) -> None:
+        """Keeps what a delta says about the prompt, for the echo of its logprobs."""
+        if output.prompt_token_ids:
+            self.prompt_token_ids[prompt_index] = output.prompt_token_ids
+        if output.prompt_logprobs:
+            self.prompt_logprobs.setdefault(prompt_index, []).extend(output.prompt_logprobs)
+
+    def choice(self, prompt_index: int, completion: CompletionOutput) -> CompletionChoice:
+        index = prompt_index * self.n + completion.index
+        first = index not in self.text_offsets
+        text = completion.text
+        logprobs = CompletionLogprobs() if self.wants_logprobs else None
+        offset = self.text_offsets.get(index, 0)
+        if first and self.echoes is not None:
+            echo = self.echoes[prompt_index]
+            if logprobs is not None:
+                self._add_prompt_logprobs(logprobs, prompt_index)
+            text = echo + text
+            offset = len(echo)
+        if logprobs is not None:
+            _add_logprobs(logprobs, completion.token_ids, completion.logprobs or [], offset)
+        self.text_offsets[index] = offset + len(completion.text)
+        return CompletionChoice(index=index, text=text, logprobs=logprobs, finish_reason=completion.finish_reason,
+                                stop_reason=completion.stop_reason)
+
+    def _add_prompt_logprobs(self, logprobs: CompletionLogprobs, prompt_index: int) -> None:
+        entries = self.prompt_logprobs.get(prompt_index, [])
+        token_ids = self.prompt_token_ids.get(prompt_index, [])
+        if entries and entries[0] is None:
+            # the first prompt token has no logprob, and so no text from the engine
+            first_text = self.tokenizer.decode(token_ids[:1])
+            logprobs.tokens.append(first_text)
+            logprobs.token_logprobs.append(None)
+            logprobs.top_logprobs.append(None)
+            logprobs.text_offset.append(0)
+            _add_logprobs(logprobs, token_ids[1:], entries[1:], len(first_text))
+
+
+def _add_logprobs(logprobs: CompletionLogprobs, token_ids: list[int], entries: list[dict[int, Logprob] | None],
+                  offset: int) -> None:
+    for token_id, entry in zip(token_ids, entries):
+        chosen = entry.get(token_id) if entry else None
+        text = (chosen.decoded_token if chosen else None) or ""
+        logprobs.tokens.append(text)
+        logprobs.token_logprobs.append(chosen.logprob if chosen else None)
+        # the engine lists the sampled token first, then the top ones by rank
+        logprobs.top_logprobs.append({lp.decoded_token or "": lp.logprob for lp in entry.values()} if entry else None)
+        logprobs.text_offset.append(offset)
+        offset += len(text)
+
+
+async def _chunks(request_id: str, model: str, body: CompletionRequest, requests: EngineRequests,
+                  choices: _Choices) -> AsyncIterator[CompletionResponse]:
+    created = int(time.time())
+    usage_field = None if body.include_usage else UNSET  # OpenAI sends "usage": null until the last chunk
+    async for prompt_index, delta in requests.deltas():
+        choices.note_prompt(prompt_index, delta)
+        for completion in delta.outputs:
+            # tokens whose text is held back (a split character) make a chunk only for their logprobs
+            if not (completion.text or completion.finish_reason or (choices.wants_logprobs and completion.token_ids)):
+                continue
+            yield CompletionResponse(id=request_id, model=model, created=created, usage=usage_field,
+                                     choices=[choices.choice(prompt_index, completion)])
+    if body.include_usage:
+        yield CompletionResponse(id=request_id, model=model, created=created, choices=[], usage=requests.usage)

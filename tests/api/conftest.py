@@ -1,0 +1,185 @@
+"""A real server process (`python -m actors.launch`) on 127.0.0.1 and a free port, and the
+helpers its tests share. The session's server runs a tiny random Llama with a long
+context (room for requests that ask for thousands of tokens); tests that need a server of
+their own (other flags, or one they kill) start one with ServerProcess."""
+
+from __future__ import annotations
+
+import json
+import os
+import select
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+API_KEY = "test-key"
+MODEL_NAME = "tiny-llama"
+AUTH = {"Authorization": f"Bearer {API_KEY}"}
+# the engine flags of every test server: a small KV cache, a deterministic engine
+ENGINE_FLAGS = ["--kv-cache-memory", "64MiB", "--max-num-batched-tokens", "512", "--seed", "0"]
+STARTUP_TIMEOUT_S = 240.0
+STOP_TIMEOUT_S = 30.0
+
+
+def child_pids(pid: int) -> list[int]:
+    """The direct children of a process, from /proc."""
+    children: list[int] = []
+    for task in Path(f"/proc/{pid}/task").glob("*"):
+        try:
+            children += [int(child) for child in (task / "children").read_text().split()]
+        except FileNotFoundError:
+            pass
+    return children
+
+
+def pid_alive(pid: int) -> bool:
+    """True for a running process; a zombie (exited, not yet reaped) counts as gone."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except FileNotFoundError:
+        return False
+    return stat.rsplit(")", 1)[-1].split()[0] != "Z"
+
+
+class ServerProcess:
+    """`python -m actors.launch --model DIR --port 0 ...`, started and waited for (bounded);
+    stop() or kill() ends it and every actor process it started."""
+
+    def __init__(self, model_dir: str, log_path: Path, *flags: str) -> None:
+        command = [sys.executable, "-m", "actors.launch", "--model", model_dir, "--host", "127.0.0.1", "--port", "0",
+                   "--served-model-name", MODEL_NAME, *ENGINE_FLAGS, *flags]
+        env = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
+        self.log_path = log_path
+        self._log = open(log_path, "w")
+        self.popen = subprocess.Popen(command, cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE, stderr=self._log,
+                                      text=True)
+        self.actor_pids: list[int] = []
+        try:
+            self.ready_line = self._wait_ready(STARTUP_TIMEOUT_S)
+        except BaseException:
+            self.kill()
+            raise
+        self.url = self.ready_line.rsplit(" ", 1)[-1]
+        self.actor_pids = child_pids(self.popen.pid)
+
+    def _wait_ready(self, timeout: float) -> str:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.popen.poll() is not None:
+                raise RuntimeError(f"the server exited with {self.popen.returncode}:\n{self.log()}")
+            readable, _, _ = select.select([self.popen.stdout], [], [], 0.5)
+            if readable:
+                line = self.popen.stdout.readline().strip()
+                if line.startswith("Serving "):
+                    return line
+                if line:
+                    raise RuntimeError(f"unexpected output before the ready line: {line!r}")
+        raise TimeoutError(f"the server did not start in {timeout:.0f} s:\n{self.log()}")
+
+    def log(self) -> str:
+        self._log.flush()
+        return self.log_path.read_text()
+
+    def signal(self, signum: int) -> None:
+        self.popen.send_signal(signum)
+
+    def wait(self, timeout: float) -> int:
+        return self.popen.wait(timeout)
+
+    def stop(self) -> int:
+        """SIGTERM, then the exit code (SIGKILL and an error past STOP_TIMEOUT_S)."""
+        if self.popen.poll() is None:
+            self.popen.send_signal(signal.SIGTERM)
+            try:
+                self.popen.wait(STOP_TIMEOUT_S)
+            except subprocess.TimeoutExpired:
+                self.kill()
+                raise AssertionError(f"the server ignored SIGTERM for {STOP_TIMEOUT_S:.0f} s:\n{self.log()}")
+        self._close()
+        return self.popen.returncode
+
+    def kill(self) -> None:
+        """Last resort: SIGKILL the server and the actor processes it started."""
+        for pid in [self.popen.pid, *self.actor_pids]:
+            if pid_alive(pid):
+                os.kill(pid, signal.SIGKILL)
+        self.popen.wait(10)
+        self._close()
+
+    def _close(self) -> None:
+        if self.popen.stdout is not None:
+            self.popen.stdout.close()
+        self._log.close()
+
+    def leftover_pids(self) -> list[int]:
+        return [pid for pid in self.actor_pids if pid_alive(pid)]
+
+
+@pytest.fixture(scope="session")
+def long_context_llama_dir(make_tiny_model) -> str:
+    """Room for requests of thousands of tokens."""
+    return make_tiny_model("llama", max_position_embeddings=4096)
+
+
+@pytest.fixture(scope="session")
+def server(long_context_llama_dir, tmp_path_factory):
+    """The shared server: an API key, a 1 MiB body limit, room for 300 requests."""
+    process = ServerProcess(long_context_llama_dir, tmp_path_factory.mktemp("server") / "server.log",
+                            "--api-key", API_KEY, "--max-request-size", "1MiB", "--max-waiting-requests", "44",
+                            "--log-level", "warning")
+    try:
+        yield process
+    finally:
+        exit_code = process.stop()
+        assert exit_code == 0, process.log()
+        assert not process.leftover_pids()
+
+
+@pytest.fixture(scope="session")
+def http(server):
+    """A raw HTTP client of the shared server, with the API key."""
+    with httpx.Client(base_url=server.url, headers=AUTH, timeout=60.0) as client:
+        yield client
+
+
+def engine_gauges(client: httpx.Client) -> dict[str, float]:
+    """The engine's gauges from /metrics (running and waiting requests, KV blocks)."""
+    gauges = {}
+    for line in client.get("/metrics").text.splitlines():
+        if line.startswith("troupe_") and " " in line and "{" not in line:
+            name, value = line.rsplit(" ", 1)
+            gauges[name] = float(value)
+    return gauges
+
+
+def wait_until_idle(client: httpx.Client, timeout: float) -> dict[str, float]:
+    """The gauges once no request runs or waits and no KV block is held; fails past timeout."""
+    deadline = time.monotonic() + timeout
+    while True:
+        gauges = engine_gauges(client)
+        idle = (gauges.get("troupe_num_requests_running") == 0 and gauges.get("troupe_num_requests_waiting") == 0
+                and gauges.get("troupe_kv_cache_blocks_held") == 0)
+        if idle:
+            return gauges
+        if time.monotonic() > deadline:
+            raise AssertionError(f"the engine is not idle {timeout} s later: {gauges}")
+        time.sleep(0.05)
+
+
+def sse_events(body: str) -> list[dict]:
+    """The JSON events of a complete SSE body, checking its framing: `data: ...` events
+    separated by blank lines, ending with `data: [DONE]`."""
+    assert body.endswith("data: [DONE]\n\n"), body[-200:]
+    blocks = body.split("\n\n")
+    assert blocks[-1] == "" and blocks[-2] == "data: [DONE]"
+    events = []
+    for block in blocks[:-2]:
+        assert block.startswith("data: ") and "\n" not in block, block
+        events.append(json.loads(block[len("data: "):]))
+    return events
