@@ -31,11 +31,13 @@ from actors.engine_args import ATTENTION_BACKENDS, DTYPES, LOAD_FORMATS
 from actors.errors import EngineStartupError
 from actors.frontend import AsyncClient
 from api.app import build_app
-from api.serving import DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_WAITING_REQUESTS, ServerSettings
+from api.serving import DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_WAITING_REQUESTS, ServerSettings, ServingContext
 
 logger = logging.getLogger("actors.launch")
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+# How long aborted responses get to reach their clients before uvicorn cancels them.
+_ABORT_GRACE_S = 5.0
 LOG_LEVELS = ("debug", "info", "warning", "error")
 
 
@@ -162,17 +164,34 @@ class Launcher:
         self.sock = sock
         self.stop_requested = asyncio.Event()
         self.server: _Server | None = None
+        self.serving: ServingContext | None = None
+        self._aborting: list[asyncio.Task] = []
 
     def on_signal(self, signum: int) -> None:
         name = signal.Signals(signum).name
-        if self.server is not None and self.server.should_exit and signum == signal.SIGINT:
-            logger.warning("second %s: aborting the running requests now", name)
-            self.server.force_exit = True
+        if self.stop_requested.is_set():
+            if signum == signal.SIGINT and self.serving is not None:
+                logger.warning("second %s: aborting the running requests now", name)
+                self._abort_soon(0.0)
             return
         logger.info("%s: stopping (running requests get %.0f s to finish)", name, self.args.shutdown_timeout)
         self.stop_requested.set()
         if self.server is not None:
-            self.server.should_exit = True
+            self.server.should_exit = True  # uvicorn stops accepting, then waits for the open responses
+            self._abort_soon(self.args.shutdown_timeout)
+
+    def _abort_soon(self, delay: float) -> None:
+        """Ends what still runs after delay with finish_reason "abort", so that every
+        client gets a complete response and uvicorn's wait for open responses ends."""
+        serving = self.serving
+
+        async def abort_after_delay() -> None:
+            await asyncio.sleep(delay)
+            if serving.open_requests:
+                logger.warning("aborting %d running requests", len(serving.open_requests))
+            await serving.abort_all()
+
+        self._aborting.append(asyncio.ensure_future(abort_after_delay()))
 
     async def run(self) -> int:
         """The exit code: 0 after a signal, 1 when the engine failed to start or died."""
@@ -213,26 +232,31 @@ class Launcher:
         settings = ServerSettings(served_model_names=names, api_key=args.api_key,
                                   max_waiting_requests=args.max_waiting_requests,
                                   max_body_bytes=args.max_request_size, model_root=client.config.model.model_path)
-        config = uvicorn.Config(build_app(client, settings), lifespan="off", log_config=None, access_log=False,
-                                timeout_graceful_shutdown=args.shutdown_timeout)
+        app = build_app(client, settings)
+        self.serving = app.state.serving
+        # a backstop: by then abort_all() has ended every response (uvicorn would cancel them)
+        config = uvicorn.Config(app, lifespan="off", log_config=None, access_log=False,
+                                timeout_graceful_shutdown=args.shutdown_timeout + _ABORT_GRACE_S)
         self.server = _Server(config)
-        serving = asyncio.ensure_future(self.server.serve(sockets=[self.sock]))
+        serve_task = asyncio.ensure_future(self.server.serve(sockets=[self.sock]))
         dying = asyncio.ensure_future(client.wait_until_dead())
         try:
-            while not self.server.started and not serving.done():
+            while not self.server.started and not serve_task.done():
                 await asyncio.sleep(0.02)
             if self.server.started:
                 print(f"Serving {names[0]} on {_url(args.host, self.sock.getsockname()[1])}", flush=True)
-            await asyncio.wait((serving, dying), return_when=asyncio.FIRST_COMPLETED)
+            await asyncio.wait((serve_task, dying), return_when=asyncio.FIRST_COMPLETED)
             exit_code = 0
-            if dying.done() and not serving.done():
+            if dying.done() and not serve_task.done():
                 logger.error("the engine died (%s); in-flight requests failed; stopping", dying.result())
                 self.server.should_exit = True
                 exit_code = 1
-            await serving
+            await serve_task
             return exit_code
         finally:
             dying.cancel()
+            for task in self._aborting:
+                task.cancel()
 
 
 def _url(host: str, port: int) -> str:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import deque
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import aclosing
 
 from actors.errors import InvalidRequestError
@@ -55,14 +55,16 @@ class _Timing:
 class EngineRequests:
     """Merges the delta streams of one HTTP request's engine requests."""
 
-    def __init__(self, streams: list[AsyncIterator[RequestOutput]], *, max_model_len: int,
-                 max_tokens: int | None, metrics: ServerMetrics, gate: RequestGate) -> None:
+    def __init__(self, request_ids: list[str], streams: list[AsyncIterator[RequestOutput]], *, max_model_len: int,
+                 max_tokens: int | None, metrics: ServerMetrics,
+                 on_close: Callable[[EngineRequests], None]) -> None:
+        self.request_ids = request_ids  # the engine's ids, in prompt order
         self.num_requests = len(streams)
         self.usage = Usage()
         self._max_model_len = max_model_len
         self._max_tokens = max_tokens
         self._metrics = metrics
-        self._gate = gate
+        self._on_close = on_close
         # (prompt index, a delta | the error that ended the stream | None once it finished)
         self._queue: asyncio.Queue[tuple[int, RequestOutput | BaseException | None]] = asyncio.Queue()
         self._ready: deque[tuple[int, RequestOutput]] = deque()  # taken from the queue by start()
@@ -110,7 +112,7 @@ class EngineRequests:
         self._closed = True
         for task in self._tasks:
             task.cancel()
-        self._gate.release(self.num_requests)
+        self._on_close(self)
 
     async def _pump(self, index: int, stream: AsyncIterator[RequestOutput]) -> None:
         timing = _Timing()

@@ -63,8 +63,10 @@ def internal_error() -> APIError:
                     code="internal_error")
 
 
-# msgspec names the field at fault at the end of its message: "... - at `$.messages[0].role`"
+# msgspec names the field at fault at the end of its message: "... - at `$.messages[0].role`",
+# or, for a field left out, in it: "Object missing required field `prompt`"
 _FIELD_PATH = re.compile(r" - at `\$\.?([^`]*)`$")
+_MISSING_FIELD = re.compile(r"missing required field `([^`]*)`")
 
 
 def from_decode_error(error: msgspec.DecodeError) -> APIError:
@@ -72,8 +74,9 @@ def from_decode_error(error: msgspec.DecodeError) -> APIError:
     text = str(error)
     if not isinstance(error, msgspec.ValidationError):
         return bad_request(f"the request body is not valid JSON: {text}", code="invalid_json")
-    match = _FIELD_PATH.search(text)
-    param = match.group(1) if match and match.group(1) else None
+    path, missing = _FIELD_PATH.search(text), _MISSING_FIELD.search(text)
+    parts = [path.group(1) if path else "", missing.group(1) if missing else ""]
+    param = ".".join(part for part in parts if part) or None
     return bad_request(f"invalid request: {text}", param=param)
 
 

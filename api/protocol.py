@@ -13,7 +13,7 @@ from __future__ import annotations
 import msgspec
 
 from actors.errors import InvalidRequestError
-from messages.common import SamplingParams
+from messages.common import MAX_LOGPROBS, SamplingParams
 
 
 class StreamOptions(msgspec.Struct, kw_only=True):
@@ -140,6 +140,9 @@ class ChatCompletionRequest(SamplingRequest, kw_only=True):
     def to_sampling_params(self) -> SamplingParams:
         if self.top_logprobs is not None and not self.logprobs:
             raise InvalidRequestError("top_logprobs needs logprobs to be true", param="top_logprobs")
+        if self.top_logprobs is not None and not 0 <= self.top_logprobs <= MAX_LOGPROBS:
+            raise InvalidRequestError(f"top_logprobs must be in [0, {MAX_LOGPROBS}], got {self.top_logprobs}",
+                                      param="top_logprobs")
         max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
         return self.sampling_params(max_tokens, logprobs)

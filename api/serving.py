@@ -59,6 +59,7 @@ class ServingContext:
         self.max_model_len = client.config.scheduler.max_model_len
         self.metrics = ServerMetrics()
         self.gate = RequestGate(client.config.scheduler.max_num_seqs, settings.max_waiting_requests)
+        self.open_requests: set[EngineRequests] = set()  # what abort_all() ends
 
     def check_model(self, name: str | None) -> str:
         """The model name a response carries; 400 for a model this server does not serve."""
@@ -74,18 +75,32 @@ class ServingContext:
         except EngineDeadError as error:
             raise engine_unavailable(error) from error
 
-    def open(self, start_streams: Callable[[], list[AsyncIterator[RequestOutput]]], num_streams: int,
+    def open(self, request_ids: list[str], start: Callable[[str, int], AsyncIterator[RequestOutput]],
              params: SamplingParams) -> EngineRequests:
-        """Admits num_streams engine requests (503 past the waiting limit) and starts them."""
+        """Admits one engine request per id (503 past the waiting limit) and starts them:
+        start(request_id, index) returns the request's AsyncClient stream."""
         self.check_health()
-        self.gate.admit(num_streams)
+        self.gate.admit(len(request_ids))
         try:
-            streams = start_streams()
+            streams = [start(request_id, index) for index, request_id in enumerate(request_ids)]
         except BaseException:
-            self.gate.release(num_streams)
+            self.gate.release(len(request_ids))
             raise
-        return EngineRequests(streams, max_model_len=self.max_model_len, max_tokens=params.max_tokens,
-                              metrics=self.metrics, gate=self.gate)
+        requests = EngineRequests(request_ids, streams, max_model_len=self.max_model_len,
+                                  max_tokens=params.max_tokens, metrics=self.metrics, on_close=self._closed)
+        self.open_requests.add(requests)
+        return requests
+
+    def _closed(self, requests: EngineRequests) -> None:
+        self.open_requests.discard(requests)
+        self.gate.release(requests.num_requests)
+
+    async def abort_all(self) -> None:
+        """Ends every running request with finish_reason "abort" (the server is stopping):
+        each client still gets a complete response."""
+        for requests in list(self.open_requests):
+            for request_id in requests.request_ids:
+                await self.client.abort(request_id)
 
 
 async def read_json(request: Request, body_type: type[T], max_bytes: int) -> T:

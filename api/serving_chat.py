@@ -26,8 +26,8 @@ async def create_chat_completion(ctx: ServingContext, request: Request) -> Respo
     messages = body.message_dicts()
     num_top_logprobs = (body.top_logprobs or 0) if body.logprobs else None
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
-    requests = ctx.open(lambda: [ctx.client.chat(messages, params, request_id=request_id,
-                                                 add_generation_prompt=body.add_generation_prompt)], 1, params)
+    requests = ctx.open([request_id], lambda engine_id, _: ctx.client.chat(
+        messages, params, request_id=engine_id, add_generation_prompt=body.add_generation_prompt), params)
 
     def whole_response(outputs: list[RequestOutput]) -> ChatCompletionResponse:
         choices = [ChatChoice(index=completion.index, message=AssistantMessage(content=completion.text),

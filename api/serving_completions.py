@@ -27,8 +27,9 @@ async def create_completion(ctx: ServingContext, request: Request) -> Response:
     tokenizer = await ctx.client.get_tokenizer() if body.echo and body.logprobs is not None else None
     choices = _Choices(body, echoes, tokenizer)
     request_id = f"cmpl-{uuid.uuid4().hex}"
-    requests = ctx.open(lambda: [ctx.client.generate(prompt, params, request_id=f"{request_id}-{index}")
-                                 for index, prompt in enumerate(prompts)], len(prompts), params)
+    requests = ctx.open([f"{request_id}-{index}" for index in range(len(prompts))],
+                        lambda engine_id, index: ctx.client.generate(prompts[index], params, request_id=engine_id),
+                        params)
 
     def whole_response(outputs: list[RequestOutput]) -> CompletionResponse:
         for prompt_index, output in enumerate(outputs):

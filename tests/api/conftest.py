@@ -20,6 +20,7 @@ import pytest
 REPO_ROOT = Path(__file__).resolve().parents[2]
 API_KEY = "test-key"
 MODEL_NAME = "tiny-llama"
+MAX_MODEL_LEN = 2048  # the shared server's context: room for requests of thousands of tokens
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
 # the engine flags of every test server: a small KV cache, a deterministic engine
 ENGINE_FLAGS = ["--kv-cache-memory", "64MiB", "--max-num-batched-tokens", "512", "--seed", "0"]
@@ -83,7 +84,8 @@ class ServerProcess:
         raise TimeoutError(f"the server did not start in {timeout:.0f} s:\n{self.log()}")
 
     def log(self) -> str:
-        self._log.flush()
+        if not self._log.closed:
+            self._log.flush()
         return self.log_path.read_text()
 
     def signal(self, signum: int) -> None:
@@ -129,10 +131,11 @@ def long_context_llama_dir(make_tiny_model) -> str:
 
 @pytest.fixture(scope="session")
 def server(long_context_llama_dir, tmp_path_factory):
-    """The shared server: an API key, a 1 MiB body limit, room for 300 requests."""
+    """The shared server: a context of MAX_MODEL_LEN, an API key, a 1 MiB body limit, room
+    for 300 requests."""
     process = ServerProcess(long_context_llama_dir, tmp_path_factory.mktemp("server") / "server.log",
-                            "--api-key", API_KEY, "--max-request-size", "1MiB", "--max-waiting-requests", "44",
-                            "--log-level", "warning")
+                            "--max-model-len", str(MAX_MODEL_LEN), "--api-key", API_KEY, "--max-request-size", "1MiB",
+                            "--max-waiting-requests", "44", "--log-level", "warning")
     try:
         yield process
     finally:

@@ -1,0 +1,100 @@
+"""Clients that give up, and many clients at once, against the shared server: a dropped
+request is aborted in the engine (its KV blocks freed) within a second, a crowd of
+impatient clients leaves nothing behind, and 200 concurrent streams all complete with
+well-formed SSE and exact usage. Sized for a 2-core CI machine: a tiny model, short
+outputs, except where a request must still be running when its client leaves."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import httpx
+import pytest
+import pytest_asyncio
+
+from tests.api.conftest import AUTH, MODEL_NAME, engine_gauges, sse_events, wait_until_idle
+
+# far more tokens than a request can produce in the time its client waits
+LONG = {"prompt": [5, 6, 7, 8], "max_tokens": 2000, "ignore_eos": True, "temperature": 0.0}
+
+
+@pytest_asyncio.fixture(scope="module")
+async def aclient(server):
+    limits = httpx.Limits(max_connections=400, max_keepalive_connections=0)  # a connection per request
+    async with httpx.AsyncClient(base_url=server.url, headers=AUTH, timeout=120.0, limits=limits) as client:
+        yield client
+
+
+def seconds_until_idle(http: httpx.Client, since: float) -> float:
+    wait_until_idle(http, timeout=5.0)
+    return time.monotonic() - since
+
+
+def test_dropped_stream_is_aborted_within_1_s(http):
+    with http.stream("POST", "/v1/completions", json={**LONG, "stream": True}) as response:
+        assert response.status_code == 200
+        lines = response.iter_lines()
+        for _ in range(3):
+            next(lines)
+        assert engine_gauges(http)["troupe_num_requests_running"] == 1
+        dropped_at = time.monotonic()
+    # leaving the block closes the connection with the response half read
+    assert seconds_until_idle(http, dropped_at) < 1.0
+
+
+def test_dropped_non_streaming_request_is_aborted_within_1_s(server, http):
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(f"{server.url}/v1/chat/completions", headers=AUTH, timeout=1.0,
+                   json={"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2000, "ignore_eos": True})
+    dropped_at = time.monotonic()
+    assert seconds_until_idle(http, dropped_at) < 1.0
+
+
+async def test_200_clients_giving_up_after_half_a_second_leave_nothing_behind(aclient, http):
+    async def impatient(i: int) -> None:
+        body = {**LONG, "prompt": [5 + i % 50] * (3 + i % 20), "stream": i % 2 == 0}
+        try:
+            async with asyncio.timeout(0.5):
+                if body["stream"]:
+                    async with aclient.stream("POST", "/v1/completions", json=body) as response:
+                        async for _ in response.aiter_bytes():
+                            pass
+                else:
+                    await aclient.post("/v1/completions", json=body)
+        except TimeoutError:
+            return
+        raise AssertionError(f"request {i} finished within 0.5 s")
+
+    async with asyncio.timeout(60):
+        await asyncio.gather(*[impatient(i) for i in range(200)])
+    given_up_at = time.monotonic()
+    response = await aclient.post("/v1/completions", json={"prompt": [9, 10], "max_tokens": 8, "ignore_eos": True})
+    assert response.status_code == 200 and response.json()["usage"]["completion_tokens"] == 8
+    assert time.monotonic() - given_up_at < 5.0
+    gauges = await asyncio.to_thread(wait_until_idle, http, 5.0)
+    assert gauges["troupe_kv_cache_blocks_held"] == 0
+
+
+async def test_200_concurrent_streams_complete_with_well_formed_sse_and_exact_usage(aclient):
+    async def stream(i: int) -> tuple[int, list[dict]]:
+        prompt = [5 + i % 97] * (1 + i % 30)
+        body = {"prompt": prompt, "max_tokens": 6, "ignore_eos": True, "stream": True, "model": MODEL_NAME,
+                "stream_options": {"include_usage": True}, "temperature": 0.8, "seed": i}
+        response = await aclient.post("/v1/completions", json=body)
+        assert response.status_code == 200, response.text
+        return len(prompt), sse_events(response.text)
+
+    async with asyncio.timeout(300):
+        results = await asyncio.gather(*[stream(i) for i in range(200)])
+    assert len(results) == 200
+    ids = set()
+    for num_prompt_tokens, events in results:
+        *chunks, last = events
+        assert last["choices"] == [] and last["usage"] == {"prompt_tokens": num_prompt_tokens,
+                                                            "completion_tokens": 6,
+                                                            "total_tokens": num_prompt_tokens + 6}
+        assert [c["choices"][0]["finish_reason"] for c in chunks][-1] == "length"
+        assert {c["id"] for c in events} == {last["id"]}
+        ids.add(last["id"])
+    assert len(ids) == 200
