@@ -27,7 +27,7 @@ import uvicorn
 import uvloop
 
 from actors.config import parse_size
-from actors.engine_args import ATTENTION_BACKENDS, DTYPES, LOAD_FORMATS
+from actors.engine_args import ATTENTION_BACKENDS, DEVICES, DTYPES, LOAD_FORMATS
 from actors.errors import EngineStartupError
 from actors.frontend import AsyncClient
 from api.app import build_app
@@ -63,7 +63,9 @@ def build_parser() -> argparse.ArgumentParser:
                             "SmolLM2-135M-Instruct)")
     model.add_argument("--served-model-name", nargs="+", metavar="NAME",
                        help="the name(s) clients use in the 'model' field (default: --model as given)")
-    model.add_argument("--dtype", choices=DTYPES, default="float32", help="weights and activations (default: %(default)s)")
+    model.add_argument("--dtype", choices=DTYPES, default="auto",
+                       help="weights and activations; 'auto': float32 on the CPU, bfloat16 on CUDA (default: "
+                            "%(default)s)")
     model.add_argument("--max-model-len", type=int, metavar="TOKENS",
                        help="the longest prompt plus output (default: the model's own limit)")
     model.add_argument("--load-format", choices=LOAD_FORMATS, default="auto",
@@ -95,14 +97,17 @@ def build_parser() -> argparse.ArgumentParser:
     engine.add_argument("--kv-cache-memory", type=_size, default="2GiB", metavar="SIZE",
                         help="memory for the KV cache, e.g. 512MiB or 4GiB (default: 2GiB)")
     engine.add_argument("--gpu-memory-utilization", type=float, metavar="FRACTION",
-                        help="size the KV cache from a share of GPU memory (not supported yet: the engine runs "
-                             "on the CPU; use --kv-cache-memory)")
+                        help="size the KV cache from a share of GPU memory (not supported yet; use "
+                             "--kv-cache-memory)")
     engine.add_argument("--no-prefix-caching", action="store_true", help="do not reuse the KV cache of shared "
                                                                          "prompt prefixes")
     engine.add_argument("--attention-backend", choices=ATTENTION_BACKENDS, default="auto",
                         help="'auto': Triton kernels on CUDA, plain torch on the CPU (default: %(default)s)")
+    engine.add_argument("--device", choices=DEVICES, default="auto",
+                        help="'auto': CUDA when there is a GPU, else the CPU (default: %(default)s)")
     engine.add_argument("--tensor-parallel-size", type=int, default=1, metavar="N",
-                        help="GPUs to shard the model over (only 1 is supported for now)")
+                        help="worker processes, one per device, each holding a slice of the model "
+                             "(default: %(default)s)")
     engine.add_argument("--num-input-processors", type=int, default=1, metavar="N",
                         help="processes that tokenize requests side by side (default: %(default)s)")
     return parser
@@ -111,12 +116,9 @@ def build_parser() -> argparse.ArgumentParser:
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = build_parser()
     args = parser.parse_args(argv)
-    if args.tensor_parallel_size != 1:
-        parser.error(f"--tensor-parallel-size {args.tensor_parallel_size}: only 1 is supported until tensor "
-                     "parallelism lands")
     if args.gpu_memory_utilization is not None:
-        parser.error("--gpu-memory-utilization is not supported yet: the engine runs on the CPU and sizes its KV "
-                     "cache from --kv-cache-memory")
+        parser.error("--gpu-memory-utilization is not supported yet: the engine sizes its KV cache from "
+                     "--kv-cache-memory")
     if not 0 <= args.port <= 65535:
         parser.error(f"--port must be in [0, 65535], got {args.port}")
     for name in ("max_waiting_requests", "num_input_processors"):
@@ -128,9 +130,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def engine_args(args: argparse.Namespace) -> dict:
+    """The EngineArgs fields the flags set."""
     return dict(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                 block_size=args.block_size, kv_cache_memory=args.kv_cache_memory, max_model_len=args.max_model_len,
-                dtype=args.dtype, seed=args.seed, enable_prefix_caching=not args.no_prefix_caching,
+                dtype=args.dtype, device=args.device, tensor_parallel_size=args.tensor_parallel_size,
+                seed=args.seed, enable_prefix_caching=not args.no_prefix_caching,
                 attention_backend=args.attention_backend, load_format=args.load_format)
 
 

@@ -39,6 +39,12 @@ def child_pids(pid: int) -> list[int]:
     return children
 
 
+def actor_name(pid: int) -> str:
+    """An actor process's name ("worker0", "scheduler", ...), from its command line."""
+    argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+    return argv[argv.index(b"--name") + 1].decode() if b"--name" in argv else ""
+
+
 def pid_alive(pid: int) -> bool:
     """True for a running process; a zombie (exited, not yet reaped) counts as gone."""
     try:
@@ -60,14 +66,14 @@ class ServerProcess:
         self._log = open(log_path, "w")
         self.popen = subprocess.Popen(command, cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE, stderr=self._log,
                                       text=True)
-        self.actor_pids: list[int] = []
+        self.actor_pids: dict[str, int] = {}  # actor name -> pid
         try:
             self.ready_line = self._wait_ready(STARTUP_TIMEOUT_S)
         except BaseException:
             self.kill()
             raise
         self.url = self.ready_line.rsplit(" ", 1)[-1]
-        self.actor_pids = child_pids(self.popen.pid)
+        self.actor_pids = {actor_name(pid): pid for pid in child_pids(self.popen.pid)}
 
     def _wait_ready(self, timeout: float) -> str:
         deadline = time.monotonic() + timeout
@@ -108,7 +114,7 @@ class ServerProcess:
 
     def kill(self) -> None:
         """Last resort: SIGKILL the server and the actor processes it started."""
-        for pid in [self.popen.pid, *self.actor_pids]:
+        for pid in [self.popen.pid, *self.actor_pids.values()]:
             if pid_alive(pid):
                 os.kill(pid, signal.SIGKILL)
         self.popen.wait(10)
@@ -120,7 +126,7 @@ class ServerProcess:
         self._log.close()
 
     def leftover_pids(self) -> list[int]:
-        return [pid for pid in self.actor_pids if pid_alive(pid)]
+        return [pid for pid in self.actor_pids.values() if pid_alive(pid)]
 
 
 @pytest.fixture(scope="session")

@@ -36,7 +36,7 @@ async def test_a_dead_engine_makes_health_and_generation_503(app_and_client):
         assert (await http.get("/health")).status_code == 200
         assert (await http.post("/v1/chat/completions", json=CHAT)).status_code == 200
 
-        os.kill(client.processes.processes["scheduler"].pid, signal.SIGKILL)
+        os.kill(client.actor_pids()["scheduler"], signal.SIGKILL)
         async with asyncio.timeout(10):
             await client.wait_until_dead()
 
