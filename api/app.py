@@ -22,7 +22,7 @@ from starlette.routing import Route
 from actors.errors import EngineDeadError, InvalidRequestError
 from actors.frontend import AsyncClient
 from actors.input_processor import InputProcessor
-from api.errors import bad_request, handle_api_error, handle_http_exception, internal_error, APIError
+from api.errors import APIError, bad_request, handle_api_error, handle_http_exception, internal_error
 from api.metrics import CONTENT_TYPE
 from api.middleware import APIKeyMiddleware, RequestLogMiddleware
 from api.protocol import DetokenizeRequest, TokenizeRequest

@@ -18,6 +18,7 @@ from typing import Any, TypeVar
 import msgspec
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response, StreamingResponse
+from starlette.types import Receive, Scope, Send
 
 from actors.detokenizer import merge_delta
 from actors.errors import EngineDeadError
@@ -158,8 +159,25 @@ def json_response(body: Any, status: int = 200) -> Response:
 _DONE = b"data: [DONE]\n\n"
 
 
+class _SSEResponse(StreamingResponse):
+    """A StreamingResponse that closes its engine requests however it ends: also when
+    the client leaves before the body is first iterated (its generator then never runs,
+    so its own clean-up would not either)."""
+
+    def __init__(self, body: AsyncIterator[bytes], requests: EngineRequests) -> None:
+        super().__init__(body, media_type="text/event-stream",
+                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        self.requests = requests
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self.requests.close()
+
+
 def sse_response(events: AsyncIterator[Any], requests: EngineRequests) -> StreamingResponse:
-    """Streams each event as `data: {json}\\n\\n`, then `data: [DONE]\\n\\n`. An error
+    """Streams each event as `data: {json}\n\n`, then `data: [DONE]\n\n`. An error
     after the headers are sent becomes an error event. The response owns requests:
     it closes them when the stream ends, fails or is cancelled by a disconnect."""
 
@@ -169,12 +187,10 @@ def sse_response(events: AsyncIterator[Any], requests: EngineRequests) -> Stream
                 yield b"data: " + msgspec.json.encode(event) + b"\n\n"
         except Exception as error:  # noqa: BLE001 - the status is sent; the client still deserves the reason
             yield b"data: " + msgspec.json.encode(from_exception(error).body) + b"\n\n"
-        finally:
-            requests.close()
+        requests.close()  # before [DONE]: a client may send its next request the moment it sees it
         yield _DONE
 
-    return StreamingResponse(body(), media_type="text/event-stream",
-                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+    return _SSEResponse(body(), requests)
 
 
 async def respond(request: Request, requests: EngineRequests, stream: bool,

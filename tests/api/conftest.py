@@ -22,8 +22,10 @@ API_KEY = "test-key"
 MODEL_NAME = "tiny-llama"
 MAX_MODEL_LEN = 2048  # the shared server's context: room for requests of thousands of tokens
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
-# the engine flags of every test server: a small KV cache, a deterministic engine
-ENGINE_FLAGS = ["--kv-cache-memory", "64MiB", "--max-num-batched-tokens", "512", "--seed", "0"]
+# the engine flags of every test server: a small KV cache, and the CPU in float32 like the
+# in-process engines the tests compare with (the launcher's default, "auto", takes a GPU)
+ENGINE_FLAGS = ["--kv-cache-memory", "64MiB", "--max-num-batched-tokens", "512", "--seed", "0",
+                "--device", "cpu", "--dtype", "float32"]
 STARTUP_TIMEOUT_S = 240.0
 STOP_TIMEOUT_S = 30.0
 
