@@ -23,6 +23,7 @@ from starlette.types import Receive, Scope, Send
 from actors.detokenizer import merge_delta
 from actors.errors import EngineDeadError
 from actors.frontend import AsyncClient
+from actors.input_processor import InputProcessor
 from api.engine_requests import EngineRequests, RequestGate
 from api.errors import APIError, bad_request, engine_unavailable, from_decode_error, from_exception
 from api.metrics import ServerMetrics
@@ -60,6 +61,9 @@ class ServingContext:
         self.max_model_len = client.config.scheduler.max_model_len
         self.metrics = ServerMetrics()
         self.gate = RequestGate(client.config.scheduler.max_num_seqs, settings.max_waiting_requests)
+        # the input processor's own checks, for prompts of token ids (text needs the tokenizer,
+        # so the input processor checks that): a bad id never reaches the engine
+        self._token_checker = InputProcessor(None, client.config.model.vocab_size, self.max_model_len)
         self.open_requests: set[EngineRequests] = set()  # what abort_all() ends
 
     def check_model(self, name: str | None) -> str:
@@ -69,6 +73,12 @@ class ServingContext:
         raise bad_request(f"the model {name!r} does not exist; this server serves "
                           f"{', '.join(map(repr, self.settings.served_model_names))}",
                           param="model", code="model_not_found")
+
+    def check_prompt_tokens(self, prompts: list[str | list[int]]) -> None:
+        """400 for a prompt of token ids that is empty, too long or out of the vocabulary."""
+        for prompt in prompts:
+            if isinstance(prompt, list):
+                self._token_checker.check_prompt_tokens(prompt)
 
     def check_health(self) -> None:
         try:

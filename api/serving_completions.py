@@ -23,6 +23,7 @@ async def create_completion(ctx: ServingContext, request: Request) -> Response:
     model = ctx.check_model(body.model)
     params = body.to_sampling_params()
     prompts = body.prompts()
+    ctx.check_prompt_tokens(prompts)
     echoes = await _echo_texts(ctx, prompts) if body.echo else None
     tokenizer = await ctx.client.get_tokenizer() if body.echo and body.logprobs is not None else None
     choices = _Choices(body, echoes, tokenizer)
