@@ -7,13 +7,10 @@ waiting requests, KV-cache usage) are read from the scheduler when /metrics is s
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
-
-logger = logging.getLogger(__name__)
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 

@@ -10,9 +10,8 @@ reaches EngineRequests, which aborts the engine requests (and frees their KV blo
 from __future__ import annotations
 
 import asyncio
-import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import msgspec
@@ -29,8 +28,6 @@ from api.errors import APIError, bad_request, engine_unavailable, from_decode_er
 from api.metrics import ServerMetrics
 from messages.common import RequestOutput, SamplingParams
 
-logger = logging.getLogger(__name__)
-
 T = TypeVar("T")
 
 DEFAULT_MAX_BODY_BYTES = 16 * 2**20
@@ -43,7 +40,7 @@ class ServerSettings:
     api_key: str | None = None  # when set, /v1 routes need "Authorization: Bearer <api_key>"
     max_waiting_requests: int = DEFAULT_MAX_WAITING_REQUESTS  # past max_num_seqs running, then 503
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES  # larger request bodies get 413
-    model_root: str = field(default="")  # the model's directory, for /v1/models
+    model_root: str = ""  # the model's directory, for /v1/models
 
 
 class ClientGone(Exception):
