@@ -90,6 +90,10 @@ class Actor:
                 else:
                     self._dispatch(await self.inbox.recv())
         finally:
+            for signum in (signal.SIGTERM, signal.SIGINT):
+                loop.remove_signal_handler(signum)
+                signal.signal(signum, signal.SIG_IGN)  # stopping already: see it through
+            self.stopping = True
             self.close()
             self.sockets.close()
 
@@ -111,4 +115,5 @@ class Actor:
         self.handle(message)
 
     def _enqueue_shutdown(self, reason: str) -> None:
-        self._to_self.send(Shutdown(reason))
+        if not self.stopping:  # a second signal while stopping changes nothing
+            self._to_self.send(Shutdown(reason))

@@ -110,6 +110,17 @@ def build_parser() -> argparse.ArgumentParser:
                              "(default: %(default)s)")
     engine.add_argument("--num-input-processors", type=int, default=1, metavar="N",
                         help="processes that tokenize requests side by side (default: %(default)s)")
+
+    nodes = parser.add_argument_group(
+        "several machines", "Node 0 serves HTTP and runs the first tensor-parallel ranks; every other node "
+        "runs its share of the ranks only, started with the same flags and its own --node-rank. They meet at "
+        "--master-addr: torch.distributed on --master-port, ZeroMQ over tcp on the ports just above it.")
+    nodes.add_argument("--nnodes", type=int, default=1, metavar="N", help="machines (default: %(default)s)")
+    nodes.add_argument("--node-rank", type=int, default=0, metavar="I", help="this machine (default: %(default)s)")
+    nodes.add_argument("--master-addr", default="127.0.0.1", metavar="HOST",
+                       help="node 0's address, reachable from every node (default: %(default)s)")
+    nodes.add_argument("--master-port", type=int, default=29500, metavar="PORT",
+                       help="the first of tensor-parallel-size + 2 free ports on node 0 (default: %(default)s)")
     return parser
 
 
@@ -135,7 +146,9 @@ def engine_args(args: argparse.Namespace) -> dict:
                 block_size=args.block_size, kv_cache_memory=args.kv_cache_memory, max_model_len=args.max_model_len,
                 dtype=args.dtype, device=args.device, tensor_parallel_size=args.tensor_parallel_size,
                 seed=args.seed, enable_prefix_caching=not args.no_prefix_caching,
-                attention_backend=args.attention_backend, load_format=args.load_format)
+                attention_backend=args.attention_backend, load_format=args.load_format,
+                nnodes=args.nnodes, node_rank=args.node_rank, master_addr=args.master_addr,
+                master_port=args.master_port)
 
 
 def bind_socket(host: str, port: int) -> socket.socket:
@@ -263,6 +276,26 @@ class Launcher:
                 task.cancel()
 
 
+async def run_worker_node(args: argparse.Namespace) -> int:
+    """A node other than 0: its ranks only, until the engine stops them or a signal."""
+    from actors.engine_args import EngineArgs
+    from actors.supervisor import run_worker_node as run_ranks
+
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(signum, stop.set)
+    try:
+        engine = await asyncio.to_thread(EngineArgs(model=args.model, **engine_args(args)).build)
+    except (ValueError, OSError, ImportError) as error:
+        logger.error("bad engine arguments: %s", error)
+        return 1
+    ranks = engine.parallel.local_ranks
+    print(f"Node {args.node_rank} running ranks {ranks.start}..{ranks.stop - 1} of {args.tensor_parallel_size}",
+          flush=True)
+    return await run_ranks(engine, stop, "DEBUG" if args.log_level == "debug" else "WARNING")
+
+
 def _url(host: str, port: int) -> str:
     return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
 
@@ -273,6 +306,8 @@ def main(argv: list[str] | None = None) -> None:
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     # uvicorn's own start/stop chatter only at debug; its warnings and errors always
     logging.getLogger("uvicorn.error").setLevel(logging.DEBUG if args.log_level == "debug" else logging.WARNING)
+    if args.node_rank > 0:
+        sys.exit(uvloop.run(run_worker_node(args)))
     try:
         sock = bind_socket(args.host, args.port)
     except OSError as error:

@@ -4,14 +4,11 @@ holding its share of the weights, and a dead rank failing every request."""
 from __future__ import annotations
 
 import asyncio
-import subprocess
-import sys
 
 import pytest
 
 from actors import LLM, AsyncClient, SamplingParams
 from tests.actors.test_llm_matches_hf import PROMPT_LENGTHS, make_prompts
-from messages.transport import free_tcp_port_range
 from tests.actors.test_supervision import kill_during_generation
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
@@ -66,24 +63,3 @@ def test_tensor_parallel_size_must_divide_the_heads(tiny_llama_dir):
     with pytest.raises(ValueError, match="attention heads"):
         LLM(tiny_llama_dir, tensor_parallel_size=3)
 
-
-async def test_two_nodes_on_loopback_give_the_tokens_of_one_rank(tiny_llama_dir):
-    # node 1 runs rank 1 alone; node 0 runs the engine and rank 0; they meet at master_port
-    port = free_tcp_port_range(4)  # the rendezvous, the frontend's inbox, a plan socket per rank
-    engine_args = dict(kv_cache_memory="32MiB", tensor_parallel_size=2, nnodes=2, master_port=port)
-    node1 = subprocess.Popen([sys.executable, "-c", (
-        "import asyncio, sys\n"
-        "from actors.engine_args import EngineArgs\n"
-        "from actors.supervisor import run_worker_node\n"
-        f"engine = EngineArgs(model={tiny_llama_dir!r}, node_rank=1, **{engine_args!r}).build()\n"
-        "sys.exit(asyncio.run(run_worker_node(engine, asyncio.Event())))\n")])
-    try:
-        one = LLM(tiny_llama_dir, kv_cache_memory="32MiB")
-        prompts = make_prompts(one.config.model.vocab_size, PROMPT_LENGTHS, seed=42)
-        expected = [o.outputs[0].token_ids for o in one.generate(prompts, GREEDY, use_tqdm=False)]
-        tokens, ready = await greedy_tokens(tiny_llama_dir, prompts, node_rank=0, **engine_args)
-        assert tokens == expected and set(ready) == {"worker0"}  # rank 1 is not this node's process
-        assert node1.wait(30) == 0  # the engine's shutdown reached the other node
-    finally:
-        node1.kill()
-        node1.wait(10)
