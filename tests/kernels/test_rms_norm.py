@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.rms_norm import rms_norm, rms_norm_ref
+from kernels.rms_norm import rms_norm, rms_norm_cpu, rms_norm_ref
 from tests.kernels.helpers import DEVICE, assert_close, generator, requires_triton
 
 # outputs the launchers allocate start as NaN (see conftest.py)
@@ -62,3 +62,20 @@ def test_triton_promotes_like_the_reference_with_an_fp32_weight():
     assert result.dtype == expected.dtype == torch.float32 and new_residual.dtype == torch.bfloat16
     assert_close(result, expected, rtol=2e-2, atol=2e-2)
     assert_close(new_residual, expected_residual)
+
+
+@pytest.mark.parametrize("dtype, weight_dtype", [(torch.float32, None), (torch.bfloat16, None),
+                                                 (torch.bfloat16, torch.float32)])
+@pytest.mark.parametrize("with_residual", [False, True])
+def test_cpu_path_matches_reference_bit_for_bit(dtype, weight_dtype, with_residual):
+    x, weight, residual = make_inputs(9, 200, dtype, seed=11 + with_residual, weight_dtype=weight_dtype,
+                                      row_stride=224)
+    residual_before = residual.clone()
+    expected = rms_norm_ref(x, weight, 1e-5, residual if with_residual else None)
+    result = rms_norm_cpu(x, weight, 1e-5, residual if with_residual else None)
+    if with_residual:
+        assert torch.equal(result[0], expected[0]) and torch.equal(result[1], expected[1])
+        assert result[1].data_ptr() == x.data_ptr()  # the sum was made in x
+    else:
+        assert torch.equal(result, expected)
+    assert torch.equal(residual, residual_before)
