@@ -185,17 +185,24 @@ int paged_decode_f32(
     int num_threads) {
     DecodeHead run = decode_head_for(head_size);
     if (run == nullptr || head_size % kLanes || group > kMaxGroup) return -1;
+    auto decode = [&](int i, int h) {
+        const int seq = decode_seqs[i];
+        const int64_t token = query_start_loc[seq];
+        const CacheView cache = {key_cache + h * cache_head_stride, value_cache + h * cache_head_stride,
+                                 cache_block_stride, cache_slot_stride, block_size};
+        run(query + token * query_token_stride + (int64_t)h * group * query_head_stride, query_head_stride, cache,
+            block_tables + (int64_t)seq * block_table_stride, seq_lens[seq], group, scale,
+            out + token * out_token_stride + (int64_t)h * group * out_head_stride, out_head_stride);
+    };
+    if (num_decodes >= 4 * num_threads) {
+        // a thread takes all kv heads of a decode in turn: each block's heads are neighbours in memory
+#pragma omp parallel for schedule(dynamic, 1) num_threads(num_threads)
+        for (int i = 0; i < num_decodes; i++)
+            for (int h = 0; h < num_kv_heads; h++) decode(i, h);
+    } else {  // few decodes: their heads spread over the threads too
 #pragma omp parallel for collapse(2) schedule(dynamic, 1) num_threads(num_threads)
-    for (int i = 0; i < num_decodes; i++) {
-        for (int h = 0; h < num_kv_heads; h++) {
-            const int seq = decode_seqs[i];
-            const int64_t token = query_start_loc[seq];
-            const CacheView cache = {key_cache + h * cache_head_stride, value_cache + h * cache_head_stride,
-                                     cache_block_stride, cache_slot_stride, block_size};
-            run(query + token * query_token_stride + (int64_t)h * group * query_head_stride, query_head_stride, cache,
-                block_tables + (int64_t)seq * block_table_stride, seq_lens[seq], group, scale,
-                out + token * out_token_stride + (int64_t)h * group * out_head_stride, out_head_stride);
-        }
+        for (int i = 0; i < num_decodes; i++)
+            for (int h = 0; h < num_kv_heads; h++) decode(i, h);
     }
     return 0;
 }
