@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from kernels._triton import jit, next_power_of_2, tl
+from kernels.cpu_kernels import NativeKernels
 
 
 def rms_norm_ref(
@@ -30,9 +31,14 @@ def rms_norm_cpu(
     weight: torch.Tensor,  # [hidden_size]
     eps: float,
     residual: torch.Tensor | None = None,  # [num_tokens, hidden_size]
+    native: NativeKernels | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-    """rms_norm_ref's results, bit for bit, in fewer passes and allocations: the residual
-    sum is made in x (the caller's fresh projection output) and returned as the residual."""
+    """rms_norm_ref's results with the residual sum made in x (the caller's fresh projection
+    output) and returned as the residual. With the C++ kernel (fp32) one pass over each
+    row, equal to fp32 rounding (it sums the squares in another order); else torch's ops,
+    in place, bit for bit."""
+    if native is not None and x.dtype == weight.dtype == torch.float32 and x.stride(1) == 1:
+        return native.rms_norm(x, weight, eps, residual)
     if residual is not None:
         x = x.add_(residual)
     x32 = x.float()

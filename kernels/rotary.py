@@ -8,6 +8,7 @@ import math
 import torch
 
 from kernels._triton import jit, next_power_of_2, tl
+from kernels.cpu_kernels import NativeKernels
 
 
 def build_cos_sin_cache(
@@ -66,23 +67,27 @@ def rotary_cpu(
     query: torch.Tensor,  # [num_tokens, num_heads, head_size], rotated in place
     key: torch.Tensor,  # [num_tokens, num_kv_heads, head_size], rotated in place
     cos_sin_cache: torch.Tensor,  # [max_position, head_size]
+    native: NativeKernels | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """rotary_ref's results, bit for bit, written into query and key (as the Triton kernel
-    does) and returned. Where key directly follows query in memory (the model's q and k
-    are neighbouring slices of one qkv matrix), both rotate as one tensor."""
+    does) and returned: by the C++ kernel for fp32, else by torch's ops. Where key directly
+    follows query in memory (the model's q and k are neighbouring slices of one qkv
+    matrix), both rotate as one tensor."""
     if query.dtype != torch.float32:  # the reference rotates in fp32 and rounds once
         rotated_query, rotated_key = rotary_ref(positions, query, key, cos_sin_cache)
         return query.copy_(rotated_query), key.copy_(rotated_key)
-    cos, sin = cos_sin_cache.index_select(0, positions).unsqueeze(1).chunk(2, dim=-1)
     num_tokens, num_heads, head_size = query.shape
     adjacent = (key.stride() == query.stride() and query.stride(1) == head_size
                 and key.data_ptr() == query.data_ptr() + num_heads * head_size * query.element_size())
-    if adjacent:
-        both = query.as_strided((num_tokens, num_heads + key.shape[1], head_size), query.stride())
-        _rotate_in_place(both, cos, sin)
-    else:
-        _rotate_in_place(query, cos, sin)
-        _rotate_in_place(key, cos, sin)
+    heads = [query.as_strided((num_tokens, num_heads + key.shape[1], head_size), query.stride())] if adjacent \
+        else [query, key]
+    if native is not None and cos_sin_cache.dtype == torch.float32:
+        for x in heads:
+            native.rotary(positions, x, cos_sin_cache)
+        return query, key
+    cos, sin = cos_sin_cache.index_select(0, positions).unsqueeze(1).chunk(2, dim=-1)
+    for x in heads:
+        _rotate_in_place(x, cos, sin)
     return query, key
 
 

@@ -3,9 +3,9 @@
 Three backends, one interface (attention stores the step's keys and values, then attends):
 - torch: each kernel's plain-torch reference, the oracle of the other two; the paged
   attention bookkeeping is planned once per step and reused by every layer.
-- cpu (the CPU's default): the references' results from faster CPU paths, the decode
-  attention and KV store in C++ built on first use (kernels/paged_attention_cpu.py), the
-  elementwise ops in place; where no C++ compiler is found, decodes run as in torch.
+- cpu (the CPU's default): the references' results from faster CPU paths: decode
+  attention, KV store, rms_norm and rotary in C++ built on first use (kernels/cpu_kernels.*),
+  the other ops in place; where no C++ compiler is found, torch's ops.
 - triton: the Triton kernels, compiled on CUDA, or under triton's interpreter on the CPU
   (TRITON_INTERPRET=1; slow, for tests)."""
 
@@ -19,8 +19,9 @@ import torch
 from actors.config import cache_dir
 from kernels.paged_attention import (PagedAttentionLaunch, PagedAttentionPlan, paged_attention,
                                      paged_attention_launch, paged_attention_planned, plan_paged_attention)
-from kernels.paged_attention_cpu import (CpuAttentionPlan, NativeKernels, load_native_kernels, paged_attention_cpu,
-                                         plan_paged_attention_cpu, store_kv_cpu)
+from kernels.cpu_kernels import NativeKernels, load_native_kernels
+from kernels.paged_attention_cpu import (CpuAttentionPlan, paged_attention_cpu, plan_paged_attention_cpu,
+                                         store_kv_cpu)
 from kernels.rms_norm import rms_norm, rms_norm_cpu, rms_norm_ref
 from kernels.rotary import rotary, rotary_cpu, rotary_ref
 from kernels.silu_mul import silu_mul, silu_mul_cpu, silu_mul_ref
@@ -58,17 +59,23 @@ class TorchBackend:
 
 
 class CpuBackend:
-    """The CPU path: the references' results, faster (kernels/*_cpu). The elementwise ops
-    overwrite inputs the model no longer needs: rms_norm the projection it adds to the
-    residual, silu_mul its gate_up input, rotary q and k (as Triton's does)."""
+    """The CPU path: the references' results, faster (kernels/*_cpu, the C++ kernels where
+    they build). The elementwise ops overwrite inputs the model no longer needs: rms_norm
+    the projection it adds to the residual, silu_mul its gate_up input, rotary q and k (as
+    Triton's does)."""
 
     name = "cpu"
-    rms_norm = staticmethod(rms_norm_cpu)
-    rotary = staticmethod(rotary_cpu)
     silu_mul = staticmethod(silu_mul_cpu)
 
     def __init__(self, native: NativeKernels | None) -> None:
         self.native = native
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None):
+        return rms_norm_cpu(x, weight, eps, residual, self.native)
+
+    def rotary(self, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor,
+               cos_sin_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return rotary_cpu(positions, query, key, cos_sin_cache, self.native)
 
     def prepare(self, attention: StepAttention, block_size: int, dtype: torch.dtype) -> None:
         attention.plan = plan_paged_attention_cpu(attention.block_tables, attention.seq_lens,

@@ -11,8 +11,8 @@ import torch
 
 from actors.config import cache_dir
 from kernels.paged_attention import paged_attention_ref
-from kernels.paged_attention_cpu import (load_native_kernels, paged_attention_cpu, plan_paged_attention_cpu,
-                                         store_kv_cpu)
+from kernels.cpu_kernels import load_native_kernels
+from kernels.paged_attention_cpu import paged_attention_cpu, plan_paged_attention_cpu, store_kv_cpu
 from kernels.store_kv import store_kv_ref
 from tests.kernels.naive import make_paged_batch
 from tests.kernels.test_paged_attention import MIXED_BATCH
@@ -21,12 +21,9 @@ from tests.kernels.test_paged_attention import MIXED_BATCH
 TOLERANCE = dict(rtol=1e-5, atol=1e-5)
 
 
-@pytest.fixture(scope="module")
-def native():
-    kernels = load_native_kernels(os.path.join(cache_dir(), "kernels"))
-    if kernels is None:
-        pytest.skip("the C++ kernels did not build (no compiler?); the CPU path runs the reference's decode")
-    return kernels
+@pytest.fixture
+def native(native_kernels):
+    return native_kernels
 
 
 def make_step(batch: list[tuple[int, int]], num_heads: int, num_kv_heads: int, head_size: int, block_size: int,
@@ -71,10 +68,16 @@ def test_long_decodes_and_one_token_sequences_match_reference(native):
     run_both_ways(make_step(batch, 8, 2, 64, 16, seed=9), 16, 0.125, native)
 
 
+def test_a_batch_of_many_decodes_matches_reference(native):
+    # enough decodes that each thread takes whole decodes rather than (decode, kv head) pairs
+    lengths = torch.randint(1, 400, (70,), generator=torch.Generator().manual_seed(3)).tolist()
+    run_both_ways(make_step([(n, 1) for n in lengths], 9, 3, 64, 16, seed=4), 16, 0.125, native)
+
+
 def test_shapes_the_kernel_has_no_code_for_take_the_reference_decode(native):
     # a head size that is no multiple of 16, and bf16
     step = make_step(MIXED_BATCH, 4, 2, 40, 16, seed=1)
-    assert not native.supports(step[0], step[3])
+    assert not native.supports_decode(step[0], step[3])
     run_both_ways(step, 16, 0.2, native)
     step = make_step(MIXED_BATCH, 4, 2, 64, 16, dtype=torch.bfloat16, seed=2)
     query, key, value, key_cache, value_cache, block_tables, seq_lens, query_start_loc, _ = step

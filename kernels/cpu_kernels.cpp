@@ -1,15 +1,20 @@
-// The CPU's decode attention over the paged KV cache, and the store of new keys and values
-// into it: fp32, called through ctypes (kernels/_native.py builds this file, and
-// kernels/paged_attention_cpu.py checks the arguments and calls it).
+// The CPU's kernels in C++, fp32, called through ctypes (kernels/_native.py builds this
+// file; kernels/cpu_kernels.py checks the arguments and calls it):
 //
-// A decode reads each of its cached keys and values once, in place through its block
-// table, for all the query heads that share a kv head: the whole step is then about one
-// pass over the batch's KV, where batched torch ops pay a gather copy or thousands of tiny
-// matmuls. The softmax runs online (flash-decoding without splits), in fp32.
+// - paged_decode_f32: a decode reads each of its cached keys and values once, in place
+//   through its block table, for all the query heads that share a kv head: the whole step
+//   is then about one pass over the batch's KV, where batched torch ops pay a gather copy
+//   or thousands of tiny matmuls. The softmax runs online (flash-decoding without splits).
+// - store_kv_f32: the new keys and values into their slots.
+// - rms_norm_f32 and rotary_f32: one pass over each row where torch makes five or six,
+//   with a parallel region only for batches big enough to pay for one (a decode step's
+//   rows take microseconds).
 //
 // Vectors are GCC/clang vector extensions of 16 floats: one AVX-512 register, two AVX2
-// ones, four SSE ones; the compiler picks (-march=native).
+// ones, four SSE ones; the compiler picks (-march=native). The file is compiled without
+// floating-point contraction (-ffp-contract=off), so rotary rounds as torch's does.
 
+#include <math.h>
 #include <stdint.h>
 #include <string.h>
 
@@ -226,6 +231,57 @@ void store_kv_f32(
             memcpy(key_cache + offset + h * cache_head_stride, key + t * key_token_stride + h * key_head_stride, row_bytes);
             memcpy(value_cache + offset + h * cache_head_stride, value + t * value_token_stride + h * value_head_stride,
                    row_bytes);
+        }
+    }
+}
+
+// Rows of at least this many elements in all make a parallel region worth its cost.
+constexpr int64_t kParallelElements = 1 << 16;
+
+// out = weight * (x / rms(x)), over x + residual when a residual is given (the sum is written
+// back into x, the next residual). Sums of squares in double: no worse than torch's fp32 sum.
+void rms_norm_f32(float* x, int64_t x_stride, const float* residual, int64_t residual_stride, const float* weight,
+                  float* out, int64_t out_stride, int64_t num_tokens, int hidden_size, float eps, int num_threads) {
+#pragma omp parallel for schedule(static) num_threads(num_threads) if (num_tokens * hidden_size >= kParallelElements)
+    for (int64_t t = 0; t < num_tokens; t++) {
+        float* row = x + t * x_stride;
+        double sum_of_squares = 0.0;
+        if (residual != nullptr) {
+            const float* add = residual + t * residual_stride;
+#pragma omp simd reduction(+ : sum_of_squares)
+            for (int i = 0; i < hidden_size; i++) {
+                row[i] += add[i];
+                sum_of_squares += (double)row[i] * row[i];
+            }
+        } else {
+#pragma omp simd reduction(+ : sum_of_squares)
+            for (int i = 0; i < hidden_size; i++) sum_of_squares += (double)row[i] * row[i];
+        }
+        const float inverse_rms = 1.0f / sqrtf((float)(sum_of_squares / hidden_size) + eps);
+        float* dst = out + t * out_stride;
+        for (int i = 0; i < hidden_size; i++) dst[i] = weight[i] * (row[i] * inverse_rms);
+    }
+}
+
+// Rotates the two halves of each head of x (query and key heads alike) by its token's
+// position: x1 * cos - x2 * sin, x2 * cos + x1 * sin, in place.
+void rotary_f32(const int64_t* positions, float* x, int64_t x_token_stride, int64_t x_head_stride,
+                int64_t num_tokens, int num_heads, int head_size, const float* cos_sin_cache, int64_t cache_stride,
+                int num_threads) {
+    const int half = head_size / 2;
+#pragma omp parallel for schedule(static) num_threads(num_threads) \
+    if (num_tokens * num_heads * head_size >= kParallelElements)
+    for (int64_t t = 0; t < num_tokens; t++) {
+        const float* cos = cos_sin_cache + positions[t] * cache_stride;
+        const float* sin = cos + half;
+        for (int h = 0; h < num_heads; h++) {
+            float* x1 = x + t * x_token_stride + h * x_head_stride;
+            float* x2 = x1 + half;
+            for (int i = 0; i < half; i++) {
+                const float a = x1[i], b = x2[i];
+                x1[i] = a * cos[i] - b * sin[i];
+                x2[i] = b * cos[i] + a * sin[i];
+            }
         }
     }
 }
