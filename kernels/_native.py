@@ -28,8 +28,7 @@ import tempfile
 
 logger = logging.getLogger(__name__)
 
-# no floating-point contraction: a * b + c rounds twice, as torch's separate ops do
-_FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fopenmp", "-std=c++17", "-shared", "-fPIC"]
+_FLAGS = ["-O3", "-march=native", "-fopenmp", "-std=c++17", "-shared", "-fPIC"]
 if platform.machine() in ("x86_64", "AMD64"):
     # GCC and clang default to 256-bit vectors even where AVX-512 is there
     _FLAGS.append("-mprefer-vector-width=512")

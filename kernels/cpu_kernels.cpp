@@ -11,8 +11,7 @@
 //   rows take microseconds).
 //
 // Vectors are GCC/clang vector extensions of 16 floats: one AVX-512 register, two AVX2
-// ones, four SSE ones; the compiler picks (-march=native). The file is compiled without
-// floating-point contraction (-ffp-contract=off), so rotary rounds as torch's does.
+// ones, four SSE ones; the compiler picks (-march=native).
 
 #include <math.h>
 #include <stdint.h>
@@ -264,10 +263,15 @@ void rms_norm_f32(float* x, int64_t x_stride, const float* residual, int64_t res
 }
 
 // Rotates the two halves of each head of x (query and key heads alike) by its token's
-// position: x1 * cos - x2 * sin, x2 * cos + x1 * sin, in place.
+// position: x1 * cos - x2 * sin, x2 * cos + x1 * sin, in place. Each product rounds before
+// the sum, as in torch's ops (no fused multiply-add), so the results are bit for bit its own.
+__attribute__((optimize("fp-contract=off")))  // GCC; clang reads the pragma below
 void rotary_f32(const int64_t* positions, float* x, int64_t x_token_stride, int64_t x_head_stride,
                 int64_t num_tokens, int num_heads, int head_size, const float* cos_sin_cache, int64_t cache_stride,
                 int num_threads) {
+#ifdef __clang__
+#pragma clang fp contract(off)
+#endif
     const int half = head_size / 2;
 #pragma omp parallel for schedule(static) num_threads(num_threads) \
     if (num_tokens * num_heads * head_size >= kParallelElements)
