@@ -11,6 +11,9 @@ norms, sampling, scheduling, Python).
 
     python benchmarks/offline_throughput.py                       # embedded SmolLM2-135M
     python benchmarks/offline_throughput.py --hf-batch-sizes 16,64
+    python benchmarks/offline_throughput.py --hf-batch-sizes ''   # troupe and the floor only
+
+Timings on a shared machine swing with its load: compare figures from one invocation.
 """
 
 from __future__ import annotations
