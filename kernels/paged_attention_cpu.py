@@ -25,6 +25,7 @@ from kernels.paged_attention import (PagedAttentionPlan, PrefillChunk, decode_at
                                      prefill_attention, split_sequences)
 from kernels.store_kv import store_kv_ref
 
+
 @dataclass
 class CpuAttentionPlan:
     """A step's bookkeeping, shared by all layers."""
@@ -33,7 +34,7 @@ class CpuAttentionPlan:
     seq_lens: torch.Tensor  # [num_seqs] int32
     query_start_loc: torch.Tensor  # [num_seqs + 1] int32
     decode_seqs: torch.Tensor  # [num_decodes] int32
-    decode_starts: list[int]  # query_start_loc on the host
+    query_starts: list[int]  # query_start_loc on the host
     prefills: list[PrefillChunk]
     block_size: int
     reference: PagedAttentionPlan | None = field(default=None)  # made when a decode takes the reference's way
@@ -97,7 +98,7 @@ def _causal_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
 
 def _reference_plan(plan: CpuAttentionPlan, dtype: torch.dtype) -> PagedAttentionPlan:
     if plan.reference is None:
-        decodes = plan_decodes(plan.block_tables, plan.seq_lens, plan.decode_seqs.tolist(), plan.decode_starts,
+        decodes = plan_decodes(plan.block_tables, plan.seq_lens, plan.decode_seqs.tolist(), plan.query_starts,
                                plan.block_size, dtype)
         plan.reference = PagedAttentionPlan(prefills=plan.prefills, **decodes)
     return plan.reference
