@@ -11,6 +11,9 @@ norms, sampling, scheduling, Python).
 
     python benchmarks/offline_throughput.py                       # embedded SmolLM2-135M
     python benchmarks/offline_throughput.py --hf-batch-sizes 16,64
+    python benchmarks/offline_throughput.py --hf-batch-sizes ''   # troupe and the floor only
+
+Timings on a shared machine swing with its load: compare figures from one invocation.
 """
 
 from __future__ import annotations
@@ -24,9 +27,12 @@ import time
 
 if __name__ == "__main__":
     # Run as a script, this file's folder comes first on sys.path, where benchmarks/kernels.py
-    # would shadow the kernels package.
+    # would shadow the kernels package; and the checkout the script belongs to must come
+    # before any troupe installed in the environment (an editable install of another
+    # checkout would be benchmarked instead).
     _here = os.path.dirname(os.path.abspath(__file__))
-    sys.path = [path for path in sys.path if os.path.abspath(path or os.curdir) != _here]
+    sys.path = [os.path.dirname(_here)] + [path for path in sys.path
+                                           if os.path.abspath(path or os.curdir) != _here]
 
 import torch
 import torch.nn.functional as F
@@ -130,6 +136,8 @@ def main() -> None:
     model_dir = resolve_model(args.model)
     config = load_model_config(model_dir)
     prompts = make_workload(args.num_prompts, args.min_input_len, args.max_input_len, config.vocab_size, args.seed)
+    import actors
+    print(f"troupe from {os.path.dirname(os.path.dirname(os.path.abspath(actors.__file__)))}")
     print(f"model {model_dir}\nworkload: {len(prompts)} prompts, {sum(map(len, prompts))} prompt tokens, "
           f"{args.output_len} output tokens each, greedy, ignore_eos; torch threads {torch.get_num_threads()}")
 

@@ -61,6 +61,15 @@ def plan_paged_attention(
     block_size: int,
     dtype: torch.dtype = torch.float32,
 ) -> PagedAttentionPlan:
+    decode_seqs, starts, prefills = split_sequences(block_tables, seq_lens, query_start_loc, block_size)
+    return PagedAttentionPlan(prefills=prefills,
+                              **plan_decodes(block_tables, seq_lens, decode_seqs, starts, block_size, dtype))
+
+
+def split_sequences(block_tables: torch.Tensor, seq_lens: torch.Tensor, query_start_loc: torch.Tensor,
+                    block_size: int) -> tuple[list[int], list[int], list[PrefillChunk]]:
+    """The decodes (sequences of one query token), query_start_loc on the host, and the
+    prefill chunks."""
     num_seqs = seq_lens.shape[0]
     on_host = torch.cat([seq_lens, query_start_loc]).tolist()  # one copy, one sync
     seq_lens_list, starts = on_host[:num_seqs], on_host[num_seqs:]
@@ -72,11 +81,10 @@ def plan_paged_attention(
             num_blocks = -(-seq_lens_list[i] // block_size)
             prefills.append(PrefillChunk(starts[i], q_len, seq_lens_list[i],
                                          block_tables[i, :num_blocks].long()))
-    plan = _plan_decodes(block_tables, seq_lens, decode_seqs, starts, block_size, dtype)
-    return PagedAttentionPlan(prefills=prefills, **plan)
+    return decode_seqs, starts, prefills
 
 
-def _plan_decodes(block_tables: torch.Tensor, seq_lens: torch.Tensor, decode_seqs: list[int],
+def plan_decodes(block_tables: torch.Tensor, seq_lens: torch.Tensor, decode_seqs: list[int],
                   starts: list[int], block_size: int, dtype: torch.dtype) -> dict:
     num_decodes = len(decode_seqs)
     rows = torch.tensor(decode_seqs, dtype=torch.long)
@@ -125,14 +133,14 @@ def paged_attention_planned(
     if out is None:
         out = torch.empty_like(query)
     if plan.num_decodes:
-        out[plan.decode_query_index] = _decode_attention(query, key_cache, value_cache, plan, scale)
+        out[plan.decode_query_index] = decode_attention(query, key_cache, value_cache, plan, scale)
     for chunk in plan.prefills:
         rows = slice(chunk.query_start, chunk.query_start + chunk.query_len)
-        out[rows] = _prefill_attention(query[rows], key_cache, value_cache, chunk, scale)
+        out[rows] = prefill_attention(query[rows], key_cache, value_cache, chunk, scale)
     return out
 
 
-def _decode_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+def decode_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                       plan: PagedAttentionPlan, scale: float) -> torch.Tensor:
     num_decodes, owner = plan.num_decodes, plan.decode_owner
     _, num_kv_heads, block_size, head_size = key_cache.shape
@@ -159,7 +167,7 @@ def _decode_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache:
     return result.view(num_decodes, num_kv_heads * group, head_size).to(query.dtype)
 
 
-def _prefill_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+def prefill_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                        chunk: PrefillChunk, scale: float) -> torch.Tensor:
     num_kv_heads, head_size = key_cache.shape[1], key_cache.shape[3]
 

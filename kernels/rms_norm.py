@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from kernels._triton import jit, next_power_of_2, tl
+from kernels.cpu_kernels import NativeKernels
 
 
 def rms_norm_ref(
@@ -23,6 +24,31 @@ def rms_norm_ref(
     normed = weight * (x32 * torch.rsqrt(variance + eps)).to(x.dtype)
     return normed if residual is None else (normed, residual)
 
+
+
+def rms_norm_cpu(
+    x: torch.Tensor,  # [num_tokens, hidden_size], overwritten when a residual is given
+    weight: torch.Tensor,  # [hidden_size]
+    eps: float,
+    residual: torch.Tensor | None = None,  # [num_tokens, hidden_size]
+    native: NativeKernels | None = None,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """rms_norm_ref's results with the residual sum made in x (the caller's fresh projection
+    output) and returned as the residual. With the C++ kernel (fp32) one pass over each
+    row, equal to fp32 rounding (it sums the squares in another order); else torch's ops,
+    in place, bit for bit."""
+    if native is not None and x.dtype == weight.dtype == torch.float32 and x.stride(1) == 1:
+        return native.rms_norm(x, weight, eps, residual)
+    if residual is not None:
+        x = x.add_(residual)
+    x32 = x.float()
+    inverse_rms = x32.pow(2).mean(-1, keepdim=True).add_(eps).rsqrt_()
+    normed = torch.mul(x32, inverse_rms).to(x.dtype)
+    if weight.dtype == normed.dtype:  # weight * normed, in place (it promotes otherwise)
+        normed = normed.mul_(weight)
+    else:
+        normed = weight * normed
+    return normed if residual is None else (normed, x)
 
 # -- Triton ----------------------------------------------------------------------------------
 

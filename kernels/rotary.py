@@ -8,6 +8,7 @@ import math
 import torch
 
 from kernels._triton import jit, next_power_of_2, tl
+from kernels.cpu_kernels import NativeKernels
 
 
 def build_cos_sin_cache(
@@ -59,6 +60,44 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
     rotated = torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
     return rotated.to(x.dtype)
 
+
+
+def rotary_cpu(
+    positions: torch.Tensor,  # [num_tokens] int64
+    query: torch.Tensor,  # [num_tokens, num_heads, head_size], rotated in place
+    key: torch.Tensor,  # [num_tokens, num_kv_heads, head_size], rotated in place
+    cos_sin_cache: torch.Tensor,  # [max_position, head_size]
+    native: NativeKernels | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """rotary_ref's results, bit for bit, written into query and key (as the Triton kernel
+    does) and returned: by the C++ kernel for fp32, else by torch's ops. Where key directly
+    follows query in memory (the model's q and k are neighbouring slices of one qkv
+    matrix), both rotate as one tensor."""
+    if query.dtype != torch.float32:  # the reference rotates in fp32 and rounds once
+        rotated_query, rotated_key = rotary_ref(positions, query, key, cos_sin_cache)
+        return query.copy_(rotated_query), key.copy_(rotated_key)
+    num_tokens, num_heads, head_size = query.shape
+    adjacent = (key.stride() == query.stride() and query.stride(1) == head_size
+                and key.data_ptr() == query.data_ptr() + num_heads * head_size * query.element_size())
+    heads = [query.as_strided((num_tokens, num_heads + key.shape[1], head_size), query.stride())] if adjacent \
+        else [query, key]
+    if native is not None and cos_sin_cache.dtype == torch.float32:
+        for x in heads:
+            native.rotary(positions, x, cos_sin_cache)
+        return query, key
+    cos, sin = cos_sin_cache.index_select(0, positions).unsqueeze(1).chunk(2, dim=-1)
+    for x in heads:
+        _rotate_in_place(x, cos, sin)
+    return query, key
+
+
+def _rotate_in_place(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
+    # the reference's x1 * cos - x2 * sin and x2 * cos + x1 * sin, same roundings
+    x1, x2 = x.chunk(2, dim=-1)
+    x2_sin = x2 * sin
+    x1_sin = x1 * sin
+    x1.mul_(cos).sub_(x2_sin)
+    x2.mul_(cos).add_(x1_sin)
 
 # -- Triton ----------------------------------------------------------------------------------
 

@@ -1,9 +1,13 @@
 """Which kernels a model step runs, and the per-step attention metadata they share.
 
-The torch backend (the CPU path) runs each kernel's plain-torch reference; the paged
-attention bookkeeping is planned once per step and reused by every layer. The Triton
-backend runs the Triton kernels: compiled on CUDA, or under triton's interpreter on the
-CPU (TRITON_INTERPRET=1; slow, for tests)."""
+Three backends, one interface (attention stores the step's keys and values, then attends):
+- torch: each kernel's plain-torch reference, the oracle of the other two; the paged
+  attention bookkeeping is planned once per step and reused by every layer.
+- cpu (the CPU's default): the references' results from faster CPU paths: decode
+  attention, KV store, rms_norm and rotary in C++ built on first use (kernels/cpu_kernels.*),
+  the other ops in place; where no C++ compiler is found, torch's ops.
+- triton: the Triton kernels, compiled on CUDA, or under triton's interpreter on the CPU
+  (TRITON_INTERPRET=1; slow, for tests)."""
 
 from __future__ import annotations
 
@@ -12,11 +16,15 @@ from dataclasses import dataclass
 
 import torch
 
+from actors.config import cache_dir
 from kernels.paged_attention import (PagedAttentionLaunch, PagedAttentionPlan, paged_attention,
                                      paged_attention_launch, paged_attention_planned, plan_paged_attention)
-from kernels.rms_norm import rms_norm, rms_norm_ref
-from kernels.rotary import rotary, rotary_ref
-from kernels.silu_mul import silu_mul, silu_mul_ref
+from kernels.cpu_kernels import NativeKernels, load_native_kernels
+from kernels.paged_attention_cpu import (CpuAttentionPlan, paged_attention_cpu, plan_paged_attention_cpu,
+                                         store_kv_cpu)
+from kernels.rms_norm import rms_norm, rms_norm_cpu, rms_norm_ref
+from kernels.rotary import rotary, rotary_cpu, rotary_ref
+from kernels.silu_mul import silu_mul, silu_mul_cpu, silu_mul_ref
 from kernels.store_kv import store_kv, store_kv_ref
 
 
@@ -28,26 +36,55 @@ class StepAttention:
     block_tables: torch.Tensor  # [num_seqs, max_blocks_per_seq] int32
     seq_lens: torch.Tensor  # [num_seqs] int32: tokens in the cache after this step
     query_start_loc: torch.Tensor  # [num_seqs + 1] int32
-    plan: PagedAttentionPlan | None = None  # the torch backend's precomputed bookkeeping
+    plan: PagedAttentionPlan | CpuAttentionPlan | None = None  # the torch or cpu backend's bookkeeping
     launch: PagedAttentionLaunch | None = None  # the Triton backend's grid sizes and sequence lists
 
 
 class TorchBackend:
-    """Plain-torch kernels: the CPU path and the oracle of the Triton kernels."""
+    """Plain-torch kernels: the oracle of the other backends."""
 
     name = "torch"
     rms_norm = staticmethod(rms_norm_ref)
     rotary = staticmethod(rotary_ref)
     silu_mul = staticmethod(silu_mul_ref)
-    store_kv = staticmethod(store_kv_ref)
 
     def prepare(self, attention: StepAttention, block_size: int, dtype: torch.dtype) -> None:
         attention.plan = plan_paged_attention(attention.block_tables, attention.seq_lens,
                                               attention.query_start_loc, block_size, dtype)
 
-    def attention(self, query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
-                  step: StepAttention, scale: float) -> torch.Tensor:
+    def attention(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
+                  value_cache: torch.Tensor, step: StepAttention, scale: float) -> torch.Tensor:
+        store_kv_ref(key, value, key_cache, value_cache, step.slot_mapping)
         return paged_attention_planned(query, key_cache, value_cache, step.plan, scale)
+
+
+class CpuBackend:
+    """The CPU path: the references' results, faster (kernels/*_cpu, the C++ kernels where
+    they build). The elementwise ops overwrite inputs the model no longer needs: rms_norm
+    the projection it adds to the residual, silu_mul its gate_up input, rotary q and k (as
+    Triton's does)."""
+
+    name = "cpu"
+    silu_mul = staticmethod(silu_mul_cpu)
+
+    def __init__(self, native: NativeKernels | None) -> None:
+        self.native = native
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None):
+        return rms_norm_cpu(x, weight, eps, residual, self.native)
+
+    def rotary(self, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor,
+               cos_sin_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return rotary_cpu(positions, query, key, cos_sin_cache, self.native)
+
+    def prepare(self, attention: StepAttention, block_size: int, dtype: torch.dtype) -> None:
+        attention.plan = plan_paged_attention_cpu(attention.block_tables, attention.seq_lens,
+                                                  attention.query_start_loc, block_size)
+
+    def attention(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
+                  value_cache: torch.Tensor, step: StepAttention, scale: float) -> torch.Tensor:
+        store_kv_cpu(key, value, key_cache, value_cache, step.slot_mapping, self.native)
+        return paged_attention_cpu(query, key, value, key_cache, value_cache, step.plan, scale, self.native)
 
 
 class TritonBackend:
@@ -58,19 +95,19 @@ class TritonBackend:
     rms_norm = staticmethod(rms_norm)
     rotary = staticmethod(rotary)
     silu_mul = staticmethod(silu_mul)
-    store_kv = staticmethod(store_kv)
 
     def prepare(self, attention: StepAttention, block_size: int, dtype: torch.dtype) -> None:
         # the grid sizes, read off the device once per step rather than once per layer
         attention.launch = paged_attention_launch(attention.seq_lens, attention.query_start_loc)
 
-    def attention(self, query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
-                  step: StepAttention, scale: float) -> torch.Tensor:
+    def attention(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
+                  value_cache: torch.Tensor, step: StepAttention, scale: float) -> torch.Tensor:
+        store_kv(key, value, key_cache, value_cache, step.slot_mapping)
         return paged_attention(query, key_cache, value_cache, step.block_tables, step.seq_lens,
                                step.query_start_loc, scale, launch=step.launch)
 
 
-AttentionBackend = TorchBackend | TritonBackend
+AttentionBackend = TorchBackend | CpuBackend | TritonBackend
 
 
 def triton_interpreter_enabled() -> bool:
@@ -81,12 +118,16 @@ def triton_interpreter_enabled() -> bool:
 
 
 def make_backend(name: str, device: torch.device) -> AttentionBackend:
-    """`auto` picks Triton on CUDA and torch on the CPU; `triton` on the CPU needs the
+    """`auto` picks Triton on CUDA and cpu on the CPU; `triton` on the CPU needs the
     interpreter (TRITON_INTERPRET=1), which is correct but far too slow to serve with."""
-    if name == "torch" or (name == "auto" and device.type != "cuda"):
+    if name == "torch":
         return TorchBackend()
+    if name == "cpu" or (name == "auto" and device.type != "cuda"):
+        if device.type != "cpu":
+            raise ValueError(f"attention_backend 'cpu' runs on the CPU, got a {device.type} device")
+        return CpuBackend(load_native_kernels(os.path.join(cache_dir(), "kernels")))
     if name not in ("auto", "triton"):
-        raise ValueError(f"attention_backend must be 'auto', 'torch' or 'triton', got {name!r}")
+        raise ValueError(f"attention_backend must be 'auto', 'torch', 'cpu' or 'triton', got {name!r}")
     if device.type != "cuda" and not (device.type == "cpu" and triton_interpreter_enabled()):
         raise ValueError(f"attention_backend 'triton' runs on CUDA, or on the CPU under triton's interpreter "
                          f"(got a {device.type} device): set TRITON_INTERPRET=1 (slow; for tests), "

@@ -167,8 +167,7 @@ class LlamaModel:
                 q = ops.rms_norm(q.reshape(-1, self.head_dim), layer.q_norm, eps).view_as(q)
                 k = ops.rms_norm(k.reshape(-1, self.head_dim), layer.k_norm, eps).view_as(k)
             q, k = ops.rotary(positions, q, k, self.cos_sin_cache)
-            ops.store_kv(k, v, key_cache, value_cache, attention.slot_mapping)
-            attn = ops.attention(q, key_cache, value_cache, attention, self.scale)
+            attn = ops.attention(q, k, v, key_cache, value_cache, attention, self.scale)
             hidden = self.parallel.all_reduce(F.linear(attn.view(num_tokens, self.q_size), layer.o_proj))
             # 2. MLP block
             x, residual = ops.rms_norm(hidden, layer.post_attention_norm, eps, residual)

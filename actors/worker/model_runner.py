@@ -166,12 +166,11 @@ class ModelRunner:
             seq_lens.append(end)
             query_start_loc.append(query_start_loc[-1] + num_tokens)
         max_blocks = max(len(request.block_ids) for request, _ in batch)
-        block_tables = torch.zeros(len(batch), max_blocks, dtype=torch.int32)
-        for row, (request, _) in enumerate(batch):
-            block_tables[row, : len(request.block_ids)] = torch.tensor(request.block_ids, dtype=torch.int32)
+        # one tensor from padded lists: a tensor per row costs more than the copy
+        block_tables = [request.block_ids + [0] * (max_blocks - len(request.block_ids)) for request, _ in batch]
         attention = StepAttention(
             slot_mapping=torch.tensor(slots, dtype=torch.long, device=self.device),
-            block_tables=block_tables.to(self.device),
+            block_tables=torch.tensor(block_tables, dtype=torch.int32, device=self.device),
             seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=self.device),
             query_start_loc=torch.tensor(query_start_loc, dtype=torch.int32, device=self.device))
         self.backend.prepare(attention, block_size, self.dtype)

@@ -13,9 +13,13 @@ the functions it decorated under TRITON_INTERPRET=1."""
 from __future__ import annotations
 
 import importlib.util
+import os
 
 import pytest
 import torch
+
+from actors.config import cache_dir
+from kernels.cpu_kernels import NativeKernels, load_native_kernels
 
 
 @pytest.fixture(autouse=True)
@@ -51,3 +55,13 @@ def nan_filled_allocations(monkeypatch: pytest.MonkeyPatch) -> None:
 
     monkeypatch.setattr(torch, "empty", lambda *args, **kwargs: poison(empty(*args, **kwargs)))
     monkeypatch.setattr(torch, "empty_like", lambda *args, **kwargs: poison(empty_like(*args, **kwargs)))
+
+
+@pytest.fixture(scope="session")
+def native_kernels() -> NativeKernels:
+    """The C++ CPU kernels, built once per machine into troupe's cache as the engine builds
+    them; the test skips where they do not build (the CPU path then runs torch's ops)."""
+    kernels = load_native_kernels(os.path.join(cache_dir(), "kernels"))
+    if kernels is None:
+        pytest.skip("the C++ CPU kernels did not build (no C++ compiler?)")
+    return kernels

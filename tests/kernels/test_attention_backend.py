@@ -1,5 +1,5 @@
-"""The Triton attention backend (actors/worker/attention.py): when make_backend picks it,
-and a whole model run on it against the torch backend.
+"""The attention backends (actors/worker/attention.py): which one make_backend picks, and
+whole model runs on the cpu and Triton backends against the torch backend's references.
 
 It lives beside the kernel tests because on the CPU it needs their interpreter set-up
 (conftest.py)."""
@@ -10,13 +10,17 @@ import pytest
 import torch
 
 from actors import LLM, SamplingParams
-from actors.worker.attention import TorchBackend, TritonBackend, make_backend
+from actors.worker.attention import CpuBackend, TorchBackend, TritonBackend, make_backend
 from tests.kernels.helpers import requires_triton
 
 
-def test_auto_picks_torch_on_the_cpu_and_triton_on_cuda():
-    assert isinstance(make_backend("auto", torch.device("cpu")), TorchBackend)
+def test_auto_picks_cpu_on_the_cpu_and_torch_when_asked():
+    assert isinstance(make_backend("auto", torch.device("cpu")), CpuBackend)
+    assert isinstance(make_backend("cpu", torch.device("cpu")), CpuBackend)
+    assert isinstance(make_backend("torch", torch.device("cpu")), TorchBackend)
     assert isinstance(make_backend("torch", torch.device("cuda")), TorchBackend)
+    with pytest.raises(ValueError, match="'cpu' runs on the CPU"):
+        make_backend("cpu", torch.device("cuda"))
 
 
 @requires_triton
@@ -37,8 +41,30 @@ def test_triton_on_the_cpu_needs_the_interpreter(monkeypatch):
 
 
 def test_an_unknown_backend_is_a_value_error():
-    with pytest.raises(ValueError, match="'auto', 'torch' or 'triton'"):
+    with pytest.raises(ValueError, match="'auto', 'torch', 'cpu' or 'triton'"):
         make_backend("flash", torch.device("cpu"))
+
+
+PROMPTS = [[(7 * i + 3) % 300 + 3 for i in range(45)], [(11 * i + 5) % 300 + 3 for i in range(21)]]
+# the first prompt again, longer: a prefix-cache hit, so its chunks start mid-sequence
+LATER_PROMPTS = [PROMPTS[0] + [17, 18, 19, 20, 21], [(13 * i) % 300 + 3 for i in range(9)]]
+
+
+def greedy_tokens(model_dir: str, backend: str) -> list[list[int]]:
+    """fp32 tiny models (GQA 4/2; Llama head 16, Qwen3 head 32 with q/k norms). 24-token
+    chunks split the prompts mid-block; the second batch reuses the first prompt's cached
+    blocks; then every request decodes."""
+    params = SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True)
+    llm = LLM(model_dir, kv_cache_memory="4MiB", max_num_batched_tokens=24, attention_backend=backend)
+    outputs = llm.generate(PROMPTS, params, use_tqdm=False) + llm.generate(LATER_PROMPTS, params, use_tqdm=False)
+    assert outputs[2].num_cached_tokens >= 32  # the prefix-cache hit the test is about
+    return [output.outputs[0].token_ids for output in outputs]
+
+
+@pytest.mark.parametrize("model", ["tiny_llama_dir", "tiny_qwen3_dir"])
+def test_greedy_tokens_on_cpu_match_torch_with_chunked_prefill_and_prefix_hits(model, request):
+    model_dir = request.getfixturevalue(model)
+    assert greedy_tokens(model_dir, "cpu") == greedy_tokens(model_dir, "torch")
 
 
 @requires_triton
@@ -47,18 +73,5 @@ def test_an_unknown_backend_is_a_value_error():
                            "does not use")
 @pytest.mark.parametrize("model", ["tiny_llama_dir", "tiny_qwen3_dir"])
 def test_greedy_tokens_on_triton_match_torch_with_chunked_prefill_and_prefix_hits(model, request):
-    """fp32 tiny models (GQA 4/2; Llama head 16, Qwen3 head 32 with q/k norms). 24-token
-    chunks split the prompts mid-block; the second batch reuses the first prompt's cached
-    blocks, so its chunks start mid-sequence; then every request decodes."""
     model_dir = request.getfixturevalue(model)
-    prompts = [[(7 * i + 3) % 300 + 3 for i in range(45)], [(11 * i + 5) % 300 + 3 for i in range(21)]]
-    later = [prompts[0] + [17, 18, 19, 20, 21], [(13 * i) % 300 + 3 for i in range(9)]]
-    params = SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True)
-
-    def run(backend: str) -> list[list[int]]:
-        llm = LLM(model_dir, kv_cache_memory="4MiB", max_num_batched_tokens=24, attention_backend=backend)
-        outputs = llm.generate(prompts, params, use_tqdm=False) + llm.generate(later, params, use_tqdm=False)
-        assert outputs[2].num_cached_tokens >= 32  # the prefix-cache hit the test is about
-        return [output.outputs[0].token_ids for output in outputs]
-
-    assert run("triton") == run("torch")
+    assert greedy_tokens(model_dir, "triton") == greedy_tokens(model_dir, "torch")

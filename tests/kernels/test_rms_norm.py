@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.rms_norm import rms_norm, rms_norm_ref
+from kernels.rms_norm import rms_norm, rms_norm_cpu, rms_norm_ref
 from tests.kernels.helpers import DEVICE, assert_close, generator, requires_triton
 
 # outputs the launchers allocate start as NaN (see conftest.py)
@@ -62,3 +62,26 @@ def test_triton_promotes_like_the_reference_with_an_fp32_weight():
     assert result.dtype == expected.dtype == torch.float32 and new_residual.dtype == torch.bfloat16
     assert_close(result, expected, rtol=2e-2, atol=2e-2)
     assert_close(new_residual, expected_residual)
+
+
+@pytest.mark.parametrize("dtype, weight_dtype", [(torch.float32, None), (torch.bfloat16, None),
+                                                 (torch.bfloat16, torch.float32)])
+@pytest.mark.parametrize("with_residual", [False, True])
+@pytest.mark.parametrize("path", ["torch", "native"])
+def test_cpu_path_matches_reference(dtype, weight_dtype, with_residual, path, request):
+    """Bit for bit on torch's ops; to fp32 rounding in C++ (fp32 only; it sums in another order)."""
+    native = request.getfixturevalue("native_kernels") if path == "native" else None
+    x, weight, residual = make_inputs(9, 200, dtype, seed=11 + with_residual, weight_dtype=weight_dtype,
+                                      row_stride=224)
+    residual_before = residual.clone()
+    expected = rms_norm_ref(x, weight, 1e-5, residual if with_residual else None)
+    result = rms_norm_cpu(x, weight, 1e-5, residual if with_residual else None, native)
+    results, expectations = (result, expected) if with_residual else ((result,), (expected,))
+    for got, want in zip(results, expectations):
+        if native is not None and dtype == torch.float32:
+            torch.testing.assert_close(got, want, rtol=2e-6, atol=1e-6)
+        else:
+            assert torch.equal(got, want)
+    if with_residual:
+        assert result[1].data_ptr() == x.data_ptr()  # the sum was made in x
+    assert torch.equal(residual, residual_before)

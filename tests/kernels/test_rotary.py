@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.rotary import build_cos_sin_cache, rotary, rotary_ref
+from kernels.rotary import build_cos_sin_cache, rotary, rotary_cpu, rotary_ref
 from tests.kernels.helpers import DEVICE, assert_close, generator, requires_triton
 
 LLAMA3_SCALING = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
@@ -53,3 +53,21 @@ def test_triton_rotates_q_and_k_in_place_like_the_reference(dtype, head_size, he
     assert_close(q, expected_q)
     assert_close(k, expected_k)
     assert torch.equal(v, value_before)  # the rest of the qkv row is untouched
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("neighbours", [True, False], ids=["q-k-of-one-qkv", "separate-q-k"])
+@pytest.mark.parametrize("path", ["torch", "native"])
+def test_cpu_path_rotates_in_place_bit_for_bit(dtype, neighbours, path, request):
+    native = request.getfixturevalue("native_kernels") if path == "native" else None
+    qkv, q, k, v = make_qkv(11, 8, 2, 64, dtype, seed=3)
+    if not neighbours:  # as after Qwen3's q and k norms: two tensors of their own
+        q, k = q.clone(), k.clone()
+    value_before = v.clone()
+    positions = torch.randint(0, 1024, (11,), generator=generator(4)).to(DEVICE)
+    cache = build_cos_sin_cache(64, 1024, 500000.0, LLAMA3_SCALING).to(DEVICE)
+    expected_q, expected_k = rotary_ref(positions, q, k, cache)
+    rotated_q, rotated_k = rotary_cpu(positions, q, k, cache, native)
+    assert rotated_q is q and rotated_k is k
+    assert torch.equal(q, expected_q) and torch.equal(k, expected_k)
+    assert torch.equal(v, value_before)

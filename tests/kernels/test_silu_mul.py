@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.silu_mul import silu_mul, silu_mul_ref
+from kernels.silu_mul import silu_mul, silu_mul_cpu, silu_mul_ref
 from tests.kernels.helpers import DEVICE, assert_close, generator, requires_triton
 
 # outputs the launchers allocate start as NaN (see conftest.py)
@@ -28,3 +28,11 @@ def test_triton_matches_reference(dtype, intermediate):
     out = silu_mul(x)
     assert out.shape == (7, intermediate) and out.is_contiguous()
     assert_close(out, silu_mul_ref(x))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cpu_path_matches_reference_bit_for_bit_in_the_gate_half(dtype):
+    x = torch.randn(7, 2 * 300, generator=generator(5)).to(dtype).to(DEVICE)
+    expected = silu_mul_ref(x)
+    out = silu_mul_cpu(x)
+    assert torch.equal(out, expected) and out.data_ptr() == x.data_ptr()

@@ -1,0 +1,293 @@
+// The CPU's kernels in C++, fp32, called through ctypes (kernels/_native.py builds this
+// file; kernels/cpu_kernels.py checks the arguments and calls it):
+//
+// - paged_decode_f32: a decode reads each of its cached keys and values once, in place
+//   through its block table, for all the query heads that share a kv head: the whole step
+//   is then about one pass over the batch's KV, where batched torch ops pay a gather copy
+//   or thousands of tiny matmuls. The softmax runs online (flash-decoding without splits).
+// - store_kv_f32: the new keys and values into their slots.
+// - rms_norm_f32 and rotary_f32: one pass over each row where torch makes five or six,
+//   with a parallel region only for batches big enough to pay for one (a decode step's
+//   rows take microseconds).
+//
+// Vectors are GCC/clang vector extensions of 16 floats: one AVX-512 register, two AVX2
+// ones, four SSE ones; the compiler picks (-march=native).
+
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+namespace {
+
+constexpr int kLanes = 16;
+constexpr int kMaxGroup = 64;  // query heads per kv head
+typedef float vf __attribute__((vector_size(64)));
+typedef int32_t vi __attribute__((vector_size(64)));
+
+inline vf load(const float* p) { vf v; memcpy(&v, p, sizeof v); return v; }
+inline void store(float* p, vf v) { memcpy(p, &v, sizeof v); }
+inline vf splat(float x) { return vf{} + x; }
+
+inline float reduce_max(vf v) {
+    float m = v[0];
+    for (int i = 1; i < kLanes; i++) m = v[i] > m ? v[i] : m;
+    return m;
+}
+
+inline float reduce_sum(vf v) {
+    float s = 0.0f;
+    for (int i = 0; i < kLanes; i++) s += v[i];
+    return s;
+}
+
+// exp(x) for x <= 0 as 2^n * 2^f, f in [-0.5, 0.5], 2^f by a degree-6 polynomial: a relative
+// error of about 2e-7, as good as torch's exp. Scores are shifted by their max first, so x <= 0.
+inline vf exp_nonpositive(vf x) {
+    x = x < splat(-87.0f) ? splat(-87.0f) : x;  // exp(-87) is still a normal float
+    vf t = x * 1.44269504088896341f;
+    vf n = (t + 12582912.0f) - 12582912.0f;  // round to nearest: 1.5 * 2^23 drops the fraction
+    vf f = t - n;
+    vf p = splat(1.5353362e-4f);
+    p = p * f + 1.3398874e-3f;
+    p = p * f + 9.6181291e-3f;
+    p = p * f + 5.5504109e-2f;
+    p = p * f + 2.4022650e-1f;
+    p = p * f + 6.9314718e-1f;
+    p = p * f + 1.0f;
+    vi bits = (__builtin_convertvector(n, vi) + 127) << 23;  // 2^n
+    vf scale;
+    memcpy(&scale, &bits, sizeof scale);
+    return p * scale;
+}
+
+// Sixteen vectors in, one out whose lane t is the sum of d[t]'s lanes: a transpose folded
+// into the adds, 15 shuffle pairs instead of 16 horizontal sums.
+inline vf transpose_sum(const vf* d) {
+    vf e[8], f[4], g[2];
+    for (int k = 0; k < 8; k++)  // lanes 0-7: d[2k], lanes 8-15: d[2k+1]
+        e[k] = __builtin_shufflevector(d[2 * k], d[2 * k + 1], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23)
+             + __builtin_shufflevector(d[2 * k], d[2 * k + 1], 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
+    for (int k = 0; k < 4; k++)  // lane quads: d[4k], d[4k+2], d[4k+1], d[4k+3]
+        f[k] = __builtin_shufflevector(e[2 * k], e[2 * k + 1], 0, 1, 2, 3, 16, 17, 18, 19, 8, 9, 10, 11, 24, 25, 26, 27)
+             + __builtin_shufflevector(e[2 * k], e[2 * k + 1], 4, 5, 6, 7, 20, 21, 22, 23, 12, 13, 14, 15, 28, 29, 30, 31);
+    for (int k = 0; k < 2; k++)  // lane pairs: d[8k + 0, 4, 2, 6, 1, 5, 3, 7]
+        g[k] = __builtin_shufflevector(f[2 * k], f[2 * k + 1], 0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13, 28, 29)
+             + __builtin_shufflevector(f[2 * k], f[2 * k + 1], 2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26, 27, 14, 15, 30, 31);
+    // lanes: d0 d8 d4 d12 d2 d10 d6 d14 d1 d9 d5 d13 d3 d11 d7 d15
+    vf h = __builtin_shufflevector(g[0], g[1], 0, 16, 2, 18, 4, 20, 6, 22, 8, 24, 10, 26, 12, 28, 14, 30)
+         + __builtin_shufflevector(g[0], g[1], 1, 17, 3, 19, 5, 21, 7, 23, 9, 25, 11, 27, 13, 29, 15, 31);
+    return __builtin_shufflevector(h, h, 0, 8, 4, 12, 2, 10, 6, 14, 1, 9, 5, 13, 3, 11, 7, 15);
+}
+
+struct CacheView {
+    const float* keys;  // this kv head's slot 0 of block 0
+    const float* values;
+    int64_t block_stride, slot_stride;
+    int block_size;
+};
+
+// One decode, one kv head: the `group` query heads of the head, online softmax over the
+// sequence's keys, 16 at a time (a block of fewer slots makes shorter runs).
+template <int kVectors>  // head_size / 16
+void decode_head(const float* query, int64_t query_head_stride, const CacheView& cache, const int32_t* block_table,
+                 int seq_len, int group, float scale, float* out, int64_t out_head_stride) {
+    vf q[kMaxGroup][kVectors], acc[kMaxGroup][kVectors];
+    float running_max[kMaxGroup], running_sum[kMaxGroup];
+    for (int g = 0; g < group; g++) {
+        for (int c = 0; c < kVectors; c++) {
+            q[g][c] = load(query + g * query_head_stride + c * kLanes) * scale;
+            acc[g][c] = vf{};
+        }
+        running_max[g] = -1e30f;  // finite: exp(-1e30 - max) is 0, never NaN
+        running_sum[g] = 0.0f;
+    }
+    const vi lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+    const int block_size = cache.block_size;
+    const int num_blocks = (seq_len + block_size - 1) / block_size;
+    const int64_t block_bytes = (int64_t)block_size * cache.slot_stride * sizeof(float);
+    for (int j = 0; j < num_blocks; j++) {
+        const int64_t block = block_table[j];
+        if (j + 1 < num_blocks) {  // the next block is elsewhere in memory: no hardware prefetcher guesses it
+            const char* next_keys = (const char*)(cache.keys + block_table[j + 1] * cache.block_stride);
+            const char* next_values = (const char*)(cache.values + block_table[j + 1] * cache.block_stride);
+            for (int64_t line = 0; line < block_bytes; line += 64) {
+                __builtin_prefetch(next_keys + line);
+                __builtin_prefetch(next_values + line);
+            }
+        }
+        const int num_slots = seq_len - j * block_size < block_size ? seq_len - j * block_size : block_size;
+        for (int first = 0; first < num_slots; first += kLanes) {
+            const int count = num_slots - first < kLanes ? num_slots - first : kLanes;
+            const float* keys = cache.keys + block * cache.block_stride + first * cache.slot_stride;
+            const float* values = cache.values + block * cache.block_stride + first * cache.slot_stride;
+            for (int g = 0; g < group; g++) {
+                vf partial[kLanes];
+                for (int t = 0; t < kLanes; t++) {
+                    partial[t] = vf{};
+                    if (t < count) {
+                        const float* key = keys + t * cache.slot_stride;
+                        for (int c = 0; c < kVectors; c++) partial[t] += q[g][c] * load(key + c * kLanes);
+                    }
+                }
+                vf scores = transpose_sum(partial);
+                scores = lane < count ? scores : splat(-1e30f);
+                float new_max = reduce_max(scores);
+                new_max = new_max > running_max[g] ? new_max : running_max[g];
+                vf probs = exp_nonpositive(scores - new_max);
+                float correction = exp_nonpositive(splat(running_max[g] - new_max))[0];
+                running_max[g] = new_max;
+                running_sum[g] = running_sum[g] * correction + reduce_sum(probs);
+                vf a[kVectors];
+                for (int c = 0; c < kVectors; c++) a[c] = acc[g][c] * correction;
+                for (int t = 0; t < count; t++) {
+                    const float* value = values + t * cache.slot_stride;
+                    vf p = splat(probs[t]);
+                    for (int c = 0; c < kVectors; c++) a[c] += p * load(value + c * kLanes);
+                }
+                for (int c = 0; c < kVectors; c++) acc[g][c] = a[c];
+            }
+        }
+    }
+    for (int g = 0; g < group; g++) {
+        const float inverse = 1.0f / running_sum[g];
+        for (int c = 0; c < kVectors; c++) store(out + g * out_head_stride + c * kLanes, acc[g][c] * inverse);
+    }
+}
+
+typedef void (*DecodeHead)(const float*, int64_t, const CacheView&, const int32_t*, int, int, float, float*, int64_t);
+
+DecodeHead decode_head_for(int head_size) {
+    switch (head_size / kLanes) {
+        case 1: return decode_head<1>;
+        case 2: return decode_head<2>;
+        case 3: return decode_head<3>;
+        case 4: return decode_head<4>;
+        case 5: return decode_head<5>;
+        case 6: return decode_head<6>;
+        case 7: return decode_head<7>;
+        case 8: return decode_head<8>;
+        case 16: return decode_head<16>;
+        default: return nullptr;
+    }
+}
+
+}  // namespace
+
+extern "C" {
+
+// Returns 0, or -1 for a head size it has no code for (the caller checks first).
+int paged_decode_f32(
+    const float* query, int64_t query_token_stride, int64_t query_head_stride,  // [num_tokens, num_heads, head_size]
+    const float* key_cache, const float* value_cache,  // [num_blocks, num_kv_heads, block_size, head_size]
+    int64_t cache_block_stride, int64_t cache_head_stride, int64_t cache_slot_stride,
+    const int32_t* block_tables, int64_t block_table_stride,  // [num_seqs, max_blocks_per_seq]
+    const int32_t* seq_lens,  // [num_seqs]
+    const int32_t* query_start_loc,  // [num_seqs + 1]
+    const int32_t* decode_seqs, int num_decodes,  // the sequences with one query token
+    int num_kv_heads, int group, int head_size, int block_size, float scale,
+    float* out, int64_t out_token_stride, int64_t out_head_stride,  // [num_tokens, num_heads, head_size]
+    int num_threads) {
+    DecodeHead run = decode_head_for(head_size);
+    if (run == nullptr || head_size % kLanes || group > kMaxGroup) return -1;
+    auto decode = [&](int i, int h) {
+        const int seq = decode_seqs[i];
+        const int64_t token = query_start_loc[seq];
+        const CacheView cache = {key_cache + h * cache_head_stride, value_cache + h * cache_head_stride,
+                                 cache_block_stride, cache_slot_stride, block_size};
+        run(query + token * query_token_stride + (int64_t)h * group * query_head_stride, query_head_stride, cache,
+            block_tables + (int64_t)seq * block_table_stride, seq_lens[seq], group, scale,
+            out + token * out_token_stride + (int64_t)h * group * out_head_stride, out_head_stride);
+    };
+    if (num_decodes >= 4 * num_threads) {
+        // a thread takes all kv heads of a decode in turn: each block's heads are neighbours in memory
+#pragma omp parallel for schedule(dynamic, 1) num_threads(num_threads)
+        for (int i = 0; i < num_decodes; i++)
+            for (int h = 0; h < num_kv_heads; h++) decode(i, h);
+    } else {  // few decodes: their heads spread over the threads too
+#pragma omp parallel for collapse(2) schedule(dynamic, 1) num_threads(num_threads)
+        for (int i = 0; i < num_decodes; i++)
+            for (int h = 0; h < num_kv_heads; h++) decode(i, h);
+    }
+    return 0;
+}
+
+// Copies each token's key and value rows of all kv heads into its slot; a negative slot is
+// padding, skipped.
+void store_kv_f32(
+    const float* key, const float* value, int64_t key_token_stride, int64_t key_head_stride,
+    int64_t value_token_stride, int64_t value_head_stride,  // [num_tokens, num_kv_heads, head_size]
+    float* key_cache, float* value_cache,  // [num_blocks, num_kv_heads, block_size, head_size]
+    int64_t cache_block_stride, int64_t cache_head_stride, int64_t cache_slot_stride,
+    const int64_t* slot_mapping, int64_t num_tokens, int num_kv_heads, int head_size, int block_size,
+    int num_threads) {
+    const size_t row_bytes = (size_t)head_size * sizeof(float);
+#pragma omp parallel for schedule(static) num_threads(num_threads) if (num_tokens > 256)
+    for (int64_t t = 0; t < num_tokens; t++) {
+        const int64_t slot = slot_mapping[t];
+        if (slot < 0) continue;
+        const int64_t offset = (slot / block_size) * cache_block_stride + (slot % block_size) * cache_slot_stride;
+        for (int h = 0; h < num_kv_heads; h++) {
+            memcpy(key_cache + offset + h * cache_head_stride, key + t * key_token_stride + h * key_head_stride, row_bytes);
+            memcpy(value_cache + offset + h * cache_head_stride, value + t * value_token_stride + h * value_head_stride,
+                   row_bytes);
+        }
+    }
+}
+
+// Rows of at least this many elements in all make a parallel region worth its cost.
+constexpr int64_t kParallelElements = 1 << 16;
+
+// out = weight * (x / rms(x)), over x + residual when a residual is given (the sum is written
+// back into x, the next residual). Sums of squares in double: no worse than torch's fp32 sum.
+void rms_norm_f32(float* x, int64_t x_stride, const float* residual, int64_t residual_stride, const float* weight,
+                  float* out, int64_t out_stride, int64_t num_tokens, int hidden_size, float eps, int num_threads) {
+#pragma omp parallel for schedule(static) num_threads(num_threads) if (num_tokens * hidden_size >= kParallelElements)
+    for (int64_t t = 0; t < num_tokens; t++) {
+        float* row = x + t * x_stride;
+        double sum_of_squares = 0.0;
+        if (residual != nullptr) {
+            const float* add = residual + t * residual_stride;
+#pragma omp simd reduction(+ : sum_of_squares)
+            for (int i = 0; i < hidden_size; i++) {
+                row[i] += add[i];
+                sum_of_squares += (double)row[i] * row[i];
+            }
+        } else {
+#pragma omp simd reduction(+ : sum_of_squares)
+            for (int i = 0; i < hidden_size; i++) sum_of_squares += (double)row[i] * row[i];
+        }
+        const float inverse_rms = 1.0f / sqrtf((float)(sum_of_squares / hidden_size) + eps);
+        float* dst = out + t * out_stride;
+        for (int i = 0; i < hidden_size; i++) dst[i] = weight[i] * (row[i] * inverse_rms);
+    }
+}
+
+// Rotates the two halves of each head of x (query and key heads alike) by its token's
+// position: x1 * cos - x2 * sin, x2 * cos + x1 * sin, in place. Each product rounds before
+// the sum, as in torch's ops (no fused multiply-add), so the results are bit for bit its own.
+__attribute__((optimize("fp-contract=off")))  // GCC; clang reads the pragma below
+void rotary_f32(const int64_t* positions, float* x, int64_t x_token_stride, int64_t x_head_stride,
+                int64_t num_tokens, int num_heads, int head_size, const float* cos_sin_cache, int64_t cache_stride,
+                int num_threads) {
+#ifdef __clang__
+#pragma clang fp contract(off)
+#endif
+    const int half = head_size / 2;
+#pragma omp parallel for schedule(static) num_threads(num_threads) \
+    if (num_tokens * num_heads * head_size >= kParallelElements)
+    for (int64_t t = 0; t < num_tokens; t++) {
+        const float* cos = cos_sin_cache + positions[t] * cache_stride;
+        const float* sin = cos + half;
+        for (int h = 0; h < num_heads; h++) {
+            float* x1 = x + t * x_token_stride + h * x_head_stride;
+            float* x2 = x1 + half;
+            for (int i = 0; i < half; i++) {
+                const float a = x1[i], b = x2[i];
+                x1[i] = a * cos[i] - b * sin[i];
+                x2[i] = b * cos[i] + a * sin[i];
+            }
+        }
+    }
+}
+
+}  // extern "C"

@@ -1,0 +1,117 @@
+"""The C++ CPU kernels (cpu_kernels.cpp) through ctypes: each call's arguments checked
+here, then the pointers, strides and sizes passed on. kernels/_native.py builds the file."""
+
+from __future__ import annotations
+
+import ctypes
+
+import torch
+
+from kernels._native import load_library
+
+_LANES = 16  # floats per vector in the C++ file: head_size must be a multiple
+_MAX_GROUP = 64  # query heads per kv head the C++ file holds
+_HEAD_SIZES = {16 * n for n in (1, 2, 3, 4, 5, 6, 7, 8, 16)}  # what it has code for
+
+_i64, _i32, _ptr = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p
+
+
+class NativeKernels:
+    """The C++ kernels, called through ctypes; the arguments are checked here."""
+
+    def __init__(self, library: ctypes.CDLL) -> None:
+        self._decode = library.paged_decode_f32
+        self._decode.restype = _i32
+        self._decode.argtypes = [_ptr, _i64, _i64, _ptr, _ptr, _i64, _i64, _i64, _ptr, _i64, _ptr, _ptr,
+                                 _ptr, _i32, _i32, _i32, _i32, _i32, ctypes.c_float, _ptr, _i64, _i64, _i32]
+        self._store_kv = library.store_kv_f32
+        self._store_kv.restype = None
+        self._store_kv.argtypes = [_ptr, _ptr, _i64, _i64, _i64, _i64, _ptr, _ptr, _i64, _i64, _i64, _ptr,
+                                   _i64, _i32, _i32, _i32, _i32]
+        self._rms_norm = library.rms_norm_f32
+        self._rms_norm.restype = None
+        self._rms_norm.argtypes = [_ptr, _i64, _ptr, _i64, _ptr, _ptr, _i64, _i64, _i32, ctypes.c_float, _i32]
+        self._rotary = library.rotary_f32
+        self._rotary.restype = None
+        self._rotary.argtypes = [_ptr, _ptr, _i64, _i64, _i64, _i32, _i32, _ptr, _i64, _i32]
+
+    @staticmethod
+    def supports_decode(query: torch.Tensor, key_cache: torch.Tensor) -> bool:
+        """Whether decode takes these shapes and dtypes (else the reference does)."""
+        return (query.dtype == key_cache.dtype == torch.float32 and query.device.type == "cpu"
+                and query.shape[-1] in _HEAD_SIZES and query.shape[-2] // key_cache.shape[1] <= _MAX_GROUP)
+
+    def decode(self, query: torch.Tensor,  # [num_tokens, num_heads, head_size]
+               key_cache: torch.Tensor,  # [num_blocks, num_kv_heads, block_size, head_size]
+               value_cache: torch.Tensor,  # [num_blocks, num_kv_heads, block_size, head_size]
+               block_tables: torch.Tensor,  # [num_seqs, max_blocks_per_seq] int32
+               seq_lens: torch.Tensor,  # [num_seqs] int32
+               query_start_loc: torch.Tensor,  # [num_seqs + 1] int32
+               decode_seqs: torch.Tensor,  # [num_decodes] int32: sequences with one query token
+               scale: float,
+               out: torch.Tensor) -> None:  # [num_tokens, num_heads, head_size]: the decodes' rows written
+        num_heads, head_size = query.shape[1:]
+        num_kv_heads, block_size = key_cache.shape[1:3]
+        assert self.supports_decode(query, key_cache) and value_cache.dtype == out.dtype == torch.float32
+        assert key_cache.shape == value_cache.shape and key_cache.stride() == value_cache.stride()
+        assert query.stride(2) == key_cache.stride(3) == out.stride(2) == 1 and num_heads % num_kv_heads == 0
+        assert block_tables.dtype == seq_lens.dtype == query_start_loc.dtype == decode_seqs.dtype == torch.int32
+        assert block_tables.stride(1) == 1 and seq_lens.is_contiguous() and query_start_loc.is_contiguous()
+        assert decode_seqs.is_contiguous()
+        status = self._decode(
+            query.data_ptr(), query.stride(0), query.stride(1), key_cache.data_ptr(), value_cache.data_ptr(),
+            *key_cache.stride()[:3], block_tables.data_ptr(), block_tables.stride(0), seq_lens.data_ptr(),
+            query_start_loc.data_ptr(), decode_seqs.data_ptr(), decode_seqs.numel(), num_kv_heads,
+            num_heads // num_kv_heads, head_size, block_size, scale, out.data_ptr(), out.stride(0), out.stride(1),
+            torch.get_num_threads())
+        assert status == 0
+
+    def store_kv(self, key: torch.Tensor,  # [num_tokens, num_kv_heads, head_size]
+                 value: torch.Tensor,  # [num_tokens, num_kv_heads, head_size]
+                 key_cache: torch.Tensor,  # [num_blocks, num_kv_heads, block_size, head_size], written
+                 value_cache: torch.Tensor,  # [num_blocks, num_kv_heads, block_size, head_size], written
+                 slot_mapping: torch.Tensor) -> None:  # [num_tokens] int64
+        num_tokens, num_kv_heads, head_size = key.shape
+        assert value.shape == key.shape and key.dtype == value.dtype == key_cache.dtype == torch.float32
+        assert key_cache.shape == value_cache.shape and key_cache.stride() == value_cache.stride()
+        assert key_cache.shape[1] == num_kv_heads and key_cache.shape[3] == head_size
+        assert key.stride(2) == value.stride(2) == key_cache.stride(3) == 1
+        assert slot_mapping.shape == (num_tokens,) and slot_mapping.dtype == torch.int64
+        assert slot_mapping.is_contiguous()
+        self._store_kv(key.data_ptr(), value.data_ptr(), key.stride(0), key.stride(1), value.stride(0),
+                       value.stride(1), key_cache.data_ptr(), value_cache.data_ptr(), *key_cache.stride()[:3],
+                       slot_mapping.data_ptr(), num_tokens, num_kv_heads, head_size, key_cache.shape[2],
+                       torch.get_num_threads())
+
+
+    def rms_norm(self, x: torch.Tensor,  # [num_tokens, hidden_size], overwritten with x + residual if given
+                 weight: torch.Tensor,  # [hidden_size]
+                 eps: float,
+                 residual: torch.Tensor | None = None,  # [num_tokens, hidden_size]
+                 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        num_tokens, hidden_size = x.shape
+        assert x.dtype == weight.dtype == torch.float32 and x.device.type == "cpu"
+        assert x.stride(1) == 1 and weight.shape == (hidden_size,) and weight.is_contiguous()
+        if residual is not None:
+            assert residual.shape == x.shape and residual.dtype == x.dtype and residual.stride(1) == 1
+        out = torch.empty(x.shape, dtype=x.dtype)
+        self._rms_norm(x.data_ptr(), x.stride(0), residual.data_ptr() if residual is not None else None,
+                       residual.stride(0) if residual is not None else 0, weight.data_ptr(), out.data_ptr(),
+                       out.stride(0), num_tokens, hidden_size, eps, torch.get_num_threads())
+        return out if residual is None else (out, x)
+
+    def rotary(self, positions: torch.Tensor,  # [num_tokens] int64
+               x: torch.Tensor,  # [num_tokens, num_heads, head_size], rotated in place
+               cos_sin_cache: torch.Tensor) -> None:  # [max_position, head_size]
+        num_tokens, num_heads, head_size = x.shape
+        assert x.dtype == cos_sin_cache.dtype == torch.float32 and x.device.type == "cpu" and x.stride(2) == 1
+        assert positions.shape == (num_tokens,) and positions.dtype == torch.int64 and positions.is_contiguous()
+        assert cos_sin_cache.shape[1] == head_size and cos_sin_cache.stride(1) == 1 and head_size % 2 == 0
+        self._rotary(positions.data_ptr(), x.data_ptr(), x.stride(0), x.stride(1), num_tokens, num_heads, head_size,
+                     cos_sin_cache.data_ptr(), cos_sin_cache.stride(0), torch.get_num_threads())
+
+
+def load_native_kernels(build_dir: str) -> NativeKernels | None:
+    """The C++ kernels, built into build_dir on first use; None where they cannot be built."""
+    library = load_library("cpu_kernels", build_dir)
+    return NativeKernels(library) if library is not None else None
