@@ -11,7 +11,7 @@ from actors.worker.parallel import check_tensor_parallel_size
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEVICES = ("auto", "cpu", "cuda")
-ATTENTION_BACKENDS = ("auto", "torch", "triton")
+ATTENTION_BACKENDS = ("auto", "cpu", "torch", "triton")
 LOAD_FORMATS = ("auto", "dummy")
 
 

@@ -102,7 +102,8 @@ def build_parser() -> argparse.ArgumentParser:
     engine.add_argument("--no-prefix-caching", action="store_true", help="do not reuse the KV cache of shared "
                                                                          "prompt prefixes")
     engine.add_argument("--attention-backend", choices=ATTENTION_BACKENDS, default="auto",
-                        help="'auto': Triton kernels on CUDA, plain torch on the CPU (default: %(default)s)")
+                        help="'auto': Triton kernels on CUDA, the C++ kernels ('cpu') on the CPU; 'torch': the plain "
+                             "torch references (default: %(default)s)")
     engine.add_argument("--device", choices=DEVICES, default="auto",
                         help="'auto': CUDA when there is a GPU, else the CPU (default: %(default)s)")
     engine.add_argument("--tensor-parallel-size", type=int, default=1, metavar="N",
