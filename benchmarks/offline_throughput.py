@@ -71,6 +71,26 @@ def run_troupe(args, prompts):
     return llm, elapsed, num_tokens, step_shapes
 
 
+def run_actors(args, prompts) -> tuple[float, int]:
+    """The same workload through AsyncClient: every actor in its own process, two plans in
+    flight (what the HTTP server runs)."""
+    import asyncio
+
+    from actors import AsyncClient, SamplingParams
+
+    async def run() -> tuple[float, int]:
+        async with AsyncClient(args.model, max_num_seqs=args.max_num_seqs,
+                               max_num_batched_tokens=args.max_num_batched_tokens,
+                               kv_cache_memory=args.kv_cache_memory, seed=0) as client:
+            await client.generate_batch(prompts[:2], SamplingParams(temperature=0.0, max_tokens=4), use_tqdm=False)
+            params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
+            start = time.perf_counter()
+            outputs = await client.generate_batch(prompts, params, use_tqdm=not args.quiet)
+            return time.perf_counter() - start, sum(len(o.outputs[0].token_ids) for o in outputs)
+
+    return asyncio.run(run())
+
+
 def matmul_floor(model, step_shapes: list[tuple[int, int]], repeats: int) -> float:
     """Seconds the linear layers alone take for the recorded steps (median of repeats).
     Inputs are random, made before the clock starts."""
@@ -127,6 +147,8 @@ def main() -> None:
     parser.add_argument("--hf-batch-sizes", default="16,32,64",
                         help="comma-separated Hugging Face batch sizes to try ('' to skip)")
     parser.add_argument("--floor-repeats", type=int, default=3)
+    parser.add_argument("--actors", action="store_true",
+                        help="also run the workload through AsyncClient (the actor processes)")
     parser.add_argument("--quiet", action="store_true")
     args = parser.parse_args()
     torch.manual_seed(args.seed)
@@ -148,6 +170,10 @@ def main() -> None:
     floor = matmul_floor(llm.engine.runner.model, step_shapes, args.floor_repeats)
     print(f"matmul floor: {floor:.2f} s; troupe time / floor = {troupe_time / floor:.2f}x")
     del llm
+    if args.actors:
+        actors_time, actors_tokens = run_actors(args, prompts)
+        print(f"troupe actors (AsyncClient): {actors_tokens} tokens in {actors_time:.2f} s = "
+              f"{actors_tokens / actors_time:.1f} output tok/s; {actors_time / troupe_time:.2f}x LLM's time")
 
     best = None
     pad_id = config.eos_token_ids[0] if config.eos_token_ids else 0
