@@ -56,6 +56,9 @@ class CacheConfig:
     kv_cache_memory: int = 2 * 2**30  # bytes for K and V of all layers (CPU sizing)
     num_kv_blocks: int | None = None  # overrides the size derived from kv_cache_memory
     enable_prefix_caching: bool = True
+    # CUDA: size the cache from this share of the GPU's memory (a profiled step decides
+    # what the weights and activations leave), instead of kv_cache_memory
+    gpu_memory_utilization: float | None = None
 
 
 @dataclass(frozen=True)

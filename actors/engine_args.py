@@ -23,6 +23,7 @@ class EngineArgs:
     block_size: int = 16
     kv_cache_memory: int | str = "2GiB"
     num_kv_blocks: int | None = None  # overrides the pool size derived from kv_cache_memory
+    gpu_memory_utilization: float | None = None  # CUDA: the KV cache from a share of GPU memory
     max_model_len: int | None = None  # None: the model's max_position_embeddings
     dtype: str = "float32"  # "auto": float32 on the CPU, bfloat16 on CUDA
     device: str = "cpu"  # "auto": CUDA when there is a GPU
@@ -50,6 +51,7 @@ class EngineArgs:
                               ("load_format", LOAD_FORMATS)):
             if getattr(self, name) not in allowed:
                 raise ValueError(f"{name} must be one of {', '.join(allowed)}, got {getattr(self, name)!r}")
+        self._check_gpu_memory_utilization()
         model_dir = resolve_model(self.model)
         model_config = load_model_config(model_dir)
         check_tensor_parallel_size(model_config, self.tensor_parallel_size)
@@ -66,7 +68,8 @@ class EngineArgs:
         return EngineConfig(
             model=model_config,
             cache=CacheConfig(block_size=self.block_size, kv_cache_memory=parse_size(self.kv_cache_memory),
-                              num_kv_blocks=self.num_kv_blocks, enable_prefix_caching=self.enable_prefix_caching),
+                              num_kv_blocks=self.num_kv_blocks, enable_prefix_caching=self.enable_prefix_caching,
+                              gpu_memory_utilization=self.gpu_memory_utilization),
             scheduler=SchedulerConfig(max_num_seqs=self.max_num_seqs,
                                       max_num_batched_tokens=self.max_num_batched_tokens,
                                       max_model_len=max_model_len, async_scheduling=self.async_scheduling),
@@ -75,3 +78,18 @@ class EngineArgs:
                                     master_port=self.master_port),
             dtype=self.dtype, device=self.device, seed=self.seed, tokenizer_path=model_dir,
             attention_backend=self.attention_backend, load_format=self.load_format)
+
+    def _check_gpu_memory_utilization(self) -> None:
+        fraction = self.gpu_memory_utilization
+        if fraction is None:
+            return
+        if isinstance(fraction, bool) or not isinstance(fraction, (int, float)) or not 0 < fraction <= 1:
+            raise ValueError(f"gpu_memory_utilization must be a fraction in (0, 1], got {fraction!r}")
+        on_cuda = self.device == "cuda"
+        if self.device == "auto":
+            import torch  # only here: the frontend otherwise never imports torch
+
+            on_cuda = torch.cuda.is_available()
+        if not on_cuda:
+            raise ValueError("gpu_memory_utilization sizes the KV cache from GPU memory, and the engine runs on "
+                             "the CPU: size it with kv_cache_memory (--kv-cache-memory) instead")

@@ -9,7 +9,7 @@ import logging
 from actors.config import EngineConfig
 from actors.detokenizer import OutputProcessor, merge_delta
 from actors.scheduler.scheduler import Scheduler
-from actors.worker.model_runner import ModelRunner, num_kv_blocks, resolve_device
+from actors.worker.model_runner import build_model_runner, resolve_device
 from messages.common import RequestOutput, SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -19,8 +19,7 @@ class EngineCore:
     def __init__(self, engine: EngineConfig, tokenizer) -> None:
         engine = resolve_device(engine)
         self.config = engine
-        self.num_blocks = num_kv_blocks(engine)
-        self.runner = ModelRunner(engine, self.num_blocks, engine.attention_backend, engine.load_format)
+        self.runner, self.num_blocks = build_model_runner(engine)
         self.scheduler = Scheduler(engine.scheduler, engine.cache, self.num_blocks, engine.model.eos_token_ids)
         self.outputs = OutputProcessor(tokenizer)
         self._accumulated: dict[str, RequestOutput] = {}  # request_id -> its output so far

@@ -97,8 +97,8 @@ def build_parser() -> argparse.ArgumentParser:
     engine.add_argument("--kv-cache-memory", type=_size, default="2GiB", metavar="SIZE",
                         help="memory for the KV cache, e.g. 512MiB or 4GiB (default: 2GiB)")
     engine.add_argument("--gpu-memory-utilization", type=float, metavar="FRACTION",
-                        help="size the KV cache from a share of GPU memory (not supported yet; use "
-                             "--kv-cache-memory)")
+                        help="on CUDA, size the KV cache from this share of the GPU's memory (e.g. 0.9): "
+                             "what the weights and a profiled step leave of it; replaces --kv-cache-memory")
     engine.add_argument("--no-prefix-caching", action="store_true", help="do not reuse the KV cache of shared "
                                                                          "prompt prefixes")
     engine.add_argument("--attention-backend", choices=ATTENTION_BACKENDS, default="auto",
@@ -128,9 +128,8 @@ def build_parser() -> argparse.ArgumentParser:
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = build_parser()
     args = parser.parse_args(argv)
-    if args.gpu_memory_utilization is not None:
-        parser.error("--gpu-memory-utilization is not supported yet: the engine sizes its KV cache from "
-                     "--kv-cache-memory")
+    if args.gpu_memory_utilization is not None and not 0 < args.gpu_memory_utilization <= 1:
+        parser.error(f"--gpu-memory-utilization must be in (0, 1], got {args.gpu_memory_utilization}")
     if not 0 <= args.port <= 65535:
         parser.error(f"--port must be in [0, 65535], got {args.port}")
     for name in ("max_waiting_requests", "num_input_processors"):
@@ -145,6 +144,7 @@ def engine_args(args: argparse.Namespace) -> dict:
     """The EngineArgs fields the flags set."""
     return dict(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                 block_size=args.block_size, kv_cache_memory=args.kv_cache_memory, max_model_len=args.max_model_len,
+                gpu_memory_utilization=args.gpu_memory_utilization,
                 dtype=args.dtype, device=args.device, tensor_parallel_size=args.tensor_parallel_size,
                 seed=args.seed, enable_prefix_caching=not args.no_prefix_caching,
                 attention_backend=args.attention_backend, load_format=args.load_format,

@@ -29,13 +29,14 @@ class LLM:
                  kv_cache_memory: int | str = "2GiB", num_kv_blocks: int | None = None,
                  max_model_len: int | None = None, dtype: str = "float32", seed: int = 0,
                  enable_prefix_caching: bool = True, attention_backend: str = "auto",
-                 load_format: str = "auto", device: str = "cpu", tensor_parallel_size: int = 1) -> None:
+                 load_format: str = "auto", device: str = "cpu", tensor_parallel_size: int = 1,
+                 gpu_memory_utilization: float | None = None) -> None:
         args = EngineArgs(
             model=model, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
             block_size=block_size, kv_cache_memory=kv_cache_memory, num_kv_blocks=num_kv_blocks,
             max_model_len=max_model_len, dtype=dtype, seed=seed, enable_prefix_caching=enable_prefix_caching,
             attention_backend=attention_backend, load_format=load_format, device=device,
-            tensor_parallel_size=tensor_parallel_size)
+            tensor_parallel_size=tensor_parallel_size, gpu_memory_utilization=gpu_memory_utilization)
         self.config = args.build()
         self.tokenizer = load_tokenizer(self.config.tokenizer_path)
         self.engine = EngineCore(self.config, self.tokenizer) if tensor_parallel_size == 1 else None

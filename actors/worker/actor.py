@@ -26,7 +26,7 @@ class WorkerActor(Actor):
 
     @classmethod
     def from_spec(cls, spec: ActorSpec, sockets: Sockets) -> WorkerActor:
-        from actors.worker.model_runner import ModelRunner, num_kv_blocks, resolve_device
+        from actors.worker.model_runner import build_model_runner, resolve_device
         from actors.worker.parallel import TensorParallel
 
         rank = spec.options.get("rank", 0)
@@ -34,8 +34,7 @@ class WorkerActor(Actor):
         parallel = TensorParallel(rank, engine.parallel.tensor_parallel_size)
         if parallel.enabled:
             _join_group(engine, parallel, spec.options["distributed_init_method"])
-        num_blocks = num_kv_blocks(engine, parallel)
-        runner = ModelRunner(engine, num_blocks, engine.attention_backend, engine.load_format, parallel)
+        runner, num_blocks = build_model_runner(engine, parallel)
         return cls(spec.name, spec.addresses, sockets, runner, num_blocks, rank)
 
     def ready_info(self) -> dict:

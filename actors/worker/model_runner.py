@@ -77,8 +77,24 @@ def resolve_device(engine: EngineConfig, rank: int = 0) -> EngineConfig:
     return dataclasses.replace(engine, device=device, dtype=dtype)
 
 
+def build_model_runner(engine: EngineConfig, parallel: TensorParallel = TensorParallel()
+                       ) -> tuple[ModelRunner, int]:
+    """The model runner of this rank (engine's device resolved) and its KV block count:
+    num_kv_blocks or kv_cache_memory, or on CUDA with gpu_memory_utilization a profiled step."""
+    fraction = engine.cache.gpu_memory_utilization
+    if fraction is None or engine.cache.num_kv_blocks is not None:
+        num_blocks = num_kv_blocks(engine, parallel)
+        return ModelRunner(engine, num_blocks, engine.attention_backend, engine.load_format, parallel), num_blocks
+    if not engine.device.startswith("cuda"):
+        raise ValueError("gpu_memory_utilization needs a CUDA device; on the CPU use kv_cache_memory")
+    runner = ModelRunner(engine, None, engine.attention_backend, engine.load_format, parallel)
+    num_blocks = runner.profile_num_kv_blocks(fraction)
+    runner.allocate_kv_cache(num_blocks)
+    return runner, num_blocks
+
+
 class ModelRunner:
-    def __init__(self, engine: EngineConfig, num_blocks: int, attention_backend: str = "auto",
+    def __init__(self, engine: EngineConfig, num_blocks: int | None, attention_backend: str = "auto",
                  load_format: str = "auto", parallel: TensorParallel = TensorParallel()) -> None:
         if engine.dtype not in _DTYPES:
             raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {engine.dtype!r}")
@@ -96,14 +112,56 @@ class ModelRunner:
 
             self.model.load_weights((name, parallel.shard(name, weight_slice, engine.model))
                                     for name, weight_slice in iter_weight_slices(engine.model.model_path))
-        m = engine.model
+        self.engine = engine
+        self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.sampler = Sampler(engine.model.eos_token_ids, engine.seed)
+        self.requests: dict[str, CachedRequest] = {}
+        if num_blocks is not None:
+            self.allocate_kv_cache(num_blocks)
+
+    def allocate_kv_cache(self, num_blocks: int) -> None:
+        m = self.engine.model
         shape = (num_blocks, self.model.num_kv_heads, self.block_size, m.head_dim)
+        self.kv_caches = []  # the old cache goes before the new one is made
         # zeros, not empty: masked slots are multiplied by 0, and 0 * NaN garbage is NaN
         self.kv_caches = [(torch.zeros(shape, dtype=self.dtype, device=self.device),
                            torch.zeros(shape, dtype=self.dtype, device=self.device))
                           for _ in range(m.num_hidden_layers)]
-        self.sampler = Sampler(m.eos_token_ids, engine.seed)
-        self.requests: dict[str, CachedRequest] = {}
+
+    @torch.inference_mode()
+    def profile_num_kv_blocks(self, gpu_memory_utilization: float) -> int:
+        """CUDA: the KV blocks that fit in gpu_memory_utilization of the device's memory
+        after the weights, the peak activations of the largest step (one prefill chunk of
+        max_num_batched_tokens, with logits for max_num_seqs rows) and what torch does not
+        allocate (the CUDA context, NCCL's buffers)."""
+        scheduler = self.engine.scheduler
+        num_tokens = min(scheduler.max_num_batched_tokens, scheduler.max_model_len)
+        blocks_needed = -(-num_tokens // self.block_size)
+        self.allocate_kv_cache(blocks_needed)
+        torch.cuda.synchronize(self.device)
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(self.device)
+        request = CachedRequest("profile", [0] * num_tokens, num_tokens, SamplingParams(max_tokens=1),
+                                list(range(blocks_needed)), 0)
+        input_ids, positions, attention = self._prepare_inputs([(request, num_tokens)])
+        hidden = self.model.forward(input_ids, positions, self.kv_caches, attention)
+        rows = torch.arange(min(scheduler.max_num_seqs, num_tokens), device=self.device)
+        self.model.compute_logits(hidden[rows])
+        torch.cuda.synchronize(self.device)
+        peak = torch.cuda.max_memory_allocated(self.device)
+        self.kv_caches = []
+        torch.cuda.empty_cache()
+        free, total = torch.cuda.mem_get_info(self.device)
+        outside_torch = max(0, total - free - torch.cuda.memory_reserved(self.device))
+        budget = int(total * gpu_memory_utilization) - peak - outside_torch
+        block_bytes = kv_block_bytes(self.engine, self.parallel)
+        if budget < block_bytes:
+            gib = 2**30
+            raise ValueError(f"no GPU memory left for the KV cache: gpu_memory_utilization={gpu_memory_utilization} "
+                             f"allows {total * gpu_memory_utilization / gib:.2f} GiB of {total / gib:.2f} GiB, and the "
+                             f"weights and a step's activations take {(peak + outside_torch) / gib:.2f} GiB; "
+                             "raise gpu_memory_utilization or lower max_num_batched_tokens")
+        return budget // block_bytes
 
     def update_states(self, plan: StepPlan) -> None:
         for request_id in plan.finished_request_ids:

@@ -444,3 +444,43 @@ def test_smollm2_second_resolve_reuses_the_cache(smollm2_dir, monkeypatch):
     assert resolve_model(None) == resolve_model("default") == smollm2_dir
     assert time.perf_counter() - started < 1.0
     assert os.stat(os.path.join(smollm2_dir, "model.safetensors")).st_mtime_ns == weights_mtime
+
+
+# --- engine arguments -----------------------------------------------------------------------
+
+@pytest.mark.parametrize("fraction", [0, 1.5, -0.1, True, "0.9"])
+def test_gpu_memory_utilization_out_of_range_is_rejected(tiny_llama_dir, fraction):
+    from actors.engine_args import EngineArgs
+
+    with pytest.raises(ValueError, match="gpu_memory_utilization must be a fraction"):
+        EngineArgs(model=tiny_llama_dir, gpu_memory_utilization=fraction, device="cuda").build()
+
+
+def test_gpu_memory_utilization_on_the_cpu_points_to_kv_cache_memory(tiny_llama_dir):
+    from actors import LLM
+    from actors.engine_args import EngineArgs
+
+    with pytest.raises(ValueError, match="kv_cache_memory"):
+        LLM(tiny_llama_dir, gpu_memory_utilization=0.9)
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="kv_cache_memory"):
+            EngineArgs(model=tiny_llama_dir, gpu_memory_utilization=0.9, device="auto").build()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_gpu_memory_utilization_sizes_the_kv_cache_from_a_profiled_step(tiny_llama_dir):
+    from actors import LLM, SamplingParams
+
+    small = LLM(tiny_llama_dir, device="cuda", dtype="float32", gpu_memory_utilization=0.3)
+    large_blocks = None
+    try:
+        assert small.engine.num_blocks > 0
+        outputs = small.generate([[1, 2, 3]], SamplingParams(temperature=0.0, max_tokens=4), use_tqdm=False)
+        assert len(outputs[0].outputs[0].token_ids) == 4
+        small_blocks = small.engine.num_blocks
+    finally:
+        del small
+        torch.cuda.empty_cache()
+    large = LLM(tiny_llama_dir, device="cuda", dtype="float32", gpu_memory_utilization=0.6)
+    large_blocks = large.engine.num_blocks
+    assert large_blocks > small_blocks

@@ -31,8 +31,10 @@ def test_help_explains_every_flag_and_bad_ones_fail_clearly(tmp_path, long_conte
                  "--kv-cache-memory", "--gpu-memory-utilization", "--dtype", "--no-prefix-caching", "--log-level",
                  "--max-waiting-requests", "--attention-backend", "--num-input-processors"):
         assert flag in result.stdout
-    result = launch("--gpu-memory-utilization", "0.9")
-    assert result.returncode == 2 and "--kv-cache-memory" in result.stderr
+    result = launch("--gpu-memory-utilization", "1.5")
+    assert result.returncode == 2 and "(0, 1]" in result.stderr
+    result = launch("--gpu-memory-utilization", "0.9", "--device", "cpu", "--port", "0")
+    assert result.returncode == 1 and "--kv-cache-memory" in result.stderr
     result = launch("--kv-cache-memory", "lots")
     assert result.returncode == 2 and "512MiB" in result.stderr
     # the engine checks the rest before it starts any process
