@@ -35,7 +35,6 @@ if __name__ == "__main__":
                                            if os.path.abspath(path or os.curdir) != _here]
 
 import torch
-import torch.nn.functional as F
 
 
 def make_workload(num_prompts: int, min_len: int, max_len: int, vocab_size: int, seed: int) -> list[list[int]]:
@@ -92,8 +91,10 @@ def run_actors(args, prompts) -> tuple[float, int]:
 
 
 def matmul_floor(model, step_shapes: list[tuple[int, int]], repeats: int) -> float:
-    """Seconds the linear layers alone take for the recorded steps (median of repeats).
+    """Seconds the linear layers alone take for the recorded steps (median of repeats), through
+    the same linear the model calls (the CPU backend's C++ one for a few rows, else F.linear).
     Inputs are random, made before the clock starts."""
+    linear = model.backend.linear
     max_tokens = max(num_tokens for num_tokens, _ in step_shapes)
     first = model.layers[0]
     x = torch.randn(max_tokens, model.config.hidden_size)  # input of qkv, gate_up and the LM head
@@ -105,12 +106,12 @@ def matmul_floor(model, step_shapes: list[tuple[int, int]], repeats: int) -> flo
             start = time.perf_counter()
             for num_tokens, num_logits in step_shapes:
                 for layer in model.layers:
-                    F.linear(x[:num_tokens], layer.qkv_proj, layer.qkv_bias)
-                    F.linear(attn_out[:num_tokens], layer.o_proj)
-                    F.linear(x[:num_tokens], layer.gate_up_proj)
-                    F.linear(mlp_hidden[:num_tokens], layer.down_proj)
+                    linear(x[:num_tokens], layer.qkv_proj, layer.qkv_bias)
+                    linear(attn_out[:num_tokens], layer.o_proj)
+                    linear(x[:num_tokens], layer.gate_up_proj)
+                    linear(mlp_hidden[:num_tokens], layer.down_proj)
                 if num_logits:
-                    F.linear(x[:num_logits], model.lm_head)
+                    linear(x[:num_logits], model.lm_head)
             times.append(time.perf_counter() - start)
     return statistics.median(times)
 

@@ -171,6 +171,37 @@ DecodeHead decode_head_for(int head_size) {
     }
 }
 
+// Rows [first, first + rows) of y for MR rows of x: MR x kWeightRows accumulators in
+// registers, so each load feeds several multiply-adds.
+constexpr int kWeightRows = 4;
+
+// next: the weight rows of the thread's next tile, fetched into the cache meanwhile (the
+// hardware prefetcher alone leaves the multiply-adds waiting on memory), or null.
+template <int MR>
+inline void linear_tile(const float* x, int64_t x_stride, const float* const* w, int rows, int64_t in_features,
+                        const float* bias, int64_t first, float* y, int64_t y_stride, const float* const* next) {
+    const int64_t vector_end = in_features - in_features % kLanes;
+    vf acc[MR][kWeightRows] = {};
+    for (int64_t k = 0; k < vector_end; k += kLanes) {
+        vf wv[kWeightRows];
+        for (int r = 0; r < kWeightRows; r++) wv[r] = load(w[r] + k);
+        if (next != nullptr)
+            for (int r = 0; r < kWeightRows; r++) __builtin_prefetch(next[r] + k);
+        for (int m = 0; m < MR; m++) {
+            const vf xv = load(x + m * x_stride + k);
+            for (int r = 0; r < kWeightRows; r++) acc[m][r] += xv * wv[r];
+        }
+    }
+    for (int m = 0; m < MR; m++) {
+        const float* xm = x + m * x_stride;
+        for (int r = 0; r < rows; r++) {
+            float sum = reduce_sum(acc[m][r]);
+            for (int64_t k = vector_end; k < in_features; k++) sum += xm[k] * w[r][k];
+            y[m * y_stride + first + r] = bias != nullptr ? sum + bias[first + r] : sum;
+        }
+    }
+}
+
 }  // namespace
 
 extern "C" {
@@ -209,6 +240,43 @@ int paged_decode_f32(
             for (int h = 0; h < num_kv_heads; h++) decode(i, h);
     }
     return 0;
+}
+
+// y = x @ weight.T (+ bias) for a few rows of x: each weight row is read from memory once and
+// used for every row of x while it sits in L1. MKL's sgemm streams the weights about once per
+// handful of rows, so for decode batches of a few sequences it takes up to twice the time of
+// one read of the weights. Threads split the weight rows.
+void linear_few_rows_f32(const float* x, int64_t x_stride, int64_t num_rows,  // [num_rows, in_features]
+                         const float* weight, int64_t weight_stride,  // [out_features, in_features]
+                         const float* bias,  // [out_features] or null
+                         float* y, int64_t y_stride,  // [num_rows, out_features]
+                         int64_t in_features, int64_t out_features, int num_threads) {
+    const int64_t num_chunks = (out_features + kWeightRows - 1) / kWeightRows;
+#pragma omp parallel for schedule(static) num_threads(num_threads) if (num_chunks > 8)
+    for (int64_t chunk = 0; chunk < num_chunks; chunk++) {
+        const int64_t first = chunk * kWeightRows;
+        const int rows = (int)(out_features - first < kWeightRows ? out_features - first : kWeightRows);
+        const float* w[kWeightRows];
+        const float* next[kWeightRows];
+        for (int r = 0; r < kWeightRows; r++) {
+            w[r] = weight + (first + (r < rows ? r : 0)) * weight_stride;
+            const int64_t ahead = first + kWeightRows + r;  // past the end: the last row again
+            next[r] = weight + (ahead < out_features ? ahead : out_features - 1) * weight_stride;
+        }
+        int64_t m = 0;
+        for (; m + 4 <= num_rows; m += 4)
+            linear_tile<4>(x + m * x_stride, x_stride, w, rows, in_features, bias, first, y + m * y_stride, y_stride,
+                           m == 0 ? next : nullptr);
+        const float* xm = x + m * x_stride;
+        float* ym = y + m * y_stride;
+        const float* const* fetch = m == 0 ? next : nullptr;
+        switch (num_rows - m) {
+            case 3: linear_tile<3>(xm, x_stride, w, rows, in_features, bias, first, ym, y_stride, fetch); break;
+            case 2: linear_tile<2>(xm, x_stride, w, rows, in_features, bias, first, ym, y_stride, fetch); break;
+            case 1: linear_tile<1>(xm, x_stride, w, rows, in_features, bias, first, ym, y_stride, fetch); break;
+            default: break;
+        }
+    }
 }
 
 // Copies each token's key and value rows of all kv heads into its slot; a negative slot is

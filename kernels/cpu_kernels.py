@@ -31,6 +31,9 @@ class NativeKernels:
         self._rms_norm = library.rms_norm_f32
         self._rms_norm.restype = None
         self._rms_norm.argtypes = [_ptr, _i64, _ptr, _i64, _ptr, _ptr, _i64, _i64, _i32, ctypes.c_float, _i32]
+        self._linear = library.linear_few_rows_f32
+        self._linear.restype = None
+        self._linear.argtypes = [_ptr, _i64, _i64, _ptr, _i64, _ptr, _ptr, _i64, _i64, _i64, _i32]
         self._rotary = library.rotary_f32
         self._rotary.restype = None
         self._rotary.argtypes = [_ptr, _ptr, _i64, _i64, _i64, _i32, _i32, _ptr, _i64, _i32]
@@ -109,6 +112,24 @@ class NativeKernels:
         assert cos_sin_cache.shape[1] == head_size and cos_sin_cache.stride(1) == 1 and head_size % 2 == 0
         self._rotary(positions.data_ptr(), x.data_ptr(), x.stride(0), x.stride(1), num_tokens, num_heads, head_size,
                      cos_sin_cache.data_ptr(), cos_sin_cache.stride(0), torch.get_num_threads())
+
+
+    def linear_few_rows(self, x: torch.Tensor,  # [num_rows, in_features]
+                        weight: torch.Tensor,  # [out_features, in_features]
+                        bias: torch.Tensor | None = None,  # [out_features]
+                        ) -> torch.Tensor:  # [num_rows, out_features]
+        """F.linear's result (to fp32 rounding) at about one read of the weight, for a few rows."""
+        num_rows, in_features = x.shape
+        out_features = weight.shape[0]
+        assert x.dtype == weight.dtype == torch.float32 and x.device.type == weight.device.type == "cpu"
+        assert weight.shape[1] == in_features and x.stride(1) == 1 and weight.stride(1) == 1
+        if bias is not None:
+            assert bias.shape == (out_features,) and bias.dtype == torch.float32 and bias.is_contiguous()
+        y = torch.empty((num_rows, out_features), dtype=torch.float32)
+        self._linear(x.data_ptr(), x.stride(0), num_rows, weight.data_ptr(), weight.stride(0),
+                     bias.data_ptr() if bias is not None else None, y.data_ptr(), y.stride(0), in_features,
+                     out_features, torch.get_num_threads())
+        return y
 
 
 def load_native_kernels(build_dir: str) -> NativeKernels | None:

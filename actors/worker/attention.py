@@ -4,7 +4,8 @@ Three backends, one interface (attention stores the step's keys and values, then
 - torch: each kernel's plain-torch reference, the oracle of the other two; the paged
   attention bookkeeping is planned once per step and reused by every layer.
 - cpu (the CPU's default): the references' results from faster CPU paths: decode
-  attention, KV store, rms_norm and rotary in C++ built on first use (kernels/cpu_kernels.*),
+  attention, KV store, rms_norm, rotary and the linear layers of small decode batches in
+  C++ built on first use (kernels/cpu_kernels.*),
   the other ops in place; where no C++ compiler is found, torch's ops.
 - triton: the Triton kernels, compiled on CUDA, or under triton's interpreter on the CPU
   (TRITON_INTERPRET=1; slow, for tests)."""
@@ -15,6 +16,7 @@ import os
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
 from actors.config import cache_dir
 from kernels.paged_attention import (PagedAttentionLaunch, PagedAttentionPlan, paged_attention,
@@ -44,6 +46,7 @@ class TorchBackend:
     """Plain-torch kernels: the oracle of the other backends."""
 
     name = "torch"
+    linear = staticmethod(F.linear)
     rms_norm = staticmethod(rms_norm_ref)
     rotary = staticmethod(rotary_ref)
     silu_mul = staticmethod(silu_mul_ref)
@@ -58,6 +61,11 @@ class TorchBackend:
         return paged_attention_planned(query, key_cache, value_cache, step.plan, scale)
 
 
+# Up to this many rows the C++ linear beats MKL's sgemm on decode shapes (benchmarks/cpu_linear.py);
+# past it sgemm's compute wins.
+_FEW_ROWS = 16
+
+
 class CpuBackend:
     """The CPU path: the references' results, faster (kernels/*_cpu, the C++ kernels where
     they build). The elementwise ops overwrite inputs the model no longer needs: rms_norm
@@ -69,6 +77,13 @@ class CpuBackend:
 
     def __init__(self, native: NativeKernels | None) -> None:
         self.native = native
+
+    def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        # decode steps of a few sequences: one read of the weights instead of MKL's several
+        if (self.native is not None and x.dim() == 2 and x.shape[0] <= _FEW_ROWS and x.stride(1) == 1
+                and x.dtype == weight.dtype == torch.float32 and weight.stride(1) == 1):
+            return self.native.linear_few_rows(x, weight, bias)
+        return F.linear(x, weight, bias)
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None):
         return rms_norm_cpu(x, weight, eps, residual, self.native)
@@ -92,6 +107,7 @@ class TritonBackend:
     model allows: q and k are fresh slices of this layer's qkv matrix."""
 
     name = "triton"
+    linear = staticmethod(F.linear)
     rms_norm = staticmethod(rms_norm)
     rotary = staticmethod(rotary)
     silu_mul = staticmethod(silu_mul)

@@ -11,7 +11,6 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
 from actors.config import ModelConfig
 from actors.worker.attention import AttentionBackend, StepAttention
@@ -158,7 +157,7 @@ class LlamaModel:
                 x = ops.rms_norm(hidden, layer.input_norm, eps)
             else:
                 x, residual = ops.rms_norm(hidden, layer.input_norm, eps, residual)
-            qkv = F.linear(x, layer.qkv_proj, layer.qkv_bias)
+            qkv = ops.linear(x, layer.qkv_proj, layer.qkv_bias)
             q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
             q = q.view(num_tokens, self.num_heads, self.head_dim)
             k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
@@ -168,10 +167,10 @@ class LlamaModel:
                 k = ops.rms_norm(k.reshape(-1, self.head_dim), layer.k_norm, eps).view_as(k)
             q, k = ops.rotary(positions, q, k, self.cos_sin_cache)
             attn = ops.attention(q, k, v, key_cache, value_cache, attention, self.scale)
-            hidden = self.parallel.all_reduce(F.linear(attn.view(num_tokens, self.q_size), layer.o_proj))
+            hidden = self.parallel.all_reduce(ops.linear(attn.view(num_tokens, self.q_size), layer.o_proj))
             # 2. MLP block
             x, residual = ops.rms_norm(hidden, layer.post_attention_norm, eps, residual)
-            hidden = F.linear(ops.silu_mul(F.linear(x, layer.gate_up_proj)), layer.down_proj)
+            hidden = ops.linear(ops.silu_mul(ops.linear(x, layer.gate_up_proj)), layer.down_proj)
             hidden = self.parallel.all_reduce(hidden)
         if residual is None:
             return ops.rms_norm(hidden, self.final_norm, eps)
@@ -179,7 +178,7 @@ class LlamaModel:
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:  # [n, hidden] -> [n, vocab] fp32
         """The logits on rank 0 (None on the other ranks of a tensor-parallel group)."""
-        return self.parallel.gather_logits(F.linear(hidden, self.lm_head).float(), self.config.vocab_size)
+        return self.parallel.gather_logits(self.backend.linear(hidden, self.lm_head).float(), self.config.vocab_size)
 
 
 def _take(tensors: dict[str, torch.Tensor], name: str) -> torch.Tensor:
