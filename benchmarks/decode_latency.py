@@ -20,7 +20,6 @@ import time
 if __name__ == "__main__":
     sys.path[0] = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the checkout, not this folder
 
-import actors.worker.attention as attention
 from actors import LLM, SamplingParams
 
 
@@ -34,18 +33,19 @@ def main() -> None:
     rng = random.Random(0)
     llm = LLM(args.model)
     params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
-    few_rows = attention._FEW_ROWS
+    backend = llm.engine.runner.backend
+    few_rows = backend.few_rows
     results: dict[tuple[int, str], list[float]] = {}
     for _ in range(args.repeats):
         for batch_size in (int(b) for b in args.batch_sizes.split(",")):
             prompts = [[rng.randrange(100, 30000) for _ in range(100)] for _ in range(batch_size)]
             llm.generate(prompts, SamplingParams(max_tokens=1), use_tqdm=False)
             for name, rows in (("sgemm", 0), ("C++ linear", few_rows)):
-                attention._FEW_ROWS = rows
+                backend.few_rows = rows
                 start = time.perf_counter()
                 llm.generate(prompts, params, use_tqdm=False)
                 results.setdefault((batch_size, name), []).append((time.perf_counter() - start) / args.output_len)
-    attention._FEW_ROWS = few_rows
+    backend.few_rows = few_rows
     for batch_size in (int(b) for b in args.batch_sizes.split(",")):
         sgemm, cpp = (statistics.median(results[batch_size, name]) * 1e3 for name in ("sgemm", "C++ linear"))
         print(f"decode batch {batch_size:3d}: sgemm {sgemm:6.1f} ms, C++ linear {cpp:6.1f} ms a token: {sgemm / cpp:.2f}x")

@@ -171,12 +171,12 @@ DecodeHead decode_head_for(int head_size) {
     }
 }
 
-// Rows [first, first + rows) of y for MR rows of x: MR x kWeightRows accumulators in
-// registers, so each load feeds several multiply-adds.
-constexpr int kWeightRows = 4;
+constexpr int kWeightRows = 4;  // weight rows a linear tile takes at once
 
-// next: the weight rows of the thread's next tile, fetched into the cache meanwhile (the
-// hardware prefetcher alone leaves the multiply-adds waiting on memory), or null.
+// Columns [first, first + rows) of y for MR rows of x: MR x kWeightRows accumulators in
+// registers, so each load feeds several multiply-adds. next: the weight rows of the
+// thread's next tile, fetched into the cache meanwhile (the hardware prefetcher alone
+// leaves the multiply-adds waiting on memory), or null.
 template <int MR>
 inline void linear_tile(const float* x, int64_t x_stride, const float* const* w, int rows, int64_t in_features,
                         const float* bias, int64_t first, float* y, int64_t y_stride, const float* const* next) {

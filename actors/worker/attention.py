@@ -61,11 +61,6 @@ class TorchBackend:
         return paged_attention_planned(query, key_cache, value_cache, step.plan, scale)
 
 
-# Up to this many rows the C++ linear beats MKL's sgemm on decode shapes (benchmarks/cpu_linear.py);
-# past it sgemm's compute wins.
-_FEW_ROWS = 16
-
-
 class CpuBackend:
     """The CPU path: the references' results, faster (kernels/*_cpu, the C++ kernels where
     they build). The elementwise ops overwrite inputs the model no longer needs: rms_norm
@@ -74,13 +69,16 @@ class CpuBackend:
 
     name = "cpu"
     silu_mul = staticmethod(silu_mul_cpu)
+    # up to this many rows the C++ linear beats MKL's sgemm on decode shapes
+    # (benchmarks/cpu_linear.py); past it sgemm's compute wins
+    few_rows = 16
 
     def __init__(self, native: NativeKernels | None) -> None:
         self.native = native
 
     def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         # decode steps of a few sequences: one read of the weights instead of MKL's several
-        if (self.native is not None and x.dim() == 2 and x.shape[0] <= _FEW_ROWS and x.stride(1) == 1
+        if (self.native is not None and x.dim() == 2 and x.shape[0] <= self.few_rows and x.stride(1) == 1
                 and x.dtype == weight.dtype == torch.float32 and weight.stride(1) == 1):
             return self.native.linear_few_rows(x, weight, bias)
         return F.linear(x, weight, bias)
