@@ -1,5 +1,9 @@
-"""Time per generated token at small decode batches, with the CPU backend's C++ linear for
-a few rows and without it (MKL's sgemm for every linear), alternating in one process.
+"""Time per generated token at small decode batches, alternating in one process between:
+- op by op, sgemm: each decode step's ops called one by one from Python, every linear
+  through MKL's sgemm;
+- op by op, C++ linear: the same with the CPU backend's C++ linear for a few rows;
+- fused step: each all-decode step in one C++ call (actors/worker/cpu_decode_step.py),
+  C++ linear for a few rows (the CPU backend's default).
 
 Each batch: prompts of 100 random token ids (prefilled, and so prefix-cached, before the
 clock starts), 48 greedy tokens each, ignore_eos, on the embedded SmolLM2-135M-Instruct.
@@ -35,21 +39,25 @@ def main() -> None:
     params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
     backend = llm.engine.runner.backend
     few_rows = backend.few_rows
+    variants = {"op by op, sgemm": (0, False), "op by op, C++ linear": (few_rows, False),
+                "fused step": (few_rows, True)}
+    batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
     results: dict[tuple[int, str], list[float]] = {}
     for _ in range(args.repeats):
-        for batch_size in (int(b) for b in args.batch_sizes.split(",")):
+        for batch_size in batch_sizes:
             prompts = [[rng.randrange(100, 30000) for _ in range(100)] for _ in range(batch_size)]
             llm.generate(prompts, SamplingParams(max_tokens=1), use_tqdm=False)
-            for name, rows in (("sgemm", 0), ("C++ linear", few_rows)):
-                backend.few_rows = rows
+            for name, (rows, fused) in variants.items():
+                backend.few_rows, backend.fused_decode = rows, fused
                 start = time.perf_counter()
                 llm.generate(prompts, params, use_tqdm=False)
                 results.setdefault((batch_size, name), []).append((time.perf_counter() - start) / args.output_len)
-    backend.few_rows = few_rows
-    for batch_size in (int(b) for b in args.batch_sizes.split(",")):
-        sgemm, cpp = (statistics.median(results[batch_size, name]) * 1e3 for name in ("sgemm", "C++ linear"))
-        print(f"decode batch {batch_size:3d}: sgemm {sgemm:6.1f} ms, C++ linear {cpp:6.1f} ms a token: {sgemm / cpp:.2f}x")
-
+    backend.few_rows, backend.fused_decode = few_rows, True
+    print("ms a token (median of repeats); last column: op by op with the C++ linear / fused step")
+    for batch_size in batch_sizes:
+        times = {name: statistics.median(results[batch_size, name]) * 1e3 for name in variants}
+        cells = ", ".join(f"{name} {ms:6.1f}" for name, ms in times.items())
+        print(f"decode batch {batch_size:3d}: {cells}: {times['op by op, C++ linear'] / times['fused step']:.2f}x")
 
 if __name__ == "__main__":
     main()

@@ -7,7 +7,9 @@ Workload (defaults): 64 prompts of uniform random length in [64, 256] tokens (se
 The matmul floor is the time the model's linear layers alone take for the token counts
 troupe actually ran in each step (the LM head only for rows that needed logits), timed
 on the same weights. troupe's time over it is what everything else costs (attention,
-norms, sampling, scheduling, Python).
+norms, sampling, scheduling, Python). troupe runs the workload --repeats times (the
+prefix cache emptied before each), each run followed by its floor, and the medians are
+reported: on a shared machine both swing by a quarter from minute to minute.
 
     python benchmarks/offline_throughput.py                       # embedded SmolLM2-135M
     python benchmarks/offline_throughput.py --hf-batch-sizes 16,64
@@ -45,6 +47,8 @@ def make_workload(num_prompts: int, min_len: int, max_len: int, vocab_size: int,
 
 
 def run_troupe(args, prompts):
+    """troupe's LLM on the workload args.repeats times (the prefix cache emptied before each),
+    each run followed by its matmul floor: a list of (seconds, output tokens, floor seconds)."""
     from actors import LLM, SamplingParams
 
     llm = LLM(args.model, max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
@@ -61,13 +65,21 @@ def run_troupe(args, prompts):
         step_shapes.append((sum(plan.num_scheduled_tokens.values()), len(result.request_ids)))
         return result
 
-    runner.execute = recording_execute
-    start = time.perf_counter()
-    outputs = llm.generate(prompts, params, use_tqdm=not args.quiet)
-    elapsed = time.perf_counter() - start
-    runner.execute = execute
-    num_tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
-    return llm, elapsed, num_tokens, step_shapes
+    runs = []
+    for _ in range(args.repeats):
+        llm.scheduler.block_pool.reset_prefix_cache()
+        step_shapes.clear()
+        runner.execute = recording_execute
+        start = time.perf_counter()
+        outputs = llm.generate(prompts, params, use_tqdm=not args.quiet)
+        elapsed = time.perf_counter() - start
+        runner.execute = execute
+        num_tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
+        floor = matmul_floor(runner.model, step_shapes, args.floor_repeats)
+        print(f"troupe: {num_tokens} tokens in {elapsed:.2f} s = {num_tokens / elapsed:.1f} output tok/s "
+              f"({len(step_shapes)} steps); matmul floor {floor:.2f} s; troupe time / floor {elapsed / floor:.2f}x")
+        runs.append((elapsed, num_tokens, floor))
+    return runs
 
 
 def run_actors(args, prompts) -> tuple[float, int]:
@@ -147,7 +159,9 @@ def main() -> None:
     parser.add_argument("--kv-cache-memory", default="2GiB")
     parser.add_argument("--hf-batch-sizes", default="16,32,64",
                         help="comma-separated Hugging Face batch sizes to try ('' to skip)")
-    parser.add_argument("--floor-repeats", type=int, default=3)
+    parser.add_argument("--repeats", type=int, default=3,
+                        help="troupe runs, each followed by its matmul floor (medians reported)")
+    parser.add_argument("--floor-repeats", type=int, default=1, help="floor timings after each troupe run")
     parser.add_argument("--actors", action="store_true",
                         help="also run the workload through AsyncClient (the actor processes)")
     parser.add_argument("--quiet", action="store_true")
@@ -164,13 +178,13 @@ def main() -> None:
     print(f"model {model_dir}\nworkload: {len(prompts)} prompts, {sum(map(len, prompts))} prompt tokens, "
           f"{args.output_len} output tokens each, greedy, ignore_eos; torch threads {torch.get_num_threads()}")
 
-    llm, troupe_time, troupe_tokens, step_shapes = run_troupe(args, prompts)
-    troupe_rate = troupe_tokens / troupe_time
-    print(f"troupe: {troupe_tokens} tokens in {troupe_time:.2f} s = {troupe_rate:.1f} output tok/s "
-          f"({len(step_shapes)} steps)")
-    floor = matmul_floor(llm.engine.runner.model, step_shapes, args.floor_repeats)
-    print(f"matmul floor: {floor:.2f} s; troupe time / floor = {troupe_time / floor:.2f}x")
-    del llm
+    runs = run_troupe(args, prompts)
+    troupe_time = statistics.median(elapsed for elapsed, _, _ in runs)
+    troupe_rate = statistics.median(tokens / elapsed for elapsed, tokens, _ in runs)
+    floor = statistics.median(floor for _, _, floor in runs)
+    ratio = statistics.median(elapsed / floor for elapsed, _, floor in runs)
+    print(f"troupe, median of {len(runs)}: {troupe_rate:.1f} output tok/s; matmul floor {floor:.2f} s; "
+          f"troupe time / floor {ratio:.2f}x (median of the runs' ratios)")
     if args.actors:
         actors_time, actors_tokens = run_actors(args, prompts)
         print(f"troupe actors (AsyncClient): {actors_tokens} tokens in {actors_time:.2f} s = "

@@ -40,10 +40,11 @@ inline float reduce_sum(vf v) {
     return s;
 }
 
-// exp(x) for x <= 0 as 2^n * 2^f, f in [-0.5, 0.5], 2^f by a degree-6 polynomial: a relative
-// error of about 2e-7, as good as torch's exp. Scores are shifted by their max first, so x <= 0.
-inline vf exp_nonpositive(vf x) {
-    x = x < splat(-87.0f) ? splat(-87.0f) : x;  // exp(-87) is still a normal float
+// exp(x) as 2^n * 2^f, f in [-0.5, 0.5], 2^f by a degree-6 polynomial: a relative error of
+// about 2e-7, as good as torch's exp. x is clamped to [-87, 88], where exp stays a normal float.
+inline vf exp_clamped(vf x) {
+    x = x < splat(-87.0f) ? splat(-87.0f) : x;
+    x = x > splat(88.0f) ? splat(88.0f) : x;
     vf t = x * 1.44269504088896341f;
     vf n = (t + 12582912.0f) - 12582912.0f;  // round to nearest: 1.5 * 2^23 drops the fraction
     vf f = t - n;
@@ -133,8 +134,8 @@ void decode_head(const float* query, int64_t query_head_stride, const CacheView&
                 scores = lane < count ? scores : splat(-1e30f);
                 float new_max = reduce_max(scores);
                 new_max = new_max > running_max[g] ? new_max : running_max[g];
-                vf probs = exp_nonpositive(scores - new_max);
-                float correction = exp_nonpositive(splat(running_max[g] - new_max))[0];
+                vf probs = exp_clamped(scores - new_max);
+                float correction = exp_clamped(splat(running_max[g] - new_max))[0];
                 running_max[g] = new_max;
                 running_sum[g] = running_sum[g] * correction + reduce_sum(probs);
                 vf a[kVectors];
@@ -356,6 +357,151 @@ void rotary_f32(const int64_t* positions, float* x, int64_t x_token_stride, int6
             }
         }
     }
+}
+
+// x[:, :intermediate] = silu(gate) * up, gate and up the two halves of each row, in place:
+// gate / (1 + exp(-gate)) * up in torch's order of operations (its exp rounds differently).
+void silu_mul_f32(float* x, int64_t x_stride, int64_t num_tokens, int64_t intermediate, int num_threads) {
+    const int64_t vector_end = intermediate - intermediate % kLanes;
+#pragma omp parallel for schedule(static) num_threads(num_threads) \
+    if (num_tokens * intermediate >= kParallelElements)
+    for (int64_t t = 0; t < num_tokens; t++) {
+        float* gate = x + t * x_stride;
+        const float* up = gate + intermediate;
+        for (int64_t i = 0; i < vector_end; i += kLanes) {
+            const vf g = load(gate + i);
+            store(gate + i, g / (1.0f + exp_clamped(-g)) * load(up + i));
+        }
+        for (int64_t i = vector_end; i < intermediate; i++) {
+            const float g = gate[i];
+            gate[i] = g / (1.0f + expf(-g)) * up[i];
+        }
+    }
+}
+
+// ---- a whole decode step of a Llama-family model -------------------------------------------
+//
+// The CPU's decode steps spend most of their time outside matmuls and attention in Python
+// and torch's dispatch between a layer's dozen small ops (microseconds each, ten times that
+// once the matmuls have flushed the caches). Here a step's layers run in one call, with the
+// kernels above and MKL's sgemm (torch's own, whose pointer the caller passes), in the same
+// order and arithmetic as the model's Python forward.
+
+typedef void (*Sgemm)(const char* transa, const char* transb, const int* m, const int* n, const int* k,
+                      const float* alpha, const float* a, const int* lda, const float* b, const int* ldb,
+                      const float* beta, float* c, const int* ldc);
+
+struct DecoderLayer {  // one layer's weights (null where the model has none) and KV cache
+    const float *input_norm, *qkv_proj, *qkv_bias, *q_norm, *k_norm, *o_proj, *post_attention_norm;
+    const float *gate_up_proj, *down_proj;
+    float *key_cache, *value_cache;
+};
+
+struct DecoderShape {
+    int64_t num_layers, hidden_size, num_heads, num_kv_heads, head_size, intermediate_size;
+    int64_t block_size, cache_block_stride, cache_head_stride, cache_slot_stride;
+    int64_t few_rows;  // up to this many rows the linear layers take linear_few_rows_f32, else sgemm
+    float eps, scale;
+};
+
+struct DecodeBatch {  // num_tokens decodes, one token each, in the order of query_start_loc
+    int64_t num_tokens;
+    const int64_t* positions;  // [num_tokens]
+    const float* cos_sin_cache;  // [max_position, head_size]
+    int64_t cos_sin_stride;
+    const int64_t* slot_mapping;  // [num_tokens]
+    const int32_t *block_tables, *seq_lens, *query_start_loc, *decode_seqs;
+    int64_t block_table_stride;
+    float* hidden;  // [num_tokens, hidden_size]: the embeddings, then scratch
+    float* workspace;  // decode_step_workspace_floats(shape, num_tokens) floats
+    float* out;  // [num_tokens, hidden_size]: the final norm's output
+};
+
+static void decoder_linear(const DecoderShape& shape, Sgemm sgemm, const float* x, int64_t x_stride, int64_t rows,
+                           const float* weight, int64_t in_features, int64_t out_features, const float* bias,
+                           float* y, int num_threads) {
+    // as CpuBackend.linear: a few rows by linear_few_rows_f32, else as F.linear (addmm: the bias
+    // copied into the output, then sgemm adds the product to it)
+    if (rows <= shape.few_rows) {
+        linear_few_rows_f32(x, x_stride, rows, weight, in_features, bias, y, out_features, in_features, out_features,
+                            num_threads);
+        return;
+    }
+    if (bias != nullptr)
+        for (int64_t r = 0; r < rows; r++) memcpy(y + r * out_features, bias, out_features * sizeof(float));
+    const int m = (int)out_features, n = (int)rows, k = (int)in_features;
+    const int lda = (int)in_features, ldb = (int)x_stride, ldc = (int)out_features;
+    const float alpha = 1.0f, beta = bias != nullptr ? 1.0f : 0.0f;
+    sgemm("T", "N", &m, &n, &k, &alpha, weight, &lda, x, &ldb, &beta, y, &ldc);
+}
+
+int64_t decode_step_workspace_floats(const DecoderShape* shape, int64_t num_tokens) {
+    const int64_t qkv = (shape->num_heads + 2 * shape->num_kv_heads) * shape->head_size;
+    return num_tokens * (2 * shape->hidden_size + qkv + shape->num_heads * shape->head_size
+                         + 2 * shape->intermediate_size);
+}
+
+// The model's forward for a batch of decodes: returns 0, or -1 where the attention kernel has no
+// code for the head size (the caller checks first).
+int decode_step_f32(const DecoderShape* shape_, const DecoderLayer* layers, const DecodeBatch* batch_, Sgemm sgemm,
+                    const float* final_norm, int num_threads) {
+    const DecoderShape& shape = *shape_;
+    const DecodeBatch& batch = *batch_;
+    const int64_t tokens = batch.num_tokens, hidden_size = shape.hidden_size, head_size = shape.head_size;
+    const int64_t q_size = shape.num_heads * head_size, kv_size = shape.num_kv_heads * head_size;
+    const int64_t qkv_size = q_size + 2 * kv_size, intermediate = shape.intermediate_size;
+    // Two hidden-sized buffers take turns as in the Python forward: `hidden` gets each down
+    // projection, `projection` each o projection; each norm adds the other into its input,
+    // which then is the residual (the embeddings are layer 0's residual as they are).
+    float* hidden = batch.hidden;
+    float* projection = batch.workspace;
+    float* x = projection + tokens * hidden_size;  // normed input of a projection
+    float* qkv = x + tokens * hidden_size;
+    float* attn = qkv + tokens * qkv_size;
+    float* gate_up = attn + tokens * q_size;
+    for (int64_t l = 0; l < shape.num_layers; l++) {
+        const DecoderLayer& layer = layers[l];
+        // 1. attention block
+        rms_norm_f32(hidden, hidden_size, l == 0 ? nullptr : projection, hidden_size, layer.input_norm, x,
+                     hidden_size, tokens, (int)hidden_size, shape.eps, num_threads);
+        decoder_linear(shape, sgemm, x, hidden_size, tokens, layer.qkv_proj, hidden_size, qkv_size, layer.qkv_bias,
+                       qkv, num_threads);
+        if (layer.q_norm != nullptr)  // Qwen3: each head normed as a row
+            for (int64_t t = 0; t < tokens; t++) {
+                float* row = qkv + t * qkv_size;
+                rms_norm_f32(row, head_size, nullptr, 0, layer.q_norm, row, head_size, shape.num_heads,
+                             (int)head_size, shape.eps, 1);
+                rms_norm_f32(row + q_size, head_size, nullptr, 0, layer.k_norm, row + q_size, head_size,
+                             shape.num_kv_heads, (int)head_size, shape.eps, 1);
+            }
+        // q and k heads are neighbours in a qkv row: they rotate as one run of heads
+        rotary_f32(batch.positions, qkv, qkv_size, head_size, tokens, (int)(shape.num_heads + shape.num_kv_heads),
+                   (int)head_size, batch.cos_sin_cache, batch.cos_sin_stride, num_threads);
+        store_kv_f32(qkv + q_size, qkv + q_size + kv_size, qkv_size, head_size, qkv_size, head_size, layer.key_cache,
+                     layer.value_cache, shape.cache_block_stride, shape.cache_head_stride, shape.cache_slot_stride,
+                     batch.slot_mapping, tokens, (int)shape.num_kv_heads, (int)head_size, (int)shape.block_size,
+                     num_threads);
+        const int status = paged_decode_f32(
+            qkv, qkv_size, head_size, layer.key_cache, layer.value_cache, shape.cache_block_stride,
+            shape.cache_head_stride, shape.cache_slot_stride, batch.block_tables, batch.block_table_stride,
+            batch.seq_lens, batch.query_start_loc, batch.decode_seqs, (int)tokens, (int)shape.num_kv_heads,
+            (int)(shape.num_heads / shape.num_kv_heads), (int)head_size, (int)shape.block_size, shape.scale, attn,
+            q_size, head_size, num_threads);
+        if (status != 0) return status;
+        decoder_linear(shape, sgemm, attn, q_size, tokens, layer.o_proj, q_size, hidden_size, nullptr, projection,
+                       num_threads);
+        // 2. MLP block
+        rms_norm_f32(projection, hidden_size, hidden, hidden_size, layer.post_attention_norm, x, hidden_size, tokens,
+                     (int)hidden_size, shape.eps, num_threads);
+        decoder_linear(shape, sgemm, x, hidden_size, tokens, layer.gate_up_proj, hidden_size, 2 * intermediate,
+                       nullptr, gate_up, num_threads);
+        silu_mul_f32(gate_up, 2 * intermediate, tokens, intermediate, num_threads);
+        decoder_linear(shape, sgemm, gate_up, 2 * intermediate, tokens, layer.down_proj, intermediate, hidden_size,
+                       nullptr, hidden, num_threads);
+    }
+    rms_norm_f32(hidden, hidden_size, projection, hidden_size, final_norm, batch.out, hidden_size, tokens,
+                 (int)hidden_size, shape.eps, num_threads);
+    return 0;
 }
 
 }  // extern "C"

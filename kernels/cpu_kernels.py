@@ -4,6 +4,8 @@ here, then the pointers, strides and sizes passed on. kernels/_native.py builds 
 from __future__ import annotations
 
 import ctypes
+import os
+import sys
 
 import torch
 
@@ -37,6 +39,16 @@ class NativeKernels:
         self._rotary = library.rotary_f32
         self._rotary.restype = None
         self._rotary.argtypes = [_ptr, _ptr, _i64, _i64, _i64, _i32, _i32, _ptr, _i64, _i32]
+        self._silu_mul = library.silu_mul_f32
+        self._silu_mul.restype = None
+        self._silu_mul.argtypes = [_ptr, _i64, _i64, _i64, _i32]
+        self.decode_step_f32 = library.decode_step_f32
+        self.decode_step_f32.restype = _i32
+        self.decode_step_f32.argtypes = [ctypes.POINTER(DecoderShape), ctypes.POINTER(DecoderLayer),
+                                         ctypes.POINTER(DecodeBatch), _ptr, _ptr, _i32]
+        self.decode_step_workspace_floats = library.decode_step_workspace_floats
+        self.decode_step_workspace_floats.restype = _i64
+        self.decode_step_workspace_floats.argtypes = [ctypes.POINTER(DecoderShape), _i64]
 
     @staticmethod
     def supports_decode(query: torch.Tensor, key_cache: torch.Tensor) -> bool:
@@ -114,6 +126,14 @@ class NativeKernels:
                      cos_sin_cache.data_ptr(), cos_sin_cache.stride(0), torch.get_num_threads())
 
 
+    def silu_mul(self, x: torch.Tensor) -> torch.Tensor:  # [num_tokens, 2 * intermediate], overwritten
+        """silu(gate) * up (to fp32 rounding: the exp rounds unlike torch's) in the gate half
+        of x, returned as a [num_tokens, intermediate] view with x's row stride."""
+        num_tokens, width = x.shape
+        assert x.dtype == torch.float32 and x.device.type == "cpu" and x.stride(1) == 1 and width % 2 == 0
+        self._silu_mul(x.data_ptr(), x.stride(0), num_tokens, width // 2, torch.get_num_threads())
+        return x[:, : width // 2]
+
     def linear_few_rows(self, x: torch.Tensor,  # [num_rows, in_features]
                         weight: torch.Tensor,  # [out_features, in_features]
                         bias: torch.Tensor | None = None,  # [out_features]
@@ -130,6 +150,43 @@ class NativeKernels:
                      bias.data_ptr() if bias is not None else None, y.data_ptr(), y.stride(0), in_features,
                      out_features, torch.get_num_threads())
         return y
+
+
+class DecoderShape(ctypes.Structure):
+    """cpu_kernels.cpp's DecoderShape."""
+
+    _fields_ = [(name, _i64) for name in (
+        "num_layers", "hidden_size", "num_heads", "num_kv_heads", "head_size", "intermediate_size", "block_size",
+        "cache_block_stride", "cache_head_stride", "cache_slot_stride", "few_rows")] + [
+        ("eps", ctypes.c_float), ("scale", ctypes.c_float)]
+
+
+class DecoderLayer(ctypes.Structure):
+    """cpu_kernels.cpp's DecoderLayer: pointers to one layer's weights and KV cache."""
+
+    _fields_ = [(name, _ptr) for name in (
+        "input_norm", "qkv_proj", "qkv_bias", "q_norm", "k_norm", "o_proj", "post_attention_norm", "gate_up_proj",
+        "down_proj", "key_cache", "value_cache")]
+
+
+class DecodeBatch(ctypes.Structure):
+    """cpu_kernels.cpp's DecodeBatch."""
+
+    _fields_ = [("num_tokens", _i64), ("positions", _ptr), ("cos_sin_cache", _ptr), ("cos_sin_stride", _i64),
+                ("slot_mapping", _ptr), ("block_tables", _ptr), ("seq_lens", _ptr), ("query_start_loc", _ptr),
+                ("decode_seqs", _ptr), ("block_table_stride", _i64), ("hidden", _ptr), ("workspace", _ptr),
+                ("out", _ptr)]
+
+
+def torch_sgemm() -> int | None:
+    """The address of the BLAS sgemm_ torch's own matmuls run on (MKL's, in torch's x86 builds),
+    or None where torch's library exports none."""
+    suffix = {"darwin": ".dylib", "win32": ".dll"}.get(sys.platform, ".so")
+    path = os.path.join(os.path.dirname(torch.__file__), "lib", f"libtorch_cpu{suffix}")
+    try:
+        return ctypes.cast(ctypes.CDLL(path).sgemm_, ctypes.c_void_p).value
+    except (OSError, AttributeError):
+        return None
 
 
 def load_native_kernels(build_dir: str) -> NativeKernels | None:

@@ -6,6 +6,7 @@ import torch
 import torch.nn.functional as F
 
 from kernels._triton import cdiv, jit, next_power_of_2, tl
+from kernels.cpu_kernels import NativeKernels
 
 
 def silu_mul_ref(x: torch.Tensor) -> torch.Tensor:  # x: [num_tokens, 2 * intermediate]
@@ -15,11 +16,17 @@ def silu_mul_ref(x: torch.Tensor) -> torch.Tensor:  # x: [num_tokens, 2 * interm
 
 
 
-def silu_mul_cpu(x: torch.Tensor) -> torch.Tensor:  # x: [num_tokens, 2 * intermediate], overwritten
-    """silu_mul_ref's result, bit for bit, made in the gate half of x (no new tensor): a
-    [num_tokens, intermediate] view with x's row stride, which a matmul reads as it is."""
+def silu_mul_cpu(x: torch.Tensor,  # [num_tokens, 2 * intermediate], overwritten
+                 native: NativeKernels | None = None) -> torch.Tensor:
+    """silu_mul_ref's result made in the gate half of x (no new tensor): a [num_tokens,
+    intermediate] view with x's row stride, which a matmul reads as it is. With the C++
+    kernel (fp32) one pass over each row, equal to fp32 rounding; else torch's ops, in
+    place, bit for bit."""
+    if native is not None and x.dtype == torch.float32 and x.dim() == 2 and x.stride(1) == 1:
+        return native.silu_mul(x)
     gate, up = x.chunk(2, dim=-1)
     return F.silu(gate, inplace=True).mul_(up)
+
 
 # -- Triton ----------------------------------------------------------------------------------
 

@@ -138,6 +138,17 @@ class BlockPool:
         self._block_hashes[block_id] = block_hash
         self._hash_to_block_id[block_hash] = block_id
 
+    def reset_prefix_cache(self) -> int:
+        """Forgets every cached block no sequence holds (held ones stay cached until freed),
+        so the next requests compute their prompts afresh, as benchmarks repeating a
+        workload need. Returns the number of blocks forgotten."""
+        forgotten = list(self._evictable_ids)
+        self._evictable_ids.clear()
+        for block_id in forgotten:
+            self._evict(block_id)
+            self._free_uncached_ids.append(block_id)
+        return len(forgotten)
+
     # ---- allocation ----
 
     def can_allocate(self, num_new_blocks: int, reused_block_ids: Sequence[int] = ()) -> bool:

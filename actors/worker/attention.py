@@ -14,11 +14,13 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 
 from actors.config import cache_dir
+from actors.worker.cpu_decode_step import CpuDecodeStep
 from kernels.paged_attention import (PagedAttentionLaunch, PagedAttentionPlan, paged_attention,
                                      paged_attention_launch, paged_attention_planned, plan_paged_attention)
 from kernels.cpu_kernels import NativeKernels, load_native_kernels
@@ -28,6 +30,9 @@ from kernels.rms_norm import rms_norm, rms_norm_cpu, rms_norm_ref
 from kernels.rotary import rotary, rotary_cpu, rotary_ref
 from kernels.silu_mul import silu_mul, silu_mul_cpu, silu_mul_ref
 from kernels.store_kv import store_kv, store_kv_ref
+
+if TYPE_CHECKING:
+    from actors.worker.model import LlamaModel
 
 
 @dataclass
@@ -51,6 +56,9 @@ class TorchBackend:
     rotary = staticmethod(rotary_ref)
     silu_mul = staticmethod(silu_mul_ref)
 
+    def decode_step(self, model: LlamaModel) -> None:
+        return None
+
     def prepare(self, attention: StepAttention, block_size: int, dtype: torch.dtype) -> None:
         attention.plan = plan_paged_attention(attention.block_tables, attention.seq_lens,
                                               attention.query_start_loc, block_size, dtype)
@@ -68,13 +76,24 @@ class CpuBackend:
     Triton's does)."""
 
     name = "cpu"
-    silu_mul = staticmethod(silu_mul_cpu)
     # up to this many rows the C++ linear beats MKL's sgemm on decode shapes
     # (benchmarks/cpu_linear.py); past it sgemm's compute wins
     few_rows = 16
 
+    # decode-only steps in one C++ call (actors/worker/cpu_decode_step.py); off: op by op
+    fused_decode = True
+
     def __init__(self, native: NativeKernels | None) -> None:
         self.native = native
+        self._decode_step: tuple[LlamaModel, CpuDecodeStep | None] | None = None  # built once per model
+
+    def decode_step(self, model: LlamaModel) -> CpuDecodeStep | None:
+        """The model's decode steps in one call, where the C++ kernels take them."""
+        if not self.fused_decode:
+            return None
+        if self._decode_step is None or self._decode_step[0] is not model:
+            self._decode_step = (model, CpuDecodeStep.build(model, self))
+        return self._decode_step[1]
 
     def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         # decode steps of a few sequences: one read of the weights instead of MKL's several
@@ -85,6 +104,9 @@ class CpuBackend:
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None):
         return rms_norm_cpu(x, weight, eps, residual, self.native)
+
+    def silu_mul(self, x: torch.Tensor) -> torch.Tensor:
+        return silu_mul_cpu(x, self.native)
 
     def rotary(self, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor,
                cos_sin_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -109,6 +131,9 @@ class TritonBackend:
     rms_norm = staticmethod(rms_norm)
     rotary = staticmethod(rotary)
     silu_mul = staticmethod(silu_mul)
+
+    def decode_step(self, model: LlamaModel) -> None:
+        return None
 
     def prepare(self, attention: StepAttention, block_size: int, dtype: torch.dtype) -> None:
         # the grid sizes, read off the device once per step rather than once per layer

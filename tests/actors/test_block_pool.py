@@ -163,3 +163,17 @@ def test_disabled_prefix_caching_never_hits():
     assert pool.find_cached_prefix(chain_hashes(prompt), len(prompt)) == []
     pool.record_prefix_lookup(9, 0)
     assert pool.stats()["num_prefix_query_tokens"] == 0
+
+
+def test_reset_prefix_cache_forgets_free_cached_blocks_and_keeps_held_ones():
+    pool = BlockPool(num_blocks=6, block_size=BLOCK_SIZE, enable_prefix_caching=True)
+    freed_tokens, held_tokens = list(range(8)), list(range(100, 108))
+    freed, held = pool.allocate(2), pool.allocate(2)
+    cache_table(pool, freed, freed_tokens)
+    cache_table(pool, held, held_tokens)
+    pool.free(freed)
+    assert pool.reset_prefix_cache() == 2
+    assert pool.find_cached_prefix(chain_hashes(freed_tokens), 9) == []
+    assert pool.find_cached_prefix(chain_hashes(held_tokens), 9) == held
+    assert pool.num_free_blocks == 4 and pool.num_cached_blocks == 2
+    assert sorted(pool.allocate(4)) == [0, 1, 4, 5]  # the forgotten blocks are free, uncached

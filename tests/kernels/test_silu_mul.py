@@ -36,3 +36,15 @@ def test_cpu_path_matches_reference_bit_for_bit_in_the_gate_half(dtype):
     expected = silu_mul_ref(x)
     out = silu_mul_cpu(x)
     assert torch.equal(out, expected) and out.data_ptr() == x.data_ptr()
+
+
+def test_cpu_kernel_matches_reference_in_the_gate_half(native_kernels):
+    # rows wider than 2 * intermediate (a strided view), an intermediate size that is no
+    # multiple of the kernel's 16 lanes, and gates far out in both tails of the exp
+    wide = torch.randn(9, 2 * 300 + 8, generator=generator(6)) * 4
+    wide[0, :8] = torch.tensor([-200.0, -90.0, -88.5, -20.0, 20.0, 88.5, 90.0, 200.0])
+    x = wide[:, : 2 * 300]
+    expected = silu_mul_ref(x.clone())
+    out = silu_mul_cpu(x, native_kernels)
+    assert out.shape == (9, 300) and out.data_ptr() == x.data_ptr()
+    torch.testing.assert_close(out, expected, rtol=1e-6, atol=1e-30)

@@ -1,0 +1,113 @@
+"""The CPU's decode steps in one C++ call (decode_step_f32 in kernels/cpu_kernels.cpp).
+
+A decode step runs a dozen small ops per layer besides its matmuls and attention. In
+Python each costs tens of microseconds of dispatch, most of it cache misses once the
+matmuls have streamed megabytes of weights through the caches: measured on SmolLM2 at one
+sequence, 0.9 s of a 4.0 s run of 128 tokens. decode_step_f32 runs all layers with the
+same kernels the CPU backend calls one by one (and torch's own sgemm for the matmuls), so
+its results are the Python forward's, bit for bit.
+
+It takes steps whose every token is a decode, on one rank, in fp32, where the kernels have
+code for the shapes; the model's Python forward takes the rest (prefill chunks, tensor
+parallelism, other dtypes)."""
+
+from __future__ import annotations
+
+import ctypes
+from typing import TYPE_CHECKING
+
+import torch
+
+from kernels.cpu_kernels import DecodeBatch, DecoderLayer, DecoderShape, NativeKernels, torch_sgemm
+from kernels.paged_attention_cpu import CpuAttentionPlan
+
+if TYPE_CHECKING:
+    from actors.worker.attention import CpuBackend, StepAttention
+    from actors.worker.model import LlamaModel
+
+
+def _address(tensor: torch.Tensor | None) -> int | None:
+    return tensor.data_ptr() if tensor is not None else None
+
+
+class CpuDecodeStep:
+    """A model's decode steps through decode_step_f32: built once per model, its layers'
+    pointers packed once per KV cache."""
+
+    def __init__(self, model: LlamaModel, backend: CpuBackend, native: NativeKernels, sgemm: int) -> None:
+        self.model = model
+        self.backend = backend
+        self.native = native
+        self.sgemm = sgemm
+        self._layers: ctypes.Array | None = None
+        self._layers_key: tuple[int, ...] = ()
+
+    @staticmethod
+    def build(model: LlamaModel, backend: CpuBackend) -> CpuDecodeStep | None:
+        """The decode step of this model, or None where it cannot take the model's steps."""
+        native = backend.native
+        if native is None or model.dtype != torch.float32 or model.device.type != "cpu" or model.parallel.enabled:
+            return None
+        probe_query = torch.empty(1, model.num_heads, model.head_dim)
+        probe_cache = torch.empty(1, model.num_kv_heads, 1, model.head_dim)
+        if not native.supports_decode(probe_query, probe_cache) or model.num_heads % model.num_kv_heads:
+            return None
+        tensors = [model.embed_tokens, model.final_norm, model.cos_sin_cache]
+        tensors += [t for layer in model.layers for t in vars(layer).values() if t is not None]
+        if not all(t.dtype == torch.float32 and t.is_contiguous() for t in tensors):
+            return None
+        sgemm = torch_sgemm()
+        return CpuDecodeStep(model, backend, native, sgemm) if sgemm is not None else None
+
+    def takes(self, attention: StepAttention, num_tokens: int) -> bool:
+        """Whether the step is all decodes (no prefill chunk), which this runs."""
+        plan = attention.plan
+        return isinstance(plan, CpuAttentionPlan) and not plan.prefills and plan.decode_seqs.numel() == num_tokens
+
+    def __call__(self, hidden: torch.Tensor,  # [num_tokens, hidden]: the embeddings, overwritten
+                 positions: torch.Tensor,  # [num_tokens] int64
+                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+                 attention: StepAttention) -> torch.Tensor:  # [num_tokens, hidden]: after the final norm
+        model, plan = self.model, attention.plan
+        key_cache = kv_caches[0][0]
+        shape = DecoderShape(
+            num_layers=len(model.layers), hidden_size=model.config.hidden_size, num_heads=model.num_heads,
+            num_kv_heads=model.num_kv_heads, head_size=model.head_dim,
+            intermediate_size=model.layers[0].down_proj.shape[1], block_size=key_cache.shape[2],
+            cache_block_stride=key_cache.stride(0), cache_head_stride=key_cache.stride(1),
+            cache_slot_stride=key_cache.stride(2), few_rows=self.backend.few_rows, eps=model.config.rms_norm_eps,
+            scale=model.scale)
+        num_tokens = hidden.shape[0]
+        assert hidden.is_contiguous() and hidden.dtype == torch.float32 and positions.is_contiguous()
+        workspace = torch.empty(self.native.decode_step_workspace_floats(ctypes.byref(shape), num_tokens))
+        out = torch.empty_like(hidden)
+        block_tables = plan.block_tables
+        assert block_tables.stride(1) == 1 and attention.slot_mapping.is_contiguous()
+        batch = DecodeBatch(
+            num_tokens=num_tokens, positions=positions.data_ptr(), cos_sin_cache=model.cos_sin_cache.data_ptr(),
+            cos_sin_stride=model.cos_sin_cache.stride(0), slot_mapping=attention.slot_mapping.data_ptr(),
+            block_tables=block_tables.data_ptr(), seq_lens=plan.seq_lens.data_ptr(),
+            query_start_loc=plan.query_start_loc.data_ptr(), decode_seqs=plan.decode_seqs.data_ptr(),
+            block_table_stride=block_tables.stride(0), hidden=hidden.data_ptr(), workspace=workspace.data_ptr(),
+            out=out.data_ptr())
+        status = self.native.decode_step_f32(ctypes.byref(shape), self._layer_array(kv_caches), ctypes.byref(batch),
+                                             self.sgemm, model.final_norm.data_ptr(), torch.get_num_threads())
+        assert status == 0
+        return out
+
+    def _layer_array(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> ctypes.Array:
+        key = (id(self.model.layers), *(cache.data_ptr() for pair in kv_caches for cache in pair))
+        if self._layers is None or key != self._layers_key:
+            key_cache = kv_caches[0][0]
+            for k, v in kv_caches:
+                assert k.shape == v.shape == key_cache.shape and k.stride() == v.stride() == key_cache.stride()
+                assert k.dtype == v.dtype == torch.float32 and k.stride(3) == 1
+            self._layers = (DecoderLayer * len(kv_caches))(*[
+                DecoderLayer(input_norm=_address(w.input_norm), qkv_proj=_address(w.qkv_proj),
+                             qkv_bias=_address(w.qkv_bias), q_norm=_address(w.q_norm), k_norm=_address(w.k_norm),
+                             o_proj=_address(w.o_proj), post_attention_norm=_address(w.post_attention_norm),
+                             gate_up_proj=_address(w.gate_up_proj), down_proj=_address(w.down_proj),
+                             key_cache=k.data_ptr(), value_cache=v.data_ptr())
+                for w, (k, v) in zip(self.model.layers, kv_caches)])
+            self._layers_key = key
+        return self._layers
