@@ -57,6 +57,10 @@ class InputProcessor:
         else:
             raise InvalidRequestError("prompt must be a string or a list of token ids", param="prompt")
         self.check_prompt_tokens(token_ids)
+        bad = [t for t in params.logit_bias or {} if t >= self.vocab_size]
+        if bad:
+            raise InvalidRequestError(f"logit_bias token id {bad[0]} is out of range [0, {self.vocab_size})",
+                                      param="logit_bias")
         return text, token_ids
 
     def check_prompt_tokens(self, token_ids: list[int]) -> None:

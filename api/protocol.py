@@ -44,6 +44,7 @@ class SamplingRequest(msgspec.Struct, kw_only=True):
     stop_token_ids: list[int] | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    logit_bias: dict[str, float] | None = None  # OpenAI's: token ids as strings -> bias in [-100, 100]
 
     def check_stream_options(self) -> None:
         if self.stream_options is not None and not self.stream:
@@ -65,7 +66,19 @@ class SamplingRequest(msgspec.Struct, kw_only=True):
             seed=self.seed, max_tokens=max_tokens, min_tokens=self.min_tokens, stop=self.stop,
             stop_token_ids=self.stop_token_ids, include_stop_str_in_output=self.include_stop_str_in_output,
             ignore_eos=self.ignore_eos, logprobs=logprobs, prompt_logprobs=prompt_logprobs,
-            skip_special_tokens=self.skip_special_tokens)
+            skip_special_tokens=self.skip_special_tokens, logit_bias=self._logit_bias())
+
+    def _logit_bias(self) -> dict[int, float] | None:
+        if not self.logit_bias:
+            return None
+        bias = {}
+        for key, value in self.logit_bias.items():
+            try:
+                bias[int(key)] = value
+            except ValueError:
+                raise InvalidRequestError(f"logit_bias keys must be token ids, got {key!r}",
+                                          param="logit_bias") from None
+        return bias
 
 
 def _or(value, default):
@@ -136,8 +149,20 @@ class ChatCompletionRequest(SamplingRequest, kw_only=True):
     logprobs: bool = False
     top_logprobs: int | None = None  # with logprobs: how many alternatives per token (0-20)
     add_generation_prompt: bool = True  # extension: end the rendered prompt with the assistant's turn
+    # troupe generates free text: asking for JSON or for tool calls is refused rather than
+    # quietly answered with text the client would then fail to parse
+    response_format: dict | None = None
+    tools: list | None = None
+    tool_choice: str | dict | None = None
 
     def to_sampling_params(self) -> SamplingParams:
+        if self.response_format is not None and self.response_format.get("type", "text") != "text":
+            raise InvalidRequestError(f"response_format {self.response_format.get('type')!r} is not supported; "
+                                      "troupe generates free text (response_format type 'text')",
+                                      param="response_format")
+        if self.tools and self.tool_choice != "none":
+            raise InvalidRequestError("tool calling is not supported; send no tools, or tool_choice 'none'",
+                                      param="tools")
         if self.top_logprobs is not None and not self.logprobs:
             raise InvalidRequestError("top_logprobs needs logprobs to be true", param="top_logprobs")
         if self.top_logprobs is not None and not 0 <= self.top_logprobs <= MAX_LOGPROBS:

@@ -31,6 +31,7 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     logprobs: int | None = None  # top logprobs per sampled token (the sampled one is always included)
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
+    logit_bias: dict[int, float] | None = None  # token id -> added to its logit before sampling, in [-100, 100]
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -71,6 +72,10 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
             _check(isinstance(stop, str) and stop != "", "stop", "stop strings must be non-empty")
         for token_id in self.stop_token_ids or []:
             _check(token_id >= 0, "stop_token_ids", f"must be non-negative, got {token_id}")
+        for token_id, bias in (self.logit_bias or {}).items():
+            _check(isinstance(token_id, int) and token_id >= 0, "logit_bias",
+                   f"keys must be non-negative token ids, got {token_id!r}")
+            _check(-100.0 <= bias <= 100.0, "logit_bias", f"values must be in [-100, 100], got {bias}")
 
 
 class InvalidRequestError(ValueError):

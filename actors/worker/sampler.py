@@ -1,5 +1,5 @@
-"""Turns a step's logits into tokens: penalties, min_tokens, temperature, top-k, top-p,
-min-p, greedy or random choice, and the logprobs a request asked for.
+"""Turns a step's logits into tokens: penalties, logit bias, min_tokens, temperature,
+top-k, top-p, min-p, greedy or random choice, and the logprobs a request asked for.
 
 Random choice uses the exponential race (argmax of probs / Exp(1) noise), so each row
 needs only its own noise. A seeded request draws its noise from a generator seeded by
@@ -34,7 +34,7 @@ class Sampler:
         want_logprobs = any(r.params.logprobs is not None for r in requests)
         # logprobs are reported from the model's own distribution, before any processing
         raw_logprobs = logits.log_softmax(-1) if want_logprobs else None
-        logits = self._apply_penalties_and_min_tokens(logits, requests)
+        logits = self._process_logits(logits, requests)
         greedy = [r.params.is_greedy for r in requests]
         if all(greedy):
             sampled = _argmax(logits)
@@ -46,7 +46,7 @@ class Sampler:
         return tokens, [_token_logprobs(raw_logprobs[i], tokens[i], r.params.logprobs or 0)
                         for i, r in enumerate(requests)]
 
-    def _apply_penalties_and_min_tokens(self, logits: torch.Tensor,
+    def _process_logits(self, logits: torch.Tensor,
                                         requests: list[SamplingState]) -> torch.Tensor:
         copied = False
         for row, request in enumerate(requests):
@@ -55,12 +55,15 @@ class Sampler:
             blocked = _blocked_until_min_tokens(params, num_output, self.eos_token_ids)
             penalized = (params.repetition_penalty != 1.0 or params.presence_penalty != 0.0
                          or params.frequency_penalty != 0.0)
-            if not blocked and not penalized:
+            if not blocked and not penalized and not params.logit_bias:
                 continue
             if not copied:
                 logits, copied = logits.clone(), True
             if penalized:
                 _apply_penalties(logits[row], request)
+            if params.logit_bias:
+                ids = torch.tensor(list(params.logit_bias), dtype=torch.long)
+                logits[row, ids] += torch.tensor(list(params.logit_bias.values()), dtype=logits.dtype)
             if blocked:
                 logits[row, blocked] = float("-inf")
         return logits

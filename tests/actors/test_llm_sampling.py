@@ -83,7 +83,8 @@ def test_stop_string_ends_generation_and_is_cut_from_text(llm):
 
 
 @pytest.mark.parametrize("field, value", [("max_tokens", -1), ("temperature", -0.5), ("top_p", 0.0),
-                                          ("top_p", 1.5), ("n", 0), ("min_p", 2.0), ("logprobs", 100)])
+                                          ("top_p", 1.5), ("n", 0), ("min_p", 2.0), ("logprobs", 100),
+                                          ("logit_bias", {5: 100.5}), ("logit_bias", {-1: 1.0})])
 def test_bad_sampling_params_raise_value_error_naming_the_field(field, value):
     with pytest.raises(ValueError, match=field):
         SamplingParams(**{field: value})
@@ -101,6 +102,8 @@ def test_bad_prompts_raise_and_the_engine_keeps_serving(llm):
         llm.generate([[vocab + 5]], params, use_tqdm=False)
     with pytest.raises(ValueError, match="empty"):
         llm.generate([[]], params, use_tqdm=False)
+    with pytest.raises(ValueError, match="logit_bias"):
+        llm.generate([good], SamplingParams(max_tokens=4, logit_bias={vocab: 5.0}), use_tqdm=False)
     assert llm.generate([good], params, use_tqdm=False)[0].outputs[0].token_ids == expected
     assert not llm.engine.has_unfinished()
 
@@ -120,3 +123,22 @@ def test_chat_applies_the_template(llm):
     expected = llm.tokenizer.apply_chat_template([{"role": "user", "content": "hello"}],
                                                  add_generation_prompt=True, tokenize=False)
     assert outputs[0].prompt_token_ids == llm.tokenizer.encode(expected, add_special_tokens=False)
+
+
+def test_logit_bias_forces_and_bans_tokens_per_request(llm):
+    vocab = llm.config.model.vocab_size
+    prompts = make_prompts(vocab, [12, 20], seed=23)
+    plain = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, logprobs=1)
+    free = [o.outputs[0] for o in llm.generate(prompts, plain, use_tqdm=False)]
+    forced_token = next(t for t in range(3, vocab) if t not in free[0].token_ids)
+    forced = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, logprobs=1,
+                            logit_bias={forced_token: 100.0})
+    banned = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, logit_bias={free[1].token_ids[0]: -100.0})
+    outputs = [o.outputs[0] for o in llm.generate(prompts, [forced, banned], use_tqdm=False)]
+    assert outputs[0].token_ids == [forced_token] * 6
+    # logprobs stay the model's own: the forced token is not its top choice
+    assert outputs[0].logprobs[0][forced_token].rank > 1
+    assert outputs[1].token_ids[0] != free[1].token_ids[0]
+    # sampling too: +100 dwarfs every other logit
+    sampled = SamplingParams(temperature=1.0, seed=4, max_tokens=5, ignore_eos=True, logit_bias={forced_token: 100.0})
+    assert llm.generate(prompts[:1], sampled, use_tqdm=False)[0].outputs[0].token_ids == [forced_token] * 5

@@ -99,3 +99,12 @@ async def test_stop_string_and_penalties_are_applied(client):
     penalized = await client.chat.completions.create(presence_penalty=2.0, frequency_penalty=2.0, user="u1",
                                                      **kwargs)
     assert penalized.choices[0].message.content != free
+
+
+async def test_text_response_format_and_tool_choice_none_are_accepted(client, expected):
+    result = await client.chat.completions.create(
+        model=MODEL_NAME, messages=MESSAGES, temperature=0.0, max_completion_tokens=10,
+        response_format={"type": "text"}, tool_choice="none",
+        tools=[{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}],
+        extra_body={"ignore_eos": True})
+    assert result.choices[0].message.content == expected.outputs[0].text

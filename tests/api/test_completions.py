@@ -93,3 +93,10 @@ def test_raw_stream_is_well_formed_sse(http):
     events = sse_events(response.text)
     assert all(event["object"] == "text_completion" and "usage" not in event for event in events)
     assert events[-1]["choices"][0]["finish_reason"] == "length"
+
+
+def test_logit_bias_forces_a_token(client, llm):
+    token = llm.tokenizer.encode(" fox", add_special_tokens=False)[0]
+    result = client.completions.create(model=MODEL_NAME, prompt=PROMPTS[1], max_tokens=4, temperature=0.0,
+                                       logit_bias={str(token): 100}, extra_body={"ignore_eos": True})
+    assert result.choices[0].text == llm.tokenizer.decode([token] * 4)
