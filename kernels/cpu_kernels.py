@@ -26,6 +26,9 @@ class NativeKernels:
         self._decode.restype = _i32
         self._decode.argtypes = [_ptr, _i64, _i64, _ptr, _ptr, _i64, _i64, _i64, _ptr, _i64, _ptr, _ptr,
                                  _ptr, _i32, _i32, _i32, _i32, _i32, ctypes.c_float, _ptr, _i64, _i64, _i32]
+        self._prefill = library.paged_prefill_f32
+        self._prefill.restype = _i32
+        self._prefill.argtypes = self._decode.argtypes
         self._store_kv = library.store_kv_f32
         self._store_kv.restype = None
         self._store_kv.argtypes = [_ptr, _ptr, _i64, _i64, _i64, _i64, _ptr, _ptr, _i64, _i64, _i64, _ptr,
@@ -51,8 +54,8 @@ class NativeKernels:
         self.decode_step_workspace_floats.argtypes = [ctypes.POINTER(DecoderShape), _i64]
 
     @staticmethod
-    def supports_decode(query: torch.Tensor, key_cache: torch.Tensor) -> bool:
-        """Whether decode takes these shapes and dtypes (else the reference does)."""
+    def supports_attention(query: torch.Tensor, key_cache: torch.Tensor) -> bool:
+        """Whether the attention kernels take these shapes and dtypes (else the reference does)."""
         return (query.dtype == key_cache.dtype == torch.float32 and query.device.type == "cpu"
                 and query.shape[-1] in _HEAD_SIZES and query.shape[-2] // key_cache.shape[1] <= _MAX_GROUP)
 
@@ -65,18 +68,36 @@ class NativeKernels:
                decode_seqs: torch.Tensor,  # [num_decodes] int32: sequences with one query token
                scale: float,
                out: torch.Tensor) -> None:  # [num_tokens, num_heads, head_size]: the decodes' rows written
+        self._attend(self._decode, query, key_cache, value_cache, block_tables, seq_lens, query_start_loc,
+                     decode_seqs, scale, out)
+
+    def prefill(self, query: torch.Tensor,  # [num_tokens, num_heads, head_size]
+                key_cache: torch.Tensor,  # [num_blocks, num_kv_heads, block_size, head_size]: this step's keys stored
+                value_cache: torch.Tensor,  # [num_blocks, num_kv_heads, block_size, head_size]
+                block_tables: torch.Tensor,  # [num_seqs, max_blocks_per_seq] int32
+                seq_lens: torch.Tensor,  # [num_seqs] int32
+                query_start_loc: torch.Tensor,  # [num_seqs + 1] int32
+                prefill_seqs: torch.Tensor,  # [num_prefills] int32: sequences with several query tokens
+                scale: float,
+                out: torch.Tensor) -> None:  # [num_tokens, num_heads, head_size]: the prefills' rows written
+        """Causal attention of prefill chunks over their sequences' cached keys and values."""
+        self._attend(self._prefill, query, key_cache, value_cache, block_tables, seq_lens, query_start_loc,
+                     prefill_seqs, scale, out)
+
+    def _attend(self, kernel, query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, seqs, scale,
+                out) -> None:
         num_heads, head_size = query.shape[1:]
         num_kv_heads, block_size = key_cache.shape[1:3]
-        assert self.supports_decode(query, key_cache) and value_cache.dtype == out.dtype == torch.float32
+        assert self.supports_attention(query, key_cache) and value_cache.dtype == out.dtype == torch.float32
         assert key_cache.shape == value_cache.shape and key_cache.stride() == value_cache.stride()
         assert query.stride(2) == key_cache.stride(3) == out.stride(2) == 1 and num_heads % num_kv_heads == 0
-        assert block_tables.dtype == seq_lens.dtype == query_start_loc.dtype == decode_seqs.dtype == torch.int32
+        assert block_tables.dtype == seq_lens.dtype == query_start_loc.dtype == seqs.dtype == torch.int32
         assert block_tables.stride(1) == 1 and seq_lens.is_contiguous() and query_start_loc.is_contiguous()
-        assert decode_seqs.is_contiguous()
-        status = self._decode(
+        assert seqs.is_contiguous()
+        status = kernel(
             query.data_ptr(), query.stride(0), query.stride(1), key_cache.data_ptr(), value_cache.data_ptr(),
             *key_cache.stride()[:3], block_tables.data_ptr(), block_tables.stride(0), seq_lens.data_ptr(),
-            query_start_loc.data_ptr(), decode_seqs.data_ptr(), decode_seqs.numel(), num_kv_heads,
+            query_start_loc.data_ptr(), seqs.data_ptr(), seqs.numel(), num_kv_heads,
             num_heads // num_kv_heads, head_size, block_size, scale, out.data_ptr(), out.stride(0), out.stride(1),
             torch.get_num_threads())
         assert status == 0

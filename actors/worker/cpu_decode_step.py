@@ -50,7 +50,7 @@ class CpuDecodeStep:
             return None
         probe_query = torch.empty(1, model.num_heads, model.head_dim)
         probe_cache = torch.empty(1, model.num_kv_heads, 1, model.head_dim)
-        if not native.supports_decode(probe_query, probe_cache) or model.num_heads % model.num_kv_heads:
+        if not native.supports_attention(probe_query, probe_cache) or model.num_heads % model.num_kv_heads:
             return None
         tensors = [model.embed_tokens, model.final_norm, model.cos_sin_cache]
         tensors += [t for layer in model.layers for t in vars(layer).values() if t is not None]

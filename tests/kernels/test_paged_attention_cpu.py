@@ -68,6 +68,15 @@ def test_long_decodes_and_one_token_sequences_match_reference(native):
     run_both_ways(make_step(batch, 8, 2, 64, 16, seed=9), 16, 0.125, native)
 
 
+@pytest.mark.parametrize("heads, head_size, block_size", [((8, 1), 128, 16), ((64, 1), 16, 5), ((6, 3), 48, 32)])
+def test_long_prefill_chunks_match_reference(native, heads, head_size, block_size):
+    # whole prompts and chunks after cached prefixes, longer than a 64-key tile and than a
+    # task's rows; groups of 8 (8 tokens a task) and 64 (one token a task)
+    batch = [(300, 300), (260, 100), (129, 65), (2, 2), (70, 1)]
+    step = make_step(batch, *heads, head_size, block_size, seed=head_size)
+    run_both_ways(step, block_size, head_size**-0.5, native)
+
+
 def test_a_batch_of_many_decodes_matches_reference(native):
     # enough decodes that each thread takes whole decodes rather than (decode, kv head) pairs
     lengths = torch.randint(1, 400, (70,), generator=torch.Generator().manual_seed(3)).tolist()
@@ -77,7 +86,7 @@ def test_a_batch_of_many_decodes_matches_reference(native):
 def test_shapes_the_kernel_has_no_code_for_take_the_reference_decode(native):
     # a head size that is no multiple of 16, and bf16
     step = make_step(MIXED_BATCH, 4, 2, 40, 16, seed=1)
-    assert not native.supports_decode(step[0], step[3])
+    assert not native.supports_attention(step[0], step[3])
     run_both_ways(step, 16, 0.2, native)
     step = make_step(MIXED_BATCH, 4, 2, 64, 16, dtype=torch.bfloat16, seed=2)
     query, key, value, key_cache, value_cache, block_tables, seq_lens, query_start_loc, _ = step
