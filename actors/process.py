@@ -47,10 +47,15 @@ class ActorProcess:
         # the child imports this checkout's packages even when troupe is not installed
         child_env["PYTHONPATH"] = os.pathsep.join(
             [package_root] + [p for p in child_env.get("PYTHONPATH", "").split(os.pathsep) if p])
-        # OpenMP threads that spin after each parallel region keep the cores from the other
-        # actors, whose work sits between two model steps: measured on 2 cores, a tiny
-        # model's decode took 150 ms a token with spinning and 2.5 ms with passive waiting
-        child_env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+        # OpenMP threads that spin long after each parallel region keep the cores from the
+        # other actors, whose work sits between two model steps (measured on 2 cores: a tiny
+        # model's decode took 150 ms a token with libgomp's default spinning, 2.5 ms with
+        # passive waiting); threads that sleep at once pay a wake-up at each of a step's
+        # hundreds of parallel regions (SmolLM2 served one request at a time: 31.5 ms a
+        # token passive). A short spin covers the gaps inside a step and sleeps through
+        # those between steps: 22.6 ms a token, the in-process engine's time.
+        if "OMP_WAIT_POLICY" not in child_env:
+            child_env.setdefault("GOMP_SPINCOUNT", "10000")
         # the name on the command line tells the processes apart in ps, top and psutil
         self.popen = subprocess.Popen([sys.executable, "-m", "actors.process", "--name", spec.name],
                                       stdin=subprocess.PIPE, env=child_env)
