@@ -136,15 +136,18 @@ void decode_head(const float* query, int64_t query_head_stride, const CacheView&
     const int64_t block_bytes = (int64_t)block_size * cache.slot_stride * sizeof(float);
     for (int j = 0; j < num_blocks; j++) {
         const int64_t block = block_table[j];
-        if (j + 1 < num_blocks) {  // the next block is elsewhere in memory: no hardware prefetcher guesses it
-            const char* next_keys = (const char*)(cache.keys + block_table[j + 1] * cache.block_stride);
-            const char* next_values = (const char*)(cache.values + block_table[j + 1] * cache.block_stride);
-            for (int64_t line = 0; line < block_bytes; line += 64) {
-                __builtin_prefetch(next_keys + line);
-                __builtin_prefetch(next_values + line);
-            }
-        }
         const int num_slots = seq_len - j * block_size < block_size ? seq_len - j * block_size : block_size;
+        // The next block is elsewhere in memory, where no hardware prefetcher looks: its lines
+        // are fetched a few per key of this block, spread over the work (all at once, they
+        // fill the line-fill buffers and stall the core until they arrive).
+        const char* next_keys = nullptr;
+        const char* next_values = nullptr;
+        if (j + 1 < num_blocks) {
+            next_keys = (const char*)(cache.keys + block_table[j + 1] * cache.block_stride);
+            next_values = (const char*)(cache.values + block_table[j + 1] * cache.block_stride);
+        }
+        const int64_t fetch_per_slot = ((block_bytes + 63) / 64 + num_slots - 1) / num_slots * 64;
+        int64_t fetched = 0;
         for (int first = 0; first < num_slots; first += kLanes) {
             const int count = num_slots - first < kLanes ? num_slots - first : kLanes;
             const float* keys = cache.keys + block * cache.block_stride + first * cache.slot_stride;
@@ -156,6 +159,12 @@ void decode_head(const float* query, int64_t query_head_stride, const CacheView&
                     if (t < count) {
                         const float* key = keys + t * cache.slot_stride;
                         for (int c = 0; c < kVectors; c++) partial[t] += q[g][c] * load(key + c * kLanes);
+                        if (g == 0 && next_keys != nullptr)
+                            for (int64_t end = fetched + fetch_per_slot; fetched < end && fetched < block_bytes;
+                                 fetched += 64) {
+                                __builtin_prefetch(next_keys + fetched);
+                                __builtin_prefetch(next_values + fetched);
+                            }
                     }
                 }
                 vf scores = transpose_sum(partial);
