@@ -2,7 +2,7 @@
 - op by op, sgemm: each decode step's ops called one by one from Python, every linear
   through MKL's sgemm;
 - op by op, C++ linear: the same with the CPU backend's C++ linear for a few rows;
-- fused step: each all-decode step in one C++ call (actors/worker/cpu_decode_step.py),
+- fused step: each step in one C++ call (actors/worker/cpu_model_step.py),
   C++ linear for a few rows (the CPU backend's default).
 
 Each batch: prompts of 100 random token ids (prefilled, and so prefix-cached, before the
@@ -48,11 +48,11 @@ def main() -> None:
             prompts = [[rng.randrange(100, 30000) for _ in range(100)] for _ in range(batch_size)]
             llm.generate(prompts, SamplingParams(max_tokens=1), use_tqdm=False)
             for name, (rows, fused) in variants.items():
-                backend.few_rows, backend.fused_decode = rows, fused
+                backend.few_rows, backend.fused_steps = rows, fused
                 start = time.perf_counter()
                 llm.generate(prompts, params, use_tqdm=False)
                 results.setdefault((batch_size, name), []).append((time.perf_counter() - start) / args.output_len)
-    backend.few_rows, backend.fused_decode = few_rows, True
+    backend.few_rows, backend.fused_steps = few_rows, True
     print("ms a token (median of repeats); last column: op by op with the C++ linear / fused step")
     for batch_size in batch_sizes:
         times = {name: statistics.median(results[batch_size, name]) * 1e3 for name in variants}

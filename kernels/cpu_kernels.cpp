@@ -13,7 +13,7 @@
 //   several, with a parallel region only for batches big enough to pay for one (a decode
 //   step's rows take microseconds).
 // - linear_few_rows_f32: the linear layers of decode batches of a few rows.
-// - decode_step_f32: a whole decode step of a Llama-family model with the kernels above and
+// - model_step_f32: a whole decode step of a Llama-family model with the kernels above and
 //   torch's sgemm, in one call from Python.
 //
 // Vectors are GCC/clang vector extensions of 16 floats: one AVX-512 register, two AVX2
@@ -578,9 +578,9 @@ void silu_mul_f32(float* x, int64_t x_stride, int64_t num_tokens, int64_t interm
     }
 }
 
-// ---- a whole decode step of a Llama-family model -------------------------------------------
+// ---- a whole step of a Llama-family model ---------------------------------------------------
 //
-// The CPU's decode steps spend most of their time outside matmuls and attention in Python
+// The CPU's decode steps spent most of their time outside matmuls and attention in Python
 // and torch's dispatch between a layer's dozen small ops (microseconds each, ten times that
 // once the matmuls have flushed the caches). Here a step's layers run in one call, with the
 // kernels above and MKL's sgemm (torch's own, whose pointer the caller passes), in the same
@@ -603,16 +603,18 @@ struct DecoderShape {
     float eps, scale;
 };
 
-struct DecodeBatch {  // num_tokens decodes, one token each, in the order of query_start_loc
+struct StepBatch {  // the flat batch: each sequence's tokens at query_start_loc
     int64_t num_tokens;
     const int64_t* positions;  // [num_tokens]
     const float* cos_sin_cache;  // [max_position, head_size]
     int64_t cos_sin_stride;
     const int64_t* slot_mapping;  // [num_tokens]
-    const int32_t *block_tables, *seq_lens, *query_start_loc, *decode_seqs;
-    int64_t block_table_stride;
+    const int32_t *block_tables, *seq_lens, *query_start_loc;
+    const int32_t* decode_seqs;  // the sequences with one query token
+    const int32_t* prefill_seqs;  // the sequences with several (prefill chunks)
+    int64_t num_decodes, num_prefills, block_table_stride;
     float* hidden;  // [num_tokens, hidden_size]: the embeddings, then scratch
-    float* workspace;  // decode_step_workspace_floats(shape, num_tokens) floats
+    float* workspace;  // model_step_workspace_floats(shape, num_tokens) floats
     float* out;  // [num_tokens, hidden_size]: the final norm's output
 };
 
@@ -634,18 +636,18 @@ static void decoder_linear(const DecoderShape& shape, Sgemm sgemm, const float* 
     sgemm("T", "N", &m, &n, &k, &alpha, weight, &lda, x, &ldb, &beta, y, &ldc);
 }
 
-int64_t decode_step_workspace_floats(const DecoderShape* shape, int64_t num_tokens) {
+int64_t model_step_workspace_floats(const DecoderShape* shape, int64_t num_tokens) {
     const int64_t qkv = (shape->num_heads + 2 * shape->num_kv_heads) * shape->head_size;
     return num_tokens * (2 * shape->hidden_size + qkv + shape->num_heads * shape->head_size
                          + 2 * shape->intermediate_size);
 }
 
-// The model's forward for a batch of decodes: returns 0, or -1 where the attention kernel has no
-// code for the head size (the caller checks first).
-int decode_step_f32(const DecoderShape* shape_, const DecoderLayer* layers, const DecodeBatch* batch_, Sgemm sgemm,
+// The model's forward for a step: returns 0, or -1 where the attention kernels have no code for
+// the head size (the caller checks first).
+int model_step_f32(const DecoderShape* shape_, const DecoderLayer* layers, const StepBatch* batch_, Sgemm sgemm,
                     const float* final_norm, int num_threads) {
     const DecoderShape& shape = *shape_;
-    const DecodeBatch& batch = *batch_;
+    const StepBatch& batch = *batch_;
     const int64_t tokens = batch.num_tokens, hidden_size = shape.hidden_size, head_size = shape.head_size;
     const int64_t q_size = shape.num_heads * head_size, kv_size = shape.num_kv_heads * head_size;
     const int64_t qkv_size = q_size + 2 * kv_size, intermediate = shape.intermediate_size;
@@ -680,13 +682,20 @@ int decode_step_f32(const DecoderShape* shape_, const DecoderLayer* layers, cons
                      layer.value_cache, shape.cache_block_stride, shape.cache_head_stride, shape.cache_slot_stride,
                      batch.slot_mapping, tokens, (int)shape.num_kv_heads, (int)head_size, (int)shape.block_size,
                      num_threads);
-        const int status = paged_decode_f32(
-            qkv, qkv_size, head_size, layer.key_cache, layer.value_cache, shape.cache_block_stride,
-            shape.cache_head_stride, shape.cache_slot_stride, batch.block_tables, batch.block_table_stride,
-            batch.seq_lens, batch.query_start_loc, batch.decode_seqs, (int)tokens, (int)shape.num_kv_heads,
-            (int)(shape.num_heads / shape.num_kv_heads), (int)head_size, (int)shape.block_size, shape.scale, attn,
-            q_size, head_size, num_threads);
-        if (status != 0) return status;
+        // decodes, then prefill chunks, as CpuBackend.attention runs them
+        const struct { decltype(&paged_decode_f32) attend; const int32_t* seqs; int64_t count; } kinds[] = {
+            {paged_decode_f32, batch.decode_seqs, batch.num_decodes},
+            {paged_prefill_f32, batch.prefill_seqs, batch.num_prefills}};
+        for (const auto& [attend, seqs, count] : kinds) {
+            if (count == 0) continue;
+            const int status = attend(
+                qkv, qkv_size, head_size, layer.key_cache, layer.value_cache, shape.cache_block_stride,
+                shape.cache_head_stride, shape.cache_slot_stride, batch.block_tables, batch.block_table_stride,
+                batch.seq_lens, batch.query_start_loc, seqs, (int)count, (int)shape.num_kv_heads,
+                (int)(shape.num_heads / shape.num_kv_heads), (int)head_size, (int)shape.block_size, shape.scale, attn,
+                q_size, head_size, num_threads);
+            if (status != 0) return status;
+        }
         decoder_linear(shape, sgemm, attn, q_size, tokens, layer.o_proj, q_size, hidden_size, nullptr, projection,
                        num_threads);
         // 2. MLP block

@@ -45,13 +45,13 @@ class NativeKernels:
         self._silu_mul = library.silu_mul_f32
         self._silu_mul.restype = None
         self._silu_mul.argtypes = [_ptr, _i64, _i64, _i64, _i32]
-        self.decode_step_f32 = library.decode_step_f32
-        self.decode_step_f32.restype = _i32
-        self.decode_step_f32.argtypes = [ctypes.POINTER(DecoderShape), ctypes.POINTER(DecoderLayer),
-                                         ctypes.POINTER(DecodeBatch), _ptr, _ptr, _i32]
-        self.decode_step_workspace_floats = library.decode_step_workspace_floats
-        self.decode_step_workspace_floats.restype = _i64
-        self.decode_step_workspace_floats.argtypes = [ctypes.POINTER(DecoderShape), _i64]
+        self.model_step_f32 = library.model_step_f32
+        self.model_step_f32.restype = _i32
+        self.model_step_f32.argtypes = [ctypes.POINTER(DecoderShape), ctypes.POINTER(DecoderLayer),
+                                         ctypes.POINTER(StepBatch), _ptr, _ptr, _i32]
+        self.model_step_workspace_floats = library.model_step_workspace_floats
+        self.model_step_workspace_floats.restype = _i64
+        self.model_step_workspace_floats.argtypes = [ctypes.POINTER(DecoderShape), _i64]
 
     @staticmethod
     def supports_attention(query: torch.Tensor, key_cache: torch.Tensor) -> bool:
@@ -190,13 +190,13 @@ class DecoderLayer(ctypes.Structure):
         "down_proj", "key_cache", "value_cache")]
 
 
-class DecodeBatch(ctypes.Structure):
-    """cpu_kernels.cpp's DecodeBatch."""
+class StepBatch(ctypes.Structure):
+    """cpu_kernels.cpp's StepBatch."""
 
     _fields_ = [("num_tokens", _i64), ("positions", _ptr), ("cos_sin_cache", _ptr), ("cos_sin_stride", _i64),
                 ("slot_mapping", _ptr), ("block_tables", _ptr), ("seq_lens", _ptr), ("query_start_loc", _ptr),
-                ("decode_seqs", _ptr), ("block_table_stride", _i64), ("hidden", _ptr), ("workspace", _ptr),
-                ("out", _ptr)]
+                ("decode_seqs", _ptr), ("prefill_seqs", _ptr), ("num_decodes", _i64), ("num_prefills", _i64),
+                ("block_table_stride", _i64), ("hidden", _ptr), ("workspace", _ptr), ("out", _ptr)]
 
 
 def torch_sgemm() -> int | None:

@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from actors.config import cache_dir
-from actors.worker.cpu_decode_step import CpuDecodeStep
+from actors.worker.cpu_model_step import CpuModelStep
 from kernels.paged_attention import (PagedAttentionLaunch, PagedAttentionPlan, paged_attention,
                                      paged_attention_launch, paged_attention_planned, plan_paged_attention)
 from kernels.cpu_kernels import NativeKernels, load_native_kernels
@@ -56,7 +56,7 @@ class TorchBackend:
     rotary = staticmethod(rotary_ref)
     silu_mul = staticmethod(silu_mul_ref)
 
-    def decode_step(self, model: LlamaModel) -> None:
+    def model_step(self, model: LlamaModel) -> None:
         return None
 
     def prepare(self, attention: StepAttention, block_size: int, dtype: torch.dtype) -> None:
@@ -80,20 +80,20 @@ class CpuBackend:
     # (benchmarks/cpu_linear.py); past it sgemm's compute wins
     few_rows = 16
 
-    # decode-only steps in one C++ call (actors/worker/cpu_decode_step.py); off: op by op
-    fused_decode = True
+    # whole steps in one C++ call (actors/worker/cpu_model_step.py); off: op by op
+    fused_steps = True
 
     def __init__(self, native: NativeKernels | None) -> None:
         self.native = native
-        self._decode_step: tuple[LlamaModel, CpuDecodeStep | None] | None = None  # built once per model
+        self._model_step: tuple[LlamaModel, CpuModelStep | None] | None = None  # built once per model
 
-    def decode_step(self, model: LlamaModel) -> CpuDecodeStep | None:
-        """The model's decode steps in one call, where the C++ kernels take them."""
-        if not self.fused_decode:
+    def model_step(self, model: LlamaModel) -> CpuModelStep | None:
+        """The model's steps in one call, where the C++ kernels take them."""
+        if not self.fused_steps:
             return None
-        if self._decode_step is None or self._decode_step[0] is not model:
-            self._decode_step = (model, CpuDecodeStep.build(model, self))
-        return self._decode_step[1]
+        if self._model_step is None or self._model_step[0] is not model:
+            self._model_step = (model, CpuModelStep.build(model, self))
+        return self._model_step[1]
 
     def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         # decode steps of a few sequences: one read of the weights instead of MKL's several
@@ -132,7 +132,7 @@ class TritonBackend:
     rotary = staticmethod(rotary)
     silu_mul = staticmethod(silu_mul)
 
-    def decode_step(self, model: LlamaModel) -> None:
+    def model_step(self, model: LlamaModel) -> None:
         return None
 
     def prepare(self, attention: StepAttention, block_size: int, dtype: torch.dtype) -> None:

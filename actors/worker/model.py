@@ -149,9 +149,9 @@ class LlamaModel:
         eps = self.config.rms_norm_eps
         num_tokens = input_ids.shape[0]
         hidden = self.parallel.embed(input_ids, self.embed_tokens, self.config.vocab_size)
-        decode_step = ops.decode_step(self)  # the backend's whole-step path for all-decode steps, if any
-        if decode_step is not None and decode_step.takes(attention, num_tokens):
-            return decode_step(hidden, positions, kv_caches, attention)
+        model_step = ops.model_step(self)  # the backend's whole step in one call, if it has one
+        if model_step is not None and model_step.takes(attention):
+            return model_step(hidden, positions, kv_caches, attention)
         residual = None
         for layer, (key_cache, value_cache) in zip(self.layers, kv_caches):
             # 1. attention block: norm (fused with the residual add), qkv, rotary, paged attention

@@ -1,15 +1,15 @@
-"""The CPU's decode steps in one C++ call (decode_step_f32 in kernels/cpu_kernels.cpp).
+"""The CPU's model steps in one C++ call (model_step_f32 in kernels/cpu_kernels.cpp).
 
-A decode step runs a dozen small ops per layer besides its matmuls and attention. In
-Python each costs tens of microseconds of dispatch, most of it cache misses once the
-matmuls have streamed megabytes of weights through the caches: measured on SmolLM2 at one
-sequence, 0.9 s of a 4.0 s run of 128 tokens. decode_step_f32 runs all layers with the
-same kernels the CPU backend calls one by one (and torch's own sgemm for the matmuls), so
-its results are the Python forward's, bit for bit.
+A step runs a dozen small ops per layer besides its matmuls and attention. In Python each
+costs tens of microseconds of dispatch, most of it cache misses once the matmuls have
+streamed megabytes of weights through the caches: measured on SmolLM2 decoding one
+sequence, 0.9 s of a 4.0 s run of 128 tokens. model_step_f32 runs all layers with the same
+kernels the CPU backend calls one by one (and torch's own sgemm for the matmuls), so its
+results are the Python forward's, bit for bit.
 
-It takes steps whose every token is a decode, on one rank, in fp32, where the kernels have
-code for the shapes; the model's Python forward takes the rest (prefill chunks, tensor
-parallelism, other dtypes)."""
+It takes every step (decodes, prefill chunks, both) on one rank, in fp32, where the
+kernels have code for the shapes; the model's Python forward takes the rest (tensor
+parallelism, other dtypes, head sizes the kernels lack, no C++ compiler)."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from kernels.cpu_kernels import DecodeBatch, DecoderLayer, DecoderShape, NativeKernels, torch_sgemm
+from kernels.cpu_kernels import DecoderLayer, DecoderShape, NativeKernels, StepBatch, torch_sgemm
 from kernels.paged_attention_cpu import CpuAttentionPlan
 
 if TYPE_CHECKING:
@@ -30,9 +30,9 @@ def _address(tensor: torch.Tensor | None) -> int | None:
     return tensor.data_ptr() if tensor is not None else None
 
 
-class CpuDecodeStep:
-    """A model's decode steps through decode_step_f32: built once per model, its layers'
-    pointers packed once per KV cache."""
+class CpuModelStep:
+    """A model's steps through model_step_f32: built once per model, its layers' pointers
+    packed once per KV cache."""
 
     def __init__(self, model: LlamaModel, backend: CpuBackend, native: NativeKernels, sgemm: int) -> None:
         self.model = model
@@ -43,8 +43,8 @@ class CpuDecodeStep:
         self._layers_key: tuple[int, ...] = ()
 
     @staticmethod
-    def build(model: LlamaModel, backend: CpuBackend) -> CpuDecodeStep | None:
-        """The decode step of this model, or None where it cannot take the model's steps."""
+    def build(model: LlamaModel, backend: CpuBackend) -> CpuModelStep | None:
+        """The one-call step of this model, or None where it cannot take the model's steps."""
         native = backend.native
         if native is None or model.dtype != torch.float32 or model.device.type != "cpu" or model.parallel.enabled:
             return None
@@ -57,12 +57,12 @@ class CpuDecodeStep:
         if not all(t.dtype == torch.float32 and t.is_contiguous() for t in tensors):
             return None
         sgemm = torch_sgemm()
-        return CpuDecodeStep(model, backend, native, sgemm) if sgemm is not None else None
+        return CpuModelStep(model, backend, native, sgemm) if sgemm is not None else None
 
-    def takes(self, attention: StepAttention, num_tokens: int) -> bool:
-        """Whether the step is all decodes (no prefill chunk), which this runs."""
-        plan = attention.plan
-        return isinstance(plan, CpuAttentionPlan) and not plan.prefills and plan.decode_seqs.numel() == num_tokens
+    @staticmethod
+    def takes(attention: StepAttention) -> bool:
+        """Whether the step was planned for the CPU backend's kernels, which this runs."""
+        return isinstance(attention.plan, CpuAttentionPlan)
 
     def __call__(self, hidden: torch.Tensor,  # [num_tokens, hidden]: the embeddings, overwritten
                  positions: torch.Tensor,  # [num_tokens] int64
@@ -79,18 +79,19 @@ class CpuDecodeStep:
             scale=model.scale)
         num_tokens = hidden.shape[0]
         assert hidden.is_contiguous() and hidden.dtype == torch.float32 and positions.is_contiguous()
-        workspace = torch.empty(self.native.decode_step_workspace_floats(ctypes.byref(shape), num_tokens))
+        workspace = torch.empty(self.native.model_step_workspace_floats(ctypes.byref(shape), num_tokens))
         out = torch.empty_like(hidden)
         block_tables = plan.block_tables
         assert block_tables.stride(1) == 1 and attention.slot_mapping.is_contiguous()
-        batch = DecodeBatch(
+        batch = StepBatch(
             num_tokens=num_tokens, positions=positions.data_ptr(), cos_sin_cache=model.cos_sin_cache.data_ptr(),
             cos_sin_stride=model.cos_sin_cache.stride(0), slot_mapping=attention.slot_mapping.data_ptr(),
             block_tables=block_tables.data_ptr(), seq_lens=plan.seq_lens.data_ptr(),
             query_start_loc=plan.query_start_loc.data_ptr(), decode_seqs=plan.decode_seqs.data_ptr(),
-            block_table_stride=block_tables.stride(0), hidden=hidden.data_ptr(), workspace=workspace.data_ptr(),
-            out=out.data_ptr())
-        status = self.native.decode_step_f32(ctypes.byref(shape), self._layer_array(kv_caches), ctypes.byref(batch),
+            prefill_seqs=plan.prefill_seqs.data_ptr(), num_decodes=plan.decode_seqs.numel(),
+            num_prefills=plan.prefill_seqs.numel(), block_table_stride=block_tables.stride(0),
+            hidden=hidden.data_ptr(), workspace=workspace.data_ptr(), out=out.data_ptr())
+        status = self.native.model_step_f32(ctypes.byref(shape), self._layer_array(kv_caches), ctypes.byref(batch),
                                              self.sgemm, model.final_norm.data_ptr(), torch.get_num_threads())
         assert status == 0
         return out
