@@ -3,10 +3,11 @@
 Three backends, one interface (attention stores the step's keys and values, then attends):
 - torch: each kernel's plain-torch reference, the oracle of the other two; the paged
   attention bookkeeping is planned once per step and reused by every layer.
-- cpu (the CPU's default): the references' results from faster CPU paths: decode
-  attention, KV store, rms_norm, rotary and the linear layers of small decode batches in
-  C++ built on first use (kernels/cpu_kernels.*),
-  the other ops in place; where no C++ compiler is found, torch's ops.
+- cpu (the CPU's default): the references' results from faster CPU paths: decode and
+  prefill attention, KV store, rms_norm, rotary, silu_mul and the linear layers of small
+  decode batches in C++ built on first use (kernels/cpu_kernels.*), and where the model
+  allows, each whole step in one C++ call (model_step, actors/worker/cpu_model_step.py);
+  where no C++ compiler is found, torch's ops.
 - triton: the Triton kernels, compiled on CUDA, or under triton's interpreter on the CPU
   (TRITON_INTERPRET=1; slow, for tests)."""
 
