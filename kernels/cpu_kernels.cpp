@@ -36,37 +36,18 @@ inline vf load(const float* p) { vf v; memcpy(&v, p, sizeof v); return v; }
 inline void store(float* p, vf v) { memcpy(p, &v, sizeof v); }
 inline vf splat(float x) { return x - vf{}; }  // x - 0 is x (0 + x would turn -0 into +0): a plain broadcast
 
-inline float reduce_max(vf v) {
-    float m = v[0];
-    for (int i = 1; i < kLanes; i++) m = v[i] > m ? v[i] : m;
-    return m;
-}
-
-inline float reduce_sum(vf v) {
-    float s = 0.0f;
-    for (int i = 0; i < kLanes; i++) s += v[i];
-    return s;
-}
-
-inline float max_of(vf v) {  // halving shuffles: 4 steps where a lane loop takes 15
-    v = v > __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7) ? v
-        : __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7);
-    v = v > __builtin_shufflevector(v, v, 4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11) ? v
-        : __builtin_shufflevector(v, v, 4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11);
-    v = v > __builtin_shufflevector(v, v, 2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13) ? v
-        : __builtin_shufflevector(v, v, 2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13);
-    v = v > __builtin_shufflevector(v, v, 1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14) ? v
-        : __builtin_shufflevector(v, v, 1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14);
+// A vector's lanes folded with op by halving shuffles: 4 steps where a lane loop takes 15.
+template <typename Op>
+inline float fold(vf v, Op op) {
+    v = op(v, __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7));
+    v = op(v, __builtin_shufflevector(v, v, 4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11));
+    v = op(v, __builtin_shufflevector(v, v, 2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13));
+    v = op(v, __builtin_shufflevector(v, v, 1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14));
     return v[0];
 }
 
-inline float sum_of(vf v) {
-    v += __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7);
-    v += __builtin_shufflevector(v, v, 4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11);
-    v += __builtin_shufflevector(v, v, 2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13);
-    v += __builtin_shufflevector(v, v, 1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14);
-    return v[0];
-}
+inline float max_of(vf v) { return fold(v, [](vf a, vf b) { return a > b ? a : b; }); }
+inline float sum_of(vf v) { return fold(v, [](vf a, vf b) { return a + b; }); }
 
 // exp(x) as 2^n * 2^f, f in [-0.5, 0.5], 2^f by a degree-6 polynomial: a relative error of
 // about 2e-7, as good as torch's exp. x is clamped to [-87, 88], where exp stays a normal float.
@@ -169,12 +150,12 @@ void decode_head(const float* query, int64_t query_head_stride, const CacheView&
                 }
                 vf scores = transpose_sum(partial);
                 scores = lane < count ? scores : splat(-1e30f);
-                float new_max = reduce_max(scores);
+                float new_max = max_of(scores);
                 new_max = new_max > running_max[g] ? new_max : running_max[g];
                 vf probs = exp_clamped(scores - new_max);
                 float correction = exp_clamped(splat(running_max[g] - new_max))[0];
                 running_max[g] = new_max;
-                running_sum[g] = running_sum[g] * correction + reduce_sum(probs);
+                running_sum[g] = running_sum[g] * correction + sum_of(probs);
                 vf a[kVectors];
                 for (int c = 0; c < kVectors; c++) a[c] = acc[g][c] * correction;
                 for (int t = 0; t < count; t++) {
@@ -352,7 +333,7 @@ inline void linear_tile(const float* x, int64_t x_stride, const float* const* w,
     for (int m = 0; m < MR; m++) {
         const float* xm = x + m * x_stride;
         for (int r = 0; r < rows; r++) {
-            float sum = reduce_sum(acc[m][r]);
+            float sum = sum_of(acc[m][r]);
             for (int64_t k = vector_end; k < in_features; k++) sum += xm[k] * w[r][k];
             y[m * y_stride + first + r] = bias != nullptr ? sum + bias[first + r] : sum;
         }

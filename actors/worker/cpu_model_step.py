@@ -31,16 +31,16 @@ def _address(tensor: torch.Tensor | None) -> int | None:
 
 
 class CpuModelStep:
-    """A model's steps through model_step_f32: built once per model, its layers' pointers
-    packed once per KV cache."""
+    """A model's steps through model_step_f32: built once per model, its shape and layers'
+    pointers packed once per KV cache."""
 
     def __init__(self, model: LlamaModel, backend: CpuBackend, native: NativeKernels, sgemm: int) -> None:
         self.model = model
         self.backend = backend
         self.native = native
         self.sgemm = sgemm
-        self._layers: ctypes.Array | None = None
-        self._layers_key: tuple[int, ...] = ()
+        self._prepared_for: tuple[DecoderShape, ctypes.Array] | None = None
+        self._prepared_key: tuple[int, ...] = ()
 
     @staticmethod
     def build(model: LlamaModel, backend: CpuBackend) -> CpuModelStep | None:
@@ -69,14 +69,8 @@ class CpuModelStep:
                  kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
                  attention: StepAttention) -> torch.Tensor:  # [num_tokens, hidden]: after the final norm
         model, plan = self.model, attention.plan
-        key_cache = kv_caches[0][0]
-        shape = DecoderShape(
-            num_layers=len(model.layers), hidden_size=model.config.hidden_size, num_heads=model.num_heads,
-            num_kv_heads=model.num_kv_heads, head_size=model.head_dim,
-            intermediate_size=model.layers[0].down_proj.shape[1], block_size=key_cache.shape[2],
-            cache_block_stride=key_cache.stride(0), cache_head_stride=key_cache.stride(1),
-            cache_slot_stride=key_cache.stride(2), few_rows=self.backend.few_rows, eps=model.config.rms_norm_eps,
-            scale=model.scale)
+        shape, layers = self._prepared(kv_caches)
+        shape.few_rows = self.backend.few_rows  # an attribute benchmarks change between steps
         num_tokens = hidden.shape[0]
         assert hidden.is_contiguous() and hidden.dtype == torch.float32 and positions.is_contiguous()
         workspace = torch.empty(self.native.model_step_workspace_floats(ctypes.byref(shape), num_tokens))
@@ -91,24 +85,33 @@ class CpuModelStep:
             prefill_seqs=plan.prefill_seqs.data_ptr(), num_decodes=plan.decode_seqs.numel(),
             num_prefills=plan.prefill_seqs.numel(), block_table_stride=block_tables.stride(0),
             hidden=hidden.data_ptr(), workspace=workspace.data_ptr(), out=out.data_ptr())
-        status = self.native.model_step_f32(ctypes.byref(shape), self._layer_array(kv_caches), ctypes.byref(batch),
-                                             self.sgemm, model.final_norm.data_ptr(), torch.get_num_threads())
+        status = self.native.model_step_f32(ctypes.byref(shape), layers, ctypes.byref(batch), self.sgemm,
+                                            model.final_norm.data_ptr(), torch.get_num_threads())
         assert status == 0
         return out
 
-    def _layer_array(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> ctypes.Array:
+    def _prepared(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[DecoderShape, ctypes.Array]:
+        """The model's shape and its layers' pointers, packed again only when the weights or
+        the KV cache change."""
         key = (id(self.model.layers), *(cache.data_ptr() for pair in kv_caches for cache in pair))
-        if self._layers is None or key != self._layers_key:
-            key_cache = kv_caches[0][0]
+        if self._prepared_for is None or key != self._prepared_key:
+            model, key_cache = self.model, kv_caches[0][0]
             for k, v in kv_caches:
                 assert k.shape == v.shape == key_cache.shape and k.stride() == v.stride() == key_cache.stride()
                 assert k.dtype == v.dtype == torch.float32 and k.stride(3) == 1
-            self._layers = (DecoderLayer * len(kv_caches))(*[
+            shape = DecoderShape(
+                num_layers=len(model.layers), hidden_size=model.config.hidden_size, num_heads=model.num_heads,
+                num_kv_heads=model.num_kv_heads, head_size=model.head_dim,
+                intermediate_size=model.layers[0].down_proj.shape[1], block_size=key_cache.shape[2],
+                cache_block_stride=key_cache.stride(0), cache_head_stride=key_cache.stride(1),
+                cache_slot_stride=key_cache.stride(2), few_rows=self.backend.few_rows,
+                eps=model.config.rms_norm_eps, scale=model.scale)
+            layers = (DecoderLayer * len(kv_caches))(*[
                 DecoderLayer(input_norm=_address(w.input_norm), qkv_proj=_address(w.qkv_proj),
                              qkv_bias=_address(w.qkv_bias), q_norm=_address(w.q_norm), k_norm=_address(w.k_norm),
                              o_proj=_address(w.o_proj), post_attention_norm=_address(w.post_attention_norm),
                              gate_up_proj=_address(w.gate_up_proj), down_proj=_address(w.down_proj),
                              key_cache=k.data_ptr(), value_cache=v.data_ptr())
-                for w, (k, v) in zip(self.model.layers, kv_caches)])
-            self._layers_key = key
-        return self._layers
+                for w, (k, v) in zip(model.layers, kv_caches)])
+            self._prepared_for, self._prepared_key = (shape, layers), key
+        return self._prepared_for
