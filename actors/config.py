@@ -106,6 +106,7 @@ class EngineConfig:
     tokenizer_path: str = ""  # directory holding the tokenizer files; defaults to model_path
     attention_backend: str = "auto"  # "auto" (Triton on CUDA, torch on CPU) | "triton" | "torch"
     load_format: str = "auto"  # "auto" (the checkpoint) | "dummy" (random weights, benchmarks)
+    max_logprobs: int = 20  # the most logprobs / prompt_logprobs a request may ask for (vLLM's default)
     extra: dict = field(default_factory=dict)
 
 

@@ -38,6 +38,7 @@ class EngineArgs:
     attention_backend: str = "auto"
     load_format: str = "auto"
     async_scheduling: bool = True  # two plans in flight (the actor engine; LLM runs one step at a time)
+    max_logprobs: int = 20  # the most logprobs / prompt_logprobs a request may ask for (vLLM's default)
 
     def build(self) -> EngineConfig:
         """Resolves the model and checks every argument (ValueError naming the field)."""
@@ -45,6 +46,8 @@ class EngineArgs:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if isinstance(self.max_logprobs, bool) or not isinstance(self.max_logprobs, int) or self.max_logprobs < 0:
+            raise ValueError(f"max_logprobs must be a non-negative integer, got {self.max_logprobs!r}")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             raise ValueError(f"num_kv_blocks must be positive, got {self.num_kv_blocks}")
         for name, allowed in (("dtype", DTYPES), ("device", DEVICES), ("attention_backend", ATTENTION_BACKENDS),
@@ -77,7 +80,7 @@ class EngineArgs:
                                     node_rank=self.node_rank, master_addr=self.master_addr,
                                     master_port=self.master_port),
             dtype=self.dtype, device=self.device, seed=self.seed, tokenizer_path=model_dir,
-            attention_backend=self.attention_backend, load_format=self.load_format)
+            attention_backend=self.attention_backend, load_format=self.load_format, max_logprobs=self.max_logprobs)
 
     def _check_gpu_memory_utilization(self) -> None:
         fraction = self.gpu_memory_utilization

@@ -26,8 +26,8 @@ class EngineCore:
         logger.info("KV cache: %d blocks of %d tokens", self.num_blocks, engine.cache.block_size)
 
     def add_request(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
-                    params: SamplingParams) -> None:
-        self.scheduler.add_request(request_id, prompt_token_ids, params)
+                    params: SamplingParams, cache_salt: str | None = None) -> None:
+        self.scheduler.add_request(request_id, prompt_token_ids, params, cache_salt=cache_salt)
         self.outputs.add_request(request_id, prompt, prompt_token_ids, params)
 
     def abort_request(self, request_id: str) -> RequestOutput | None:

@@ -29,18 +29,17 @@ from actors.config import EngineConfig
 from actors.detokenizer import merge_delta
 from actors.engine_args import EngineArgs
 from actors.errors import EngineDeadError, InvalidRequestError
+from actors.prompts import PromptInput, per_prompt, split_prompt
 from actors.supervisor import EngineProcesses, engine_addresses
 from messages.common import CompletionOutput, Ping, RequestOutput, SamplingParams
 from messages.frontend import ActorFailed, FrontendInbox, Pong, RequestOutputs, RequestRejected, Stats
-from messages.input_processor import AddRequest
+from messages.input_processor import AddRequest, ChatOptions
 from messages.scheduler import AbortRequest, GetStats
 from messages.transport import Namespace, Sockets
 
 logger = logging.getLogger(__name__)
 
 Prompt = str | list[int]
-
-
 class _Stream:
     """One live request as the frontend sees it."""
 
@@ -202,7 +201,10 @@ class AsyncClient:
         return self._dead
 
     def _on_actor_exit(self, name: str, returncode: int | None) -> None:
-        logger.error("actor %s exited with code %s; failing every request", name, returncode)
+        if returncode == 0:  # it was told to stop (a signal to every process, as a service manager sends)
+            logger.info("actor %s stopped (exit code 0); the engine stops with it", name)
+        else:
+            logger.error("actor %s exited with code %s; failing every request", name, returncode)
         self._fail_all(EngineDeadError(f"actor {name} exited with code {returncode}"))
         if self.processes is not None:
             asyncio.ensure_future(self.processes.stop())
@@ -222,50 +224,62 @@ class AsyncClient:
 
     # ---- requests ----
 
-    def generate(self, prompt: Prompt, sampling_params: SamplingParams | None = None,
-                 request_id: str | None = None) -> RequestStream:
+    def generate(self, prompt: PromptInput, sampling_params: SamplingParams | None = None,
+                 request_id: str | None = None, *, priority: int = 0,
+                 add_special_tokens: bool | None = None) -> RequestStream:
         """Streams the request's RequestOutput deltas: each holds the text and tokens that
         are new since the last one; the last has finished=True. The request starts when
         the stream is first iterated (or awaited, which gives the whole output); leaving
-        the stream early aborts it."""
+        the stream early aborts it. prompt: text, token ids, or vLLM's dict prompt
+        ({"prompt": text} or {"prompt_token_ids": ids}, with an optional "cache_salt")."""
         params = _check_params(sampling_params)
-        if not isinstance(prompt, (str, list)):
-            raise InvalidRequestError("prompt must be a string or a list of token ids", param="prompt")
+        prompt, cache_salt = split_prompt(prompt)
         request = AddRequest(request_id=self._new_id(request_id), prompt=prompt, params=params,
-                             arrival_time=time.time())
+                             arrival_time=time.time(), add_special_tokens=add_special_tokens, priority=priority,
+                             cache_salt=cache_salt)
         return RequestStream(self._run(request, prompt if isinstance(prompt, str) else None))
 
     def chat(self, messages: list[dict[str, Any]], sampling_params: SamplingParams | None = None,
-             request_id: str | None = None, add_generation_prompt: bool = True) -> RequestStream:
-        """generate() for a conversation, rendered with the model's chat template."""
+             request_id: str | None = None, add_generation_prompt: bool = True, *,
+             continue_final_message: bool = False, chat_template: str | None = None,
+             chat_template_kwargs: dict[str, Any] | None = None, documents: list[dict[str, Any]] | None = None,
+             add_special_tokens: bool = False, priority: int = 0, cache_salt: str | None = None) -> RequestStream:
+        """generate() for a conversation, rendered with the chat template (chat_template,
+        else the model's) with vLLM's options."""
         params = _check_params(sampling_params)
         if not isinstance(messages, list):
             raise InvalidRequestError("messages must be a list of {'role', 'content'} objects", param="messages")
-        request = AddRequest(request_id=self._new_id(request_id), messages=messages,
-                             add_generation_prompt=add_generation_prompt, params=params, arrival_time=time.time())
+        chat = ChatOptions(add_generation_prompt=add_generation_prompt, continue_final_message=continue_final_message,
+                           chat_template=chat_template, chat_template_kwargs=chat_template_kwargs,
+                           documents=documents)
+        request = AddRequest(request_id=self._new_id(request_id), messages=messages, chat=chat, params=params,
+                             arrival_time=time.time(), add_special_tokens=add_special_tokens, priority=priority,
+                             cache_salt=cache_salt)
         return RequestStream(self._run(request, None))
 
-    async def generate_batch(self, prompts: Sequence[Prompt],
+    async def generate_batch(self, prompts: Sequence[PromptInput],
                              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-                             use_tqdm: bool = True) -> list[RequestOutput]:
-        """Every prompt at once; the whole outputs, in prompt order."""
+                             use_tqdm: bool = True, priority: Sequence[int] | None = None) -> list[RequestOutput]:
+        """Every prompt at once; the whole outputs, in prompt order. sampling_params and
+        priority may be one per prompt."""
         from tqdm import tqdm
 
         params_list = _broadcast_params(sampling_params, len(prompts))
+        priorities = per_prompt(priority, len(prompts), "priority", 0)
         progress = tqdm(total=len(prompts), desc="Generating", unit="req", disable=not use_tqdm)
         start, num_output_tokens = time.perf_counter(), 0
 
-        async def run_one(prompt: Prompt, params: SamplingParams) -> RequestOutput:
+        async def run_one(prompt: PromptInput, params: SamplingParams, priority: int) -> RequestOutput:
             nonlocal num_output_tokens
             whole = None
-            async for delta in self.generate(prompt, params):
+            async for delta in self.generate(prompt, params, priority=priority):
                 whole = merge_delta(whole, delta)
                 num_output_tokens += sum(len(c.token_ids) for c in delta.outputs)
             progress.update(1)
             progress.set_postfix_str(f"{num_output_tokens / max(time.perf_counter() - start, 1e-9):.1f} tok/s out")
             return whole
 
-        tasks = [asyncio.ensure_future(run_one(p, sp)) for p, sp in zip(prompts, params_list)]
+        tasks = [asyncio.ensure_future(run_one(p, sp, pr)) for p, sp, pr in zip(prompts, params_list, priorities)]
         try:
             return list(await asyncio.gather(*tasks))
         finally:

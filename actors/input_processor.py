@@ -9,14 +9,12 @@ can run side by side (the frontend's PUSH socket balances requests across them).
 from __future__ import annotations
 
 import logging
-from typing import Any
-
-from jinja2 import TemplateError
 
 from actors.actor import Actor, ActorSpec
-from messages.common import InvalidRequestError, SamplingParams
+from actors.chat_template import render_chat_text
+from messages.common import MAX_LOGPROBS, InvalidRequestError, SamplingParams
 from messages.frontend import RequestRejected
-from messages.input_processor import AddRequest, InputProcessorInbox
+from messages.input_processor import AddRequest, ChatOptions, InputProcessorInbox
 from messages.scheduler import TokenizedRequest
 from messages.transport import Sockets
 
@@ -26,42 +24,99 @@ Prompt = str | list[int]
 
 
 class InputProcessor:
-    def __init__(self, tokenizer, vocab_size: int, max_model_len: int) -> None:
+    """Renders, tokenizes and checks requests. process() is the one place every request
+    passes (the actor's, and the offline LLM's): whatever a worker reads of a request is
+    checked here against the model (vocabulary, context length, max_logprobs)."""
+
+    def __init__(self, tokenizer, vocab_size: int, max_model_len: int, max_logprobs: int = MAX_LOGPROBS) -> None:
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
+        self.max_logprobs = max_logprobs
 
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
-        if not isinstance(messages, list) or not messages or not all(isinstance(m, dict) for m in messages):
-            raise InvalidRequestError("messages must be a non-empty list of {'role': ..., 'content': ...} "
-                                      "objects", param="messages")
-        if getattr(self.tokenizer, "chat_template", None) is None:
-            raise InvalidRequestError("this model's tokenizer has no chat template", param="messages")
-        conversation = [_text_message(message) for message in messages]
-        try:
-            rendered = self.tokenizer.apply_chat_template(conversation, tokenize=False,
-                                                          add_generation_prompt=add_generation_prompt)
-        except TemplateError as error:  # e.g. a template that insists roles alternate
-            raise InvalidRequestError(f"the chat template rejected the messages: {error}",
-                                      param="messages") from error
-        # the template already holds any BOS token
-        return self.tokenizer.encode(rendered, add_special_tokens=False)
-
-    def process(self, prompt: Prompt, params: SamplingParams) -> tuple[str | None, list[int]]:
-        """Returns (prompt text or None, prompt token ids) after validating both."""
+    def process(self, prompt: Prompt | None, params: SamplingParams, *, messages: list[dict] | None = None,
+                chat: ChatOptions | None = None, add_special_tokens: bool | None = None, priority: int = 0,
+                cache_salt: str | None = None) -> tuple[str | None, list[int]]:
+        """Returns (prompt text or None, prompt token ids) after validating both and the
+        parameters; fills in params.bad_words_token_ids. Raises InvalidRequestError."""
         params.validate()
-        if isinstance(prompt, str):
-            text, token_ids = prompt, self.tokenizer.encode(prompt)
+        self.check_params(params)
+        check_request_options(priority, cache_salt)
+        if messages is not None:
+            text = None
+            token_ids = self.render_chat(messages, chat or ChatOptions(), bool(add_special_tokens))
+        elif isinstance(prompt, str):
+            text = prompt
+            token_ids = self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens is not False)
         elif isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
             text, token_ids = None, list(prompt)
         else:
             raise InvalidRequestError("prompt must be a string or a list of token ids", param="prompt")
+        token_ids = self._truncate(token_ids, params.truncate_prompt_tokens)
         self.check_prompt_tokens(token_ids)
-        bad = [t for t in params.logit_bias or {} if t >= self.vocab_size]
-        if bad:
-            raise InvalidRequestError(f"logit_bias token id {bad[0]} is out of range [0, {self.vocab_size})",
-                                      param="logit_bias")
         return text, token_ids
+
+    def check_params(self, params: SamplingParams) -> None:
+        """The checks that need the model: token ids in the vocabulary, logprobs within
+        max_logprobs, truncation within the context; bad_words become token ids."""
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(params, name)
+            if value is not None and value > self.max_logprobs:
+                raise InvalidRequestError(f"{name} must be at most {self.max_logprobs} (the server's max_logprobs), "
+                                          f"got {value}", param=name)
+        for name, token_ids in (("logit_bias", params.logit_bias or {}),
+                                ("allowed_token_ids", params.allowed_token_ids or ()),
+                                ("stop_token_ids", params.stop_token_ids or ())):
+            bad = [t for t in token_ids if not 0 <= t < self.vocab_size]
+            if bad:
+                raise InvalidRequestError(f"{name} token id {bad[0]} is out of range [0, {self.vocab_size})",
+                                          param=name)
+        truncate = params.truncate_prompt_tokens
+        if truncate is not None and truncate > self.max_model_len:
+            raise InvalidRequestError(f"truncate_prompt_tokens ({truncate}) must be at most max_model_len "
+                                      f"({self.max_model_len})", param="truncate_prompt_tokens")
+        if params.bad_words:
+            params.bad_words_token_ids = self._bad_words_token_ids(params.bad_words)
+        elif params.bad_words_token_ids:
+            bad = [t for word in params.bad_words_token_ids for t in word if not 0 <= t < self.vocab_size]
+            if bad or not all(params.bad_words_token_ids):
+                raise InvalidRequestError("bad_words_token_ids must be non-empty lists of token ids in the "
+                                          "vocabulary", param="bad_words")
+
+    def _bad_words_token_ids(self, words: list[str]) -> list[list[int]]:
+        """Each word's tokens at the start of a text and after a space: byte-level BPE
+        spells " dog" as one token where "dog" is two. The spaced spelling is left out
+        when it is only the plain one behind a token of its own for the space (then
+        banning the plain one covers it)."""
+        sequences: list[list[int]] = []
+        for word in words:
+            word = word.lstrip()
+            alone = self.tokenizer.encode(word, add_special_tokens=False)
+            sequences.append(alone)
+            spaced = self.tokenizer.encode(" " + word, add_special_tokens=False)
+            if alone and spaced and spaced[-len(alone):] != alone:
+                sequences.append(spaced)
+        bad = [t for sequence in sequences for t in sequence if not 0 <= t < self.vocab_size]
+        if bad or not all(sequences):
+            raise InvalidRequestError("bad_words must tokenize to token ids in the model's vocabulary",
+                                      param="bad_words")
+        return sequences
+
+    def _truncate(self, token_ids: list[int], truncate: int | None) -> list[int]:
+        if truncate is None:
+            return token_ids
+        keep = self.max_model_len - 1 if truncate == -1 else truncate  # -1: as much as leaves room for output
+        return token_ids[-keep:]
+
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
+        """The conversation's prompt token ids, with the default chat options otherwise."""
+        return self.render_chat(messages, ChatOptions(add_generation_prompt=add_generation_prompt))
+
+    def render_chat(self, messages: list[dict], options: ChatOptions, add_special_tokens: bool = False) -> list[int]:
+        """The conversation rendered with the chat template (the request's own, else the
+        tokenizer's) and tokenized; add_special_tokens adds BOS on top of the template's."""
+        text = render_chat_text(self.tokenizer, messages, options)
+        return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
 
     def check_prompt_tokens(self, token_ids: list[int]) -> None:
         if not token_ids:
@@ -78,24 +133,16 @@ class InputProcessor:
                 param="prompt")
 
 
-def _text_message(message: dict[str, Any]) -> dict[str, Any]:
-    """A message whose content is a string: OpenAI's list of content parts is joined."""
-    role, content = message.get("role"), message.get("content")
-    if not isinstance(role, str):
-        raise InvalidRequestError("each message needs a string 'role'", param="messages")
-    if content is None:
-        content = ""
-    if isinstance(content, list):
-        texts = []
-        for part in content:
-            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
-                raise InvalidRequestError("only text content parts ({'type': 'text', 'text': ...}) are supported",
-                                          param="messages")
-            texts.append(part["text"])
-        content = "".join(texts)
-    if not isinstance(content, str):
-        raise InvalidRequestError("message content must be a string or a list of text parts", param="messages")
-    return {**message, "role": role, "content": content}
+def check_request_options(priority: int, cache_salt: str | None) -> None:
+    """priority and cache_salt, the request's options beside its sampling parameters."""
+    if isinstance(priority, bool) or not isinstance(priority, int):
+        raise InvalidRequestError(f"priority must be an integer, got {priority!r}", param="priority")
+    if priority != 0:
+        # as vLLM with its default policy: a priority that would be silently ignored is refused
+        raise InvalidRequestError(f"priority {priority} needs priority scheduling, and this engine schedules "
+                                  "first come, first served; send priority 0 or none", param="priority")
+    if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt):
+        raise InvalidRequestError("cache_salt must be a non-empty string", param="cache_salt")
 
 
 class InputProcessorActor(Actor):
@@ -117,7 +164,7 @@ class InputProcessorActor(Actor):
 
         engine = spec.engine
         processor = InputProcessor(load_tokenizer(engine.tokenizer_path), engine.model.vocab_size,
-                                   engine.scheduler.max_model_len)
+                                   engine.scheduler.max_model_len, engine.max_logprobs)
         return cls(spec.name, spec.addresses, sockets, processor)
 
     def handle(self, message: AddRequest) -> None:
@@ -131,16 +178,15 @@ class InputProcessorActor(Actor):
             self._reject(message.request_id, f"input processing failed: {error}", "internal_error", None)
             return
         self.to_scheduler.send(TokenizedRequest(request_id=message.request_id, prompt_token_ids=token_ids,
-                                                params=message.params, arrival_time=message.arrival_time))
+                                                params=message.params, arrival_time=message.arrival_time,
+                                                cache_salt=message.cache_salt, priority=message.priority))
 
     def _tokenize(self, message: AddRequest) -> list[int]:
-        if message.messages is not None:
-            token_ids = self.processor.apply_chat_template(message.messages, message.add_generation_prompt)
-            self.processor.check_prompt_tokens(token_ids)
-            return token_ids
-        if message.prompt is None:
+        if message.prompt is None and message.messages is None:
             raise InvalidRequestError("a request needs a prompt or messages", param="prompt")
-        return self.processor.process(message.prompt, message.params)[1]
+        return self.processor.process(message.prompt, message.params, messages=message.messages, chat=message.chat,
+                                      add_special_tokens=message.add_special_tokens, priority=message.priority,
+                                      cache_salt=message.cache_salt)[1]
 
     def _reject(self, request_id: str, text: str, error_type: str, param: str | None) -> None:
         self.to_frontend.send(RequestRejected(request_id=request_id, message=text, error_type=error_type,

@@ -11,7 +11,9 @@ from tqdm import tqdm
 
 from actors.engine_args import EngineArgs
 from actors.engine_core import EngineCore
-from actors.input_processor import InputProcessor, Prompt
+from actors.prompts import PromptInput, per_prompt, split_prompt
+from actors.input_processor import InputProcessor
+from messages.input_processor import ChatOptions
 from actors.worker.loader import load_tokenizer
 from messages.common import RequestOutput, SamplingParams
 
@@ -30,19 +32,20 @@ class LLM:
                  max_model_len: int | None = None, dtype: str = "float32", seed: int = 0,
                  enable_prefix_caching: bool = True, attention_backend: str = "auto",
                  load_format: str = "auto", device: str = "cpu", tensor_parallel_size: int = 1,
-                 gpu_memory_utilization: float | None = None) -> None:
+                 gpu_memory_utilization: float | None = None, max_logprobs: int = 20) -> None:
         args = EngineArgs(
             model=model, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
             block_size=block_size, kv_cache_memory=kv_cache_memory, num_kv_blocks=num_kv_blocks,
             max_model_len=max_model_len, dtype=dtype, seed=seed, enable_prefix_caching=enable_prefix_caching,
             attention_backend=attention_backend, load_format=load_format, device=device,
-            tensor_parallel_size=tensor_parallel_size, gpu_memory_utilization=gpu_memory_utilization)
+            tensor_parallel_size=tensor_parallel_size, gpu_memory_utilization=gpu_memory_utilization,
+            max_logprobs=max_logprobs)
         self.config = args.build()
         self.tokenizer = load_tokenizer(self.config.tokenizer_path)
         self.engine = EngineCore(self.config, self.tokenizer) if tensor_parallel_size == 1 else None
         self._remote = ThreadedClient(args) if self.engine is None else None
         self.inputs = InputProcessor(self.tokenizer, self.config.model.vocab_size,
-                                     self.config.scheduler.max_model_len)
+                                     self.config.scheduler.max_model_len, self.config.max_logprobs)
         self._request_counter = itertools.count()
 
     @property
@@ -62,27 +65,34 @@ class LLM:
     def __exit__(self, *exc_info: object) -> None:
         self.close()
 
-    def generate(self, prompts: Prompt | Sequence[Prompt],
+    def generate(self, prompts: PromptInput | Sequence[PromptInput],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 use_tqdm: bool = True) -> list[RequestOutput]:
-        """prompts: a string, a list of token ids, or a list of either. Outputs come back in
-        prompt order. Any invalid prompt or parameter raises ValueError before any request
-        is added, so the engine keeps its other work."""
-        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+                 use_tqdm: bool = True, priority: Sequence[int] | None = None) -> list[RequestOutput]:
+        """prompts: a string, a list of token ids, a vLLM prompt dict ({"prompt": ...} or
+        {"prompt_token_ids": ...}, optionally with "cache_salt"), or a list of these.
+        sampling_params and priority may be one per prompt. Outputs come back in prompt
+        order. Any invalid prompt or parameter raises InvalidRequestError (a ValueError)
+        before any request is added, so the engine keeps its other work."""
+        if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts
+                                                and isinstance(prompts[0], int)):
             prompts = [prompts]
-        prompts = list(prompts)
-        params_list = _broadcast_params(sampling_params, len(prompts))
-        processed = [self.inputs.process(prompt, params) for prompt, params in zip(prompts, params_list)]
+        split = [split_prompt(prompt) for prompt in prompts]
+        params_list = _broadcast_params(sampling_params, len(split))
+        priorities = per_prompt(priority, len(split), "priority", 0)
+        processed = [self.inputs.process(prompt, params, priority=prio, cache_salt=salt)
+                     for (prompt, salt), params, prio in zip(split, params_list, priorities)]
         if self._remote is not None:
-            outputs = self._remote.generate_batch([ids for _, ids in processed], params_list, use_tqdm)
+            tokens_prompts = [{"prompt_token_ids": ids, **({"cache_salt": salt} if salt else {})}
+                              for (_, ids), (_, salt) in zip(processed, split)]
+            outputs = self._remote.generate_batch(tokens_prompts, params_list, use_tqdm)
             for output, (text, _) in zip(outputs, processed):
                 output.prompt = text
             return outputs
         request_ids: list[str] = []
         try:
-            for (text, token_ids), params in zip(processed, params_list):
+            for (text, token_ids), params, (_, salt) in zip(processed, params_list, split):
                 request_id = str(next(self._request_counter))
-                self.engine.add_request(request_id, text, token_ids, params)
+                self.engine.add_request(request_id, text, token_ids, params, cache_salt=salt)
                 request_ids.append(request_id)
         except ValueError:
             for request_id in request_ids:
@@ -92,10 +102,16 @@ class LLM:
 
     def chat(self, messages: list[dict] | list[list[dict]],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-             use_tqdm: bool = True, add_generation_prompt: bool = True) -> list[RequestOutput]:
-        """One conversation (a list of messages) or a list of conversations."""
+             use_tqdm: bool = True, chat_template: str | None = None, add_generation_prompt: bool = True,
+             continue_final_message: bool = False, chat_template_kwargs: dict | None = None,
+             documents: list[dict] | None = None) -> list[RequestOutput]:
+        """One conversation (a list of messages) or a list of conversations, rendered with
+        chat_template (else the model's) and vLLM's chat options."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
-        prompts = [self.inputs.apply_chat_template(c, add_generation_prompt) for c in conversations]
+        options = ChatOptions(add_generation_prompt=add_generation_prompt,
+                              continue_final_message=continue_final_message, chat_template=chat_template,
+                              chat_template_kwargs=chat_template_kwargs, documents=documents)
+        prompts = [self.inputs.render_chat(c, options) for c in conversations]
         return self.generate(prompts, sampling_params, use_tqdm)
 
     def _run(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:

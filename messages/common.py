@@ -5,8 +5,11 @@ from __future__ import annotations
 
 import msgspec
 
-# The most top logprobs a request may ask for, per token (as vLLM's default max_logprobs).
+# The most top logprobs a request may ask for, per token: vLLM's default max_logprobs
+# (the engine argument max_logprobs, --max-logprobs, changes it).
 MAX_LOGPROBS = 20
+# seed is a signed 64-bit integer, as in vLLM
+_SEED_RANGE = (-(2**63), 2**63 - 1)
 
 
 class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
@@ -32,6 +35,15 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     logit_bias: dict[int, float] | None = None  # token id -> added to its logit before sampling, in [-100, 100]
+    allowed_token_ids: list[int] | None = None  # only these may be sampled
+    bad_words: list[str] | None = None  # words never generated (as their token sequences)
+    # keep only the last k prompt tokens (-1: the last max_model_len - 1)
+    truncate_prompt_tokens: int | None = None
+    # fast tokenizers (troupe's) never put spaces around special tokens, as in vLLM with them
+    spaces_between_special_tokens: bool = True
+    # bad_words as token-id sequences, filled in by the input processor (with and without a
+    # leading space, as vLLM): what the sampler reads
+    bad_words_token_ids: list[list[int]] | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -64,10 +76,13 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
         if self.max_tokens is not None:
             _check(self.min_tokens <= self.max_tokens, "min_tokens",
                    f"must be at most max_tokens ({self.max_tokens}), got {self.min_tokens}")
+        if self.seed is not None:
+            _check(_SEED_RANGE[0] <= self.seed <= _SEED_RANGE[1], "seed",
+                   f"must be a signed 64-bit integer, in [{_SEED_RANGE[0]}, {_SEED_RANGE[1]}], got {self.seed}")
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
-            if value is not None:
-                _check(0 <= value <= MAX_LOGPROBS, name, f"must be in [0, {MAX_LOGPROBS}], got {value}")
+            if value is not None:  # the upper bound is the engine's max_logprobs (the input processor checks)
+                _check(value >= 0, name, f"must be non-negative, got {value}")
         for stop in self.stop_strings:
             _check(isinstance(stop, str) and stop != "", "stop", "stop strings must be non-empty")
         for token_id in self.stop_token_ids or []:
@@ -76,6 +91,15 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
             _check(isinstance(token_id, int) and token_id >= 0, "logit_bias",
                    f"keys must be non-negative token ids, got {token_id!r}")
             _check(-100.0 <= bias <= 100.0, "logit_bias", f"values must be in [-100, 100], got {bias}")
+        if self.allowed_token_ids is not None:
+            _check(len(self.allowed_token_ids) > 0, "allowed_token_ids", "must not be empty")
+            for token_id in self.allowed_token_ids:
+                _check(token_id >= 0, "allowed_token_ids", f"must be non-negative token ids, got {token_id}")
+        for word in self.bad_words or []:
+            _check(isinstance(word, str) and word.strip() != "", "bad_words", f"must be non-empty words, got {word!r}")
+        if self.truncate_prompt_tokens is not None:
+            _check(self.truncate_prompt_tokens == -1 or self.truncate_prompt_tokens >= 1, "truncate_prompt_tokens",
+                   f"must be -1 (the model's limit) or at least 1, got {self.truncate_prompt_tokens}")
 
 
 class InvalidRequestError(ValueError):

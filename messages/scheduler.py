@@ -37,6 +37,8 @@ class TokenizedRequest(msgspec.Struct, array_like=True, frozen=True, kw_only=Tru
     prompt_token_ids: list[int]
     params: SamplingParams
     arrival_time: float = 0.0
+    cache_salt: str | None = None  # prefix-cache entries are shared only between equal salts
+    priority: int = 0
 
 
 class AbortRequest(msgspec.Struct, array_like=True, frozen=True, tag="abort"):

@@ -79,7 +79,8 @@ class SchedulerActor(Actor):
             del self._early_aborts[request.request_id]
             return  # aborted while it was being tokenized
         try:
-            self.scheduler.add_request(request.request_id, request.prompt_token_ids, request.params)
+            self.scheduler.add_request(request.request_id, request.prompt_token_ids, request.params,
+                                       cache_salt=request.cache_salt)
         except ValueError as error:
             self.to_frontend.send(RequestRejected(request_id=request.request_id, message=str(error),
                                                   param=getattr(error, "param", None)))

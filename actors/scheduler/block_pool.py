@@ -37,6 +37,13 @@ def hash_block_tokens(parent_hash: BlockHash | None, token_ids: Sequence[int]) -
     return hasher.digest()
 
 
+def salted_root_hash(cache_salt: str) -> BlockHash:
+    """The parent hash of the first block of a request with this cache_salt: every key of
+    its blocks then differs from those of unsalted requests and of other salts, so the
+    prefix cache shares blocks only between requests that send the same salt."""
+    return hashlib.sha256(b"cache_salt\0" + cache_salt.encode()).digest()
+
+
 class NoFreeBlocksError(RuntimeError):
     """allocate() was asked for more blocks than are free; callers check first."""
 

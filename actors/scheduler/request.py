@@ -47,6 +47,7 @@ class Sequence:
         self.generation = 0  # bumped when the blocks are released: results of older plans are stale
         self.num_cached_blocks = 0  # leading blocks already offered to the prefix cache
         self.block_hashes: list[BlockHash] = []  # keys of its leading full blocks, grown lazily
+        self.root_hash: BlockHash | None = None  # the first block's parent: set by a cache_salt
         self.sent_to_worker = False  # the worker holds state for seq_id
         self.num_cached_tokens = 0  # prompt tokens served from the prefix cache at first admission
         self.was_admitted = False
@@ -90,7 +91,7 @@ class Sequence:
         """Prefix-cache keys of every full block of its known tokens (computed or not)."""
         num_full_blocks = len(self.token_ids) // block_size
         for block_index in range(len(self.block_hashes), num_full_blocks):
-            parent_hash = self.block_hashes[-1] if self.block_hashes else None
+            parent_hash = self.block_hashes[-1] if self.block_hashes else self.root_hash
             start = block_index * block_size
             self.block_hashes.append(hash_block_tokens(parent_hash, self.token_ids[start:start + block_size]))
         return self.block_hashes

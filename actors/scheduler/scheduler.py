@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import msgspec
 
 from actors.config import CacheConfig, SchedulerConfig
-from actors.scheduler.block_pool import BlockPool
+from actors.scheduler.block_pool import BlockPool, salted_root_hash
 from actors.scheduler.request import Sequence, SequenceStatus
 from messages.common import SamplingParams
 from messages.detokenizer import NewTokens
@@ -73,9 +73,11 @@ class Scheduler:
 
     # ---- requests in and out ----
 
-    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                    cache_salt: str | None = None) -> None:
         """Queues a request; params.n > 1 makes n sequences that share the prompt's blocks.
-        Raises ValueError when the request can never run."""
+        A cache_salt keeps its prefix-cache entries apart from those of other salts (or
+        none). Raises ValueError when the request can never run."""
         num_prompt_tokens = len(prompt_token_ids)
         if request_id in self._request_id_to_seq_ids:
             raise ValueError(f"request_id {request_id!r} is already in use by a live request")
@@ -96,6 +98,10 @@ class Scheduler:
 
         sequences = [self._make_sequence(seq_id, request_id, index, prompt_token_ids, params)
                      for index, seq_id in enumerate(seq_ids)]
+        if cache_salt is not None:
+            root_hash = salted_root_hash(cache_salt)
+            for seq in sequences:
+                seq.root_hash = root_hash
         if self.block_pool.enable_prefix_caching:
             # Siblings wait until the first sequence has computed (and cached) the
             # prompt, then compute only its last partial block.

@@ -1,5 +1,6 @@
-"""Turns a step's logits into tokens: penalties, logit bias, min_tokens, temperature,
-top-k, top-p, min-p, greedy or random choice, and the logprobs a request asked for.
+"""Turns a step's logits into tokens: penalties, logit bias, allowed token ids, bad
+words, min_tokens, temperature, top-k, top-p, min-p, greedy or random choice, and the
+logprobs a request asked for.
 
 Random choice uses the exponential race (argmax of probs / Exp(1) noise), so each row
 needs only its own noise. A seeded request draws its noise from a generator seeded by
@@ -55,7 +56,8 @@ class Sampler:
             blocked = _blocked_until_min_tokens(params, num_output, self.eos_token_ids)
             penalized = (params.repetition_penalty != 1.0 or params.presence_penalty != 0.0
                          or params.frequency_penalty != 0.0)
-            if not blocked and not penalized and not params.logit_bias:
+            if not (blocked or penalized or params.logit_bias or params.allowed_token_ids
+                    or params.bad_words_token_ids):
                 continue
             if not copied:
                 logits, copied = logits.clone(), True
@@ -64,6 +66,14 @@ class Sampler:
             if params.logit_bias:
                 ids = torch.tensor(list(params.logit_bias), dtype=torch.long)
                 logits[row, ids] += torch.tensor(list(params.logit_bias.values()), dtype=logits.dtype)
+            if params.allowed_token_ids:
+                allowed = torch.tensor(params.allowed_token_ids, dtype=torch.long)
+                kept = logits[row, allowed]
+                logits[row] = float("-inf")
+                logits[row, allowed] = kept
+            if params.bad_words_token_ids:
+                blocked = blocked + _bad_word_endings(params.bad_words_token_ids,
+                                                      request.token_ids[request.num_prompt_tokens:])
             if blocked:
                 logits[row, blocked] = float("-inf")
         return logits
@@ -111,6 +121,18 @@ def _blocked_until_min_tokens(params: SamplingParams, num_output: int,
     return blocked
 
 
+def _bad_word_endings(bad_words: list[list[int]], output: list[int]) -> list[int]:
+    """The tokens that would complete a bad word now: its last token, when the output
+    ends with the rest of it (a one-token word is always banned). As vLLM, only the
+    output counts, not the prompt."""
+    endings = []
+    for word in bad_words:
+        prefix = word[:-1]
+        if not prefix or (len(output) >= len(prefix) and output[len(output) - len(prefix):] == prefix):
+            endings.append(word[-1])
+    return endings
+
+
 def _apply_penalties(logits: torch.Tensor, request: SamplingState) -> None:
     """In place on one row. Repetition penalty looks at prompt and output (as in vLLM and
     Hugging Face); presence and frequency penalties at the output only (as in OpenAI)."""
@@ -151,6 +173,7 @@ def _token_logprobs(logprobs: torch.Tensor, token: int, top: int) -> TokenLogpro
     chosen = logprobs[token]
     rank = int((logprobs > chosen).sum()) + 1
     ids, values, ranks = [token], [float(chosen)], [rank]
+    top = min(top, logprobs.shape[-1])  # max_logprobs may exceed a small vocabulary
     if top:
         top_values, top_ids = logprobs.topk(top)
         ids += top_ids.tolist()

@@ -83,8 +83,11 @@ def test_stop_string_ends_generation_and_is_cut_from_text(llm):
 
 
 @pytest.mark.parametrize("field, value", [("max_tokens", -1), ("temperature", -0.5), ("top_p", 0.0),
-                                          ("top_p", 1.5), ("n", 0), ("min_p", 2.0), ("logprobs", 100),
-                                          ("logit_bias", {5: 100.5}), ("logit_bias", {-1: 1.0})])
+                                          ("top_p", 1.5), ("n", 0), ("min_p", 2.0), ("logprobs", -1),
+                                          ("prompt_logprobs", -1), ("logit_bias", {5: 100.5}),
+                                          ("logit_bias", {-1: 1.0}), ("seed", 2**63), ("seed", -(2**63) - 1),
+                                          ("allowed_token_ids", []), ("bad_words", [" "]),
+                                          ("truncate_prompt_tokens", 0)])
 def test_bad_sampling_params_raise_value_error_naming_the_field(field, value):
     with pytest.raises(ValueError, match=field):
         SamplingParams(**{field: value})
@@ -102,8 +105,17 @@ def test_bad_prompts_raise_and_the_engine_keeps_serving(llm):
         llm.generate([[vocab + 5]], params, use_tqdm=False)
     with pytest.raises(ValueError, match="empty"):
         llm.generate([[]], params, use_tqdm=False)
-    with pytest.raises(ValueError, match="logit_bias"):
-        llm.generate([good], SamplingParams(max_tokens=4, logit_bias={vocab: 5.0}), use_tqdm=False)
+    # every field the worker reads is checked against the model before anything runs
+    for field, params_with_bad_field in [
+            ("logit_bias", SamplingParams(max_tokens=4, logit_bias={vocab: 5.0})),
+            ("allowed_token_ids", SamplingParams(max_tokens=4, allowed_token_ids=[1, vocab])),
+            ("stop_token_ids", SamplingParams(max_tokens=4, min_tokens=2, stop_token_ids=[vocab + 1])),
+            ("logprobs", SamplingParams(max_tokens=4, logprobs=21)),  # over the default max_logprobs
+            ("prompt_logprobs", SamplingParams(max_tokens=4, prompt_logprobs=21)),
+            ("truncate_prompt_tokens", SamplingParams(max_tokens=4, truncate_prompt_tokens=10**6))]:
+        with pytest.raises(ValueError, match=field) as raised:
+            llm.generate([good], params_with_bad_field, use_tqdm=False)
+        assert raised.value.param == field
     assert llm.generate([good], params, use_tqdm=False)[0].outputs[0].token_ids == expected
     assert not llm.engine.has_unfinished()
 

@@ -1,0 +1,78 @@
+"""A conversation rendered with a chat template, with vLLM's request options: the
+request's own template or the tokenizer's, add_generation_prompt or
+continue_final_message, extra template variables, documents. OpenAI's message shapes are
+normalised first: a list of text parts becomes one string, the `developer` role is the
+`system` role, `name` is kept for templates that read it.
+
+Used by the input processor (every generation request) and by /tokenize, so the two
+render a conversation the same way."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from jinja2 import TemplateError
+
+from messages.common import InvalidRequestError
+from messages.input_processor import ChatOptions
+
+# Variables a request's chat_template_kwargs may not set: the renderer's own arguments.
+_RESERVED_KWARGS = frozenset({"conversation", "messages", "tools", "documents", "chat_template",
+                              "add_generation_prompt", "continue_final_message", "tokenize", "return_dict",
+                              "tokenizer_kwargs"})
+
+
+def render_chat_text(tokenizer, messages: list[dict], options: ChatOptions) -> str:
+    """The prompt text of a conversation; InvalidRequestError naming the field at fault."""
+    if not isinstance(messages, list) or not messages or not all(isinstance(m, dict) for m in messages):
+        raise InvalidRequestError("messages must be a non-empty list of {'role': ..., 'content': ...} objects",
+                                  param="messages")
+    template = options.chat_template or getattr(tokenizer, "chat_template", None)
+    if template is None:
+        raise InvalidRequestError("this model's tokenizer has no chat template; send one as chat_template",
+                                  param="messages")
+    if options.add_generation_prompt and options.continue_final_message:
+        raise InvalidRequestError("continue_final_message and add_generation_prompt cannot both be true",
+                                  param="continue_final_message")
+    conversation = [normalise_message(message) for message in messages]
+    if options.continue_final_message and conversation[-1]["role"] != "assistant":
+        raise InvalidRequestError("continue_final_message needs the last message to be the assistant's",
+                                  param="continue_final_message")
+    kwargs = dict(options.chat_template_kwargs or {})
+    reserved = sorted(_RESERVED_KWARGS & kwargs.keys())
+    if reserved:
+        raise InvalidRequestError(f"chat_template_kwargs may not set {', '.join(reserved)}",
+                                  param="chat_template_kwargs")
+    try:
+        return tokenizer.apply_chat_template(
+            conversation, tokenize=False, chat_template=template, documents=options.documents,
+            add_generation_prompt=options.add_generation_prompt,
+            continue_final_message=options.continue_final_message, **kwargs)
+    except (TemplateError, ValueError, TypeError, KeyError) as error:
+        # a template that insists roles alternate, or a continued message it does not contain
+        raise InvalidRequestError(f"the chat template rejected the messages: {error}", param="messages") from error
+
+
+def normalise_message(message: dict[str, Any]) -> dict[str, Any]:
+    """A message whose content is one string and whose role a template knows."""
+    role, content = message.get("role"), message.get("content")
+    if not isinstance(role, str):
+        raise InvalidRequestError("each message needs a string 'role'", param="messages")
+    if role == "developer":  # OpenAI's newer name for the system role
+        role = "system"
+    if content is None:
+        content = ""
+    if isinstance(content, list):
+        texts = []
+        for part in content:
+            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+                raise InvalidRequestError("only text content parts ({'type': 'text', 'text': ...}) are supported",
+                                          param="messages")
+            texts.append(part["text"])
+        content = "\n".join(texts) if len(texts) > 1 else "".join(texts)
+    if not isinstance(content, str):
+        raise InvalidRequestError("message content must be a string or a list of text parts", param="messages")
+    normalised = {**message, "role": role, "content": content}
+    if normalised.get("name") is None:
+        normalised.pop("name", None)
+    return normalised
