@@ -18,6 +18,7 @@ import argparse
 import asyncio
 import contextlib
 import logging
+import os
 import signal
 import socket
 import sys
@@ -89,6 +90,19 @@ def build_parser() -> argparse.ArgumentParser:
     server.add_argument("--log-level", choices=LOG_LEVELS, default="info",
                         help="'info' logs one line per request (default: %(default)s)")
 
+    api = parser.add_argument_group("OpenAI API (vLLM's flags)")
+    api.add_argument("--chat-template", metavar="FILE_OR_TEMPLATE",
+                     help="a Jinja chat template (a file, or the template itself) for chat requests that send "
+                          "none; default: the tokenizer's")
+    api.add_argument("--response-role", default="assistant", metavar="ROLE",
+                     help="the role of generated chat messages (default: %(default)s)")
+    api.add_argument("--max-logprobs", type=int, default=20, metavar="N",
+                     help="the most logprobs / prompt_logprobs a request may ask for (default: %(default)s)")
+    api.add_argument("--return-tokens-as-token-ids", action="store_true",
+                     help="logprobs name tokens as 'token_id:<id>' unless a request says otherwise")
+    api.add_argument("--enable-prompt-tokens-details", action="store_true",
+                     help="usage.prompt_tokens_details.cached_tokens: prompt tokens served from the prefix cache")
+
     engine = parser.add_argument_group("engine")
     engine.add_argument("--max-num-seqs", type=int, default=256, metavar="N", help="requests running at once (default: %(default)s)")
     engine.add_argument("--max-num-batched-tokens", type=int, default=2048, metavar="TOKENS",
@@ -137,6 +151,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             parser.error(f"--{name.replace('_', '-')} is too small: {getattr(args, name)}")
     if args.shutdown_timeout < 0:
         parser.error("--shutdown-timeout must be non-negative")
+    if args.max_logprobs < 0:
+        parser.error(f"--max-logprobs must be non-negative, got {args.max_logprobs}")
+    if args.chat_template is not None:
+        try:
+            args.chat_template = load_chat_template(args.chat_template)
+        except ValueError as error:
+            parser.error(str(error))
     return args
 
 
@@ -149,7 +170,18 @@ def engine_args(args: argparse.Namespace) -> dict:
                 seed=args.seed, enable_prefix_caching=not args.no_prefix_caching,
                 attention_backend=args.attention_backend, load_format=args.load_format,
                 nnodes=args.nnodes, node_rank=args.node_rank, master_addr=args.master_addr,
-                master_port=args.master_port)
+                master_port=args.master_port, max_logprobs=args.max_logprobs)
+
+
+def load_chat_template(value: str) -> str:
+    """--chat-template: a file's contents, or the value itself when it is a template
+    (vLLM's rule: text with braces or a line break is a template, else a path)."""
+    if os.path.isfile(value):
+        with open(value, encoding="utf-8") as file:
+            return file.read()
+    if any(char in value for char in "{}\n"):
+        return value
+    raise ValueError(f"--chat-template: {value!r} is neither a file nor a Jinja template")
 
 
 def bind_socket(host: str, port: int) -> socket.socket:
@@ -249,7 +281,10 @@ class Launcher:
         names = args.served_model_name or [args.model or DEFAULT_MODEL_NAME]
         settings = ServerSettings(served_model_names=names, api_key=args.api_key,
                                   max_waiting_requests=args.max_waiting_requests,
-                                  max_body_bytes=args.max_request_size, model_root=client.config.model.model_path)
+                                  max_body_bytes=args.max_request_size, model_root=client.config.model.model_path,
+                                  chat_template=args.chat_template, response_role=args.response_role,
+                                  return_tokens_as_token_ids=args.return_tokens_as_token_ids,
+                                  enable_prompt_tokens_details=args.enable_prompt_tokens_details)
         app = build_app(client, settings)
         self.serving = app.state.serving
         # a backstop: by then abort_all() has ended every response (uvicorn would cancel them)
@@ -266,9 +301,13 @@ class Launcher:
             await asyncio.wait((serve_task, dying), return_when=asyncio.FIRST_COMPLETED)
             exit_code = 0
             if dying.done() and not serve_task.done():
-                logger.error("the engine died (%s); in-flight requests failed; stopping", dying.result())
                 self.server.should_exit = True
-                exit_code = 1
+                if self.stop_requested.is_set():
+                    # the actors got the stop signal too (a service manager signals every process)
+                    logger.info("the engine's actors stopped on the signal too; in-flight requests ended")
+                else:
+                    logger.error("the engine died (%s); in-flight requests failed; stopping", dying.result())
+                    exit_code = 1
             await serve_task
             return exit_code
         finally:

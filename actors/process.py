@@ -5,8 +5,10 @@ multiprocessing spawns: nothing of the caller's state (threads, event loop, CUDA
 into them, and the caller's __main__ is never re-imported. The ActorSpec travels on
 the child's stdin as msgpack.
 
-A child dies with its parent (PR_SET_PDEATHSIG), ignores SIGINT (the launcher decides
-how a Ctrl-C ends the engine) and exits 0 after a Shutdown, non-zero after an error it
+A child dies with its parent (PR_SET_PDEATHSIG), runs in a session of its own (a signal
+to the launcher's process group, from a shell or a service manager, reaches the launcher
+alone, which then stops the engine in order: running requests finish first), ignores
+SIGINT (the launcher decides how a Ctrl-C ends the engine) and exits 0 after a Shutdown, non-zero after an error it
 could not handle, having told the launcher what it was (ActorFailed)."""
 
 from __future__ import annotations
@@ -58,7 +60,7 @@ class ActorProcess:
             child_env.setdefault("GOMP_SPINCOUNT", "10000")
         # the name on the command line tells the processes apart in ps, top and psutil
         self.popen = subprocess.Popen([sys.executable, "-m", "actors.process", "--name", spec.name],
-                                      stdin=subprocess.PIPE, env=child_env)
+                                      stdin=subprocess.PIPE, env=child_env, start_new_session=True)
         assert self.popen.stdin is not None
         self.popen.stdin.write(msgspec.msgpack.encode(spec))
         self.popen.stdin.close()
