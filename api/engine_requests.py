@@ -61,6 +61,7 @@ class EngineRequests:
         self.request_ids = request_ids  # the engine's ids, in prompt order
         self.num_requests = len(streams)
         self.usage = Usage()
+        self._num_cached_tokens: dict[int, int] = {}  # prompt index -> prompt tokens from the prefix cache
         self._max_model_len = max_model_len
         self._max_tokens = max_tokens
         self._metrics = metrics
@@ -72,6 +73,11 @@ class EngineRequests:
         self._closed = False
         self._tasks = [asyncio.create_task(self._pump(index, stream), name=f"troupe-api-stream-{index}")
                        for index, stream in enumerate(streams)]
+
+    @property
+    def num_cached_tokens(self) -> int:
+        """Prompt tokens served from the prefix cache, over all engine requests."""
+        return sum(self._num_cached_tokens.values())
 
     async def start(self) -> None:
         """Returns once every engine request has produced its first delta, so that an
@@ -119,6 +125,8 @@ class EngineRequests:
         try:
             async with aclosing(stream):
                 async for delta in stream:
+                    if delta.num_cached_tokens:
+                        self._num_cached_tokens[index] = delta.num_cached_tokens
                     if delta.prompt_token_ids:
                         self._on_prompt(delta)
                     self._on_tokens(timing, delta)

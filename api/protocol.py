@@ -1,63 +1,104 @@
-"""The OpenAI API's request bodies, as msgspec Structs, and how they become SamplingParams.
+"""The OpenAI API's request bodies, as msgspec Structs, with vLLM's extensions, and how
+they become SamplingParams.
 
 Decoding a body with msgspec checks every type (a string where a number belongs is a
 ValidationError, answered with 400, never a crash); building SamplingParams checks every
-range (InvalidRequestError naming the field, also 400). Unknown fields are ignored, as
-OpenAI's own server and vLLM's do, so newer clients keep working.
+range (InvalidRequestError naming the field, also 400); what needs the model (token ids
+in the vocabulary, logprobs within max_logprobs, the prompt's length) the input
+processor checks, for every route alike. Fields troupe knows but does not implement are
+refused by name (fields.py); other unknown fields are accepted and logged once, as vLLM.
 
 Optional fields are `X | None = None`: some clients send an explicit null for "not set",
 and null must then mean the default, not a type error."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import msgspec
 
 from actors.errors import InvalidRequestError
-from messages.common import MAX_LOGPROBS, SamplingParams
+from messages.common import SamplingParams
+from messages.input_processor import ChatOptions
 
 
 class StreamOptions(msgspec.Struct, kw_only=True):
-    include_usage: bool = False  # a last chunk with `choices: []` and the request's usage
+    include_usage: bool | None = False  # a last chunk with `choices: []` and the request's usage
+    continuous_usage_stats: bool | None = False  # with include_usage: usage on every chunk (vLLM)
 
 
 class SamplingRequest(msgspec.Struct, kw_only=True):
     """The fields /v1/completions and /v1/chat/completions share."""
 
-    model: str | None = None  # None: the served model
+    model: str | None = None  # None or "": the (first) served model
     max_tokens: int | None = None  # None: up to the context left
     temperature: float | None = None
     top_p: float | None = None
     n: int = 1
+    best_of: int | None = None  # only best_of == n (or null): troupe returns every completion it runs
     stream: bool = False
     stream_options: StreamOptions | None = None
     stop: str | list[str] | None = None
     seed: int | None = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None  # OpenAI's: token ids as strings -> bias in [-100, 100]
     user: str | None = None  # accepted and ignored: troupe keeps no per-user state
-    # extensions (vLLM's names)
+    # vLLM's extensions
     top_k: int | None = None
     min_p: float | None = None
     repetition_penalty: float | None = None
+    length_penalty: float = 1.0  # beam search only
+    use_beam_search: bool = False
     ignore_eos: bool = False
     min_tokens: int = 0
     stop_token_ids: list[int] | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
-    logit_bias: dict[str, float] | None = None  # OpenAI's: token ids as strings -> bias in [-100, 100]
+    spaces_between_special_tokens: bool = True
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
+    truncate_prompt_tokens: int | None = None
+    prompt_logprobs: int | None = None
+    return_token_ids: bool | None = None  # the prompt's and each completion's token ids in the response
+    return_tokens_as_token_ids: bool | None = None  # logprob tokens as "token_id:<id>"; null: the server's flag
+    priority: int = 0
+    request_id: str | None = None  # the response's id (after "cmpl-"/"chatcmpl-"); X-Request-Id wins
+    cache_salt: str | None = None  # prefix-cache entries shared only with requests of the same salt
+    echo: bool = False
 
-    def check_stream_options(self) -> None:
+    def check_common(self) -> None:
         if self.stream_options is not None and not self.stream:
             raise InvalidRequestError("stream_options is only allowed when stream is true", param="stream_options")
+        if self.best_of is not None and self.best_of != self.n:
+            raise InvalidRequestError(f"best_of must equal n ({self.n}) or be null: troupe returns every "
+                                      "completion it generates", param="best_of")
+        if self.stream and self.prompt_logprobs is not None:
+            raise InvalidRequestError("prompt_logprobs are not available when stream is true",
+                                      param="prompt_logprobs")
+        if self.use_beam_search:
+            if self.stream:
+                raise InvalidRequestError("use_beam_search does not stream; send stream false", param="stream")
+        elif self.length_penalty != 1.0:
+            raise InvalidRequestError("length_penalty applies to beam search only; set use_beam_search",
+                                      param="length_penalty")
 
     @property
     def include_usage(self) -> bool:
-        return self.stream_options is not None and self.stream_options.include_usage
+        return bool(self.stream_options is not None and self.stream_options.include_usage)
+
+    @property
+    def continuous_usage(self) -> bool:
+        return self.include_usage and bool(self.stream_options.continuous_usage_stats)
+
+    @property
+    def model_name(self) -> str | None:
+        return self.model or None
 
     def sampling_params(self, max_tokens: int | None, logprobs: int | None,
-                        prompt_logprobs: int | None = None) -> SamplingParams:
+                        prompt_logprobs: int | None) -> SamplingParams:
         """The engine's parameters; raises InvalidRequestError for a value out of range."""
-        self.check_stream_options()
+        self.check_common()
         return SamplingParams(
             n=self.n, temperature=_or(self.temperature, 1.0), top_p=_or(self.top_p, 1.0),
             top_k=_or(self.top_k, 0), min_p=_or(self.min_p, 0.0),
@@ -66,7 +107,10 @@ class SamplingRequest(msgspec.Struct, kw_only=True):
             seed=self.seed, max_tokens=max_tokens, min_tokens=self.min_tokens, stop=self.stop,
             stop_token_ids=self.stop_token_ids, include_stop_str_in_output=self.include_stop_str_in_output,
             ignore_eos=self.ignore_eos, logprobs=logprobs, prompt_logprobs=prompt_logprobs,
-            skip_special_tokens=self.skip_special_tokens, logit_bias=self._logit_bias())
+            skip_special_tokens=self.skip_special_tokens,
+            spaces_between_special_tokens=self.spaces_between_special_tokens, logit_bias=self._logit_bias(),
+            allowed_token_ids=self.allowed_token_ids, bad_words=self.bad_words,
+            truncate_prompt_tokens=self.truncate_prompt_tokens)
 
     def _logit_bias(self) -> dict[int, float] | None:
         if not self.logit_bias:
@@ -97,7 +141,8 @@ class CompletionRequest(SamplingRequest, kw_only=True):
     prompt: PromptField
     max_tokens: int | None = 16  # OpenAI's default for completions; null: up to the context left
     logprobs: int | None = None  # top logprobs per token (the sampled token is always listed too)
-    echo: bool = False  # the prompt precedes each completion's text (and its logprobs)
+    add_special_tokens: bool = True  # the tokenizer's BOS before a text prompt
+    response_format: dict[str, Any] | None = None
 
     def prompts(self) -> list[Prompt]:
         """The prompts this request asks for, one engine request each."""
@@ -116,8 +161,11 @@ class CompletionRequest(SamplingRequest, kw_only=True):
                                   "of token-id lists", param="prompt")
 
     def to_sampling_params(self) -> SamplingParams:
+        check_response_format(self.response_format)
         # echo with logprobs scores the prompt too
-        prompt_logprobs = self.logprobs if self.echo and self.logprobs is not None else None
+        prompt_logprobs = self.prompt_logprobs
+        if prompt_logprobs is None and self.echo and self.logprobs is not None:
+            prompt_logprobs = self.logprobs
         return self.sampling_params(self.max_tokens, self.logprobs, prompt_logprobs)
 
 
@@ -147,35 +195,57 @@ class ChatCompletionRequest(SamplingRequest, kw_only=True):
     messages: list[ChatMessage]
     max_completion_tokens: int | None = None  # OpenAI's newer name for max_tokens; wins when both are set
     logprobs: bool = False
-    top_logprobs: int | None = None  # with logprobs: how many alternatives per token (0-20)
-    add_generation_prompt: bool = True  # extension: end the rendered prompt with the assistant's turn
+    top_logprobs: int | None = None  # with logprobs: how many alternatives per token
+    # vLLM's chat-template options
+    add_generation_prompt: bool = True  # end the rendered prompt with the assistant's turn
+    continue_final_message: bool = False  # continue the last (assistant) message instead
+    chat_template: str | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    documents: list[dict[str, Any]] | None = None
+    add_special_tokens: bool = False  # the template already holds BOS
     # troupe generates free text: asking for JSON or for tool calls is refused rather than
     # quietly answered with text the client would then fail to parse
-    response_format: dict | None = None
+    response_format: dict[str, Any] | None = None
     tools: list | None = None
     tool_choice: str | dict | None = None
+    parallel_tool_calls: bool | None = None  # meaningless without tools, so accepted
+    modalities: list[str] | None = None  # only ["text"]
 
-    def to_sampling_params(self) -> SamplingParams:
-        if self.response_format is not None and self.response_format.get("type", "text") != "text":
-            raise InvalidRequestError(f"response_format {self.response_format.get('type')!r} is not supported; "
-                                      "troupe generates free text (response_format type 'text')",
-                                      param="response_format")
+    def to_sampling_params(self, max_logprobs: int) -> SamplingParams:
+        check_response_format(self.response_format)
         if self.tools and self.tool_choice != "none":
             raise InvalidRequestError("tool calling is not supported; send no tools, or tool_choice 'none'",
                                       param="tools")
+        if self.tool_choice not in (None, "none", "auto"):
+            raise InvalidRequestError("tool calling is not supported; tool_choice may only be 'none' or 'auto'",
+                                      param="tool_choice")
+        if self.modalities is not None and any(m != "text" for m in self.modalities):
+            raise InvalidRequestError("only the text modality is supported", param="modalities")
         if self.top_logprobs is not None and not self.logprobs:
             raise InvalidRequestError("top_logprobs needs logprobs to be true", param="top_logprobs")
-        if self.top_logprobs is not None and not 0 <= self.top_logprobs <= MAX_LOGPROBS:
-            raise InvalidRequestError(f"top_logprobs must be in [0, {MAX_LOGPROBS}], got {self.top_logprobs}",
-                                      param="top_logprobs")
+        if self.top_logprobs is not None and not 0 <= self.top_logprobs <= max_logprobs:
+            raise InvalidRequestError(f"top_logprobs must be in [0, {max_logprobs}] (the server's max_logprobs), "
+                                      f"got {self.top_logprobs}", param="top_logprobs")
         max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
-        return self.sampling_params(max_tokens, logprobs)
+        return self.sampling_params(max_tokens, logprobs, self.prompt_logprobs)
 
     def message_dicts(self) -> list[dict]:
         if not self.messages:
             raise InvalidRequestError("messages must not be empty", param="messages")
         return [message.to_dict() for message in self.messages]
+
+    def chat_options(self, default_template: str | None) -> ChatOptions:
+        return ChatOptions(add_generation_prompt=self.add_generation_prompt,
+                           continue_final_message=self.continue_final_message,
+                           chat_template=self.chat_template or default_template,
+                           chat_template_kwargs=self.chat_template_kwargs, documents=self.documents)
+
+
+def check_response_format(response_format: dict[str, Any] | None) -> None:
+    if response_format is not None and response_format.get("type", "text") != "text":
+        raise InvalidRequestError(f"response_format {response_format.get('type')!r} is not supported; troupe "
+                                  "generates free text (response_format type 'text')", param="response_format")
 
 
 class TokenizeRequest(msgspec.Struct, kw_only=True):

@@ -12,15 +12,32 @@ import msgspec
 from msgspec import UNSET, UnsetType
 
 
+class PromptTokensDetails(msgspec.Struct):
+    cached_tokens: int = 0  # prompt tokens served from the prefix cache
+
+
 class Usage(msgspec.Struct):
     prompt_tokens: int = 0
     completion_tokens: int = 0
     total_tokens: int = 0
+    prompt_tokens_details: PromptTokensDetails | None = None  # with --enable-prompt-tokens-details
 
     def add(self, num_prompt_tokens: int, num_completion_tokens: int) -> None:
         self.prompt_tokens += num_prompt_tokens
         self.completion_tokens += num_completion_tokens
         self.total_tokens = self.prompt_tokens + self.completion_tokens
+
+
+class LogprobEntry(msgspec.Struct):
+    """vLLM's shape of one token's logprob in prompt_logprobs."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+# position -> {token id: its logprob}; the first prompt token has none
+PromptLogprobsField = list[dict[int, LogprobEntry] | None] | None
 
 
 # ---- /v1/completions ----
@@ -40,6 +57,10 @@ class CompletionChoice(msgspec.Struct):
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None  # "stop" | "length" | "abort"; None while streaming
     stop_reason: int | str | None = None  # the stop string or token id that ended it (vLLM's extension)
+    # vLLM's extensions: prompt_logprobs when asked; token ids with return_token_ids
+    prompt_logprobs: PromptLogprobsField = None
+    prompt_token_ids: list[int] | None = None
+    token_ids: list[int] | None = None
 
 
 class CompletionResponse(msgspec.Struct):
@@ -74,7 +95,7 @@ class ChatLogprobs(msgspec.Struct):
 
 class AssistantMessage(msgspec.Struct):
     content: str
-    role: str = "assistant"
+    role: str = "assistant"  # the server's --response-role, or the continued message's role
 
 
 class ChatChoice(msgspec.Struct):
@@ -83,6 +104,7 @@ class ChatChoice(msgspec.Struct):
     logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    token_ids: list[int] | None = None  # with return_token_ids
 
 
 class ChatCompletionResponse(msgspec.Struct):
@@ -92,6 +114,8 @@ class ChatCompletionResponse(msgspec.Struct):
     usage: Usage
     object: str = "chat.completion"
     created: int = msgspec.field(default_factory=lambda: int(time.time()))
+    prompt_logprobs: PromptLogprobsField = None
+    prompt_token_ids: list[int] | None = None  # with return_token_ids
 
 
 class DeltaMessage(msgspec.Struct):
@@ -105,6 +129,7 @@ class ChatChunkChoice(msgspec.Struct):
     logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    token_ids: list[int] | UnsetType = UNSET  # with return_token_ids
 
 
 class ChatCompletionChunk(msgspec.Struct):
@@ -114,6 +139,7 @@ class ChatCompletionChunk(msgspec.Struct):
     object: str = "chat.completion.chunk"
     created: int = msgspec.field(default_factory=lambda: int(time.time()))
     usage: Usage | None | UnsetType = UNSET
+    prompt_token_ids: list[int] | UnsetType = UNSET  # with return_token_ids, on a choice's first chunk
 
 
 # ---- models, tokens, version ----

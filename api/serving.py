@@ -10,6 +10,7 @@ reaches EngineRequests, which aborts the engine requests (and frees their KV blo
 from __future__ import annotations
 
 import asyncio
+import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -24,8 +25,10 @@ from actors.errors import EngineDeadError
 from actors.frontend import AsyncClient
 from actors.input_processor import InputProcessor
 from api.engine_requests import EngineRequests, RequestGate
+from api.fields import check_extra_fields
 from api.errors import APIError, bad_request, engine_unavailable, from_decode_error, from_exception
 from api.metrics import ServerMetrics
+from api.responses import PromptTokensDetails, Usage
 from messages.common import RequestOutput, SamplingParams
 
 T = TypeVar("T")
@@ -41,6 +44,10 @@ class ServerSettings:
     max_waiting_requests: int = DEFAULT_MAX_WAITING_REQUESTS  # past max_num_seqs running, then 503
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES  # larger request bodies get 413
     model_root: str = ""  # the model's directory, for /v1/models
+    chat_template: str | None = None  # --chat-template: used when a chat request sends none
+    response_role: str = "assistant"  # --response-role: the role of generated chat messages
+    return_tokens_as_token_ids: bool = False  # --return-tokens-as-token-ids: the default of the field
+    enable_prompt_tokens_details: bool = False  # usage.prompt_tokens_details.cached_tokens
 
 
 class ClientGone(Exception):
@@ -60,16 +67,47 @@ class ServingContext:
         self.gate = RequestGate(client.config.scheduler.max_num_seqs, settings.max_waiting_requests)
         # the input processor's own checks, for prompts of token ids (text needs the tokenizer,
         # so the input processor checks that): a bad id never reaches the engine
-        self._token_checker = InputProcessor(None, client.config.model.vocab_size, self.max_model_len)
+        self._token_checker = InputProcessor(None, client.config.model.vocab_size, self.max_model_len,
+                                             client.config.max_logprobs)
         self.open_requests: set[EngineRequests] = set()  # what abort_all() ends
 
     def check_model(self, name: str | None) -> str:
-        """The model name a response carries; 400 for a model this server does not serve."""
-        if name is None or name in self.settings.served_model_names:
+        """The model name a response carries; 400 for a model this server does not serve.
+        No name (or an empty one) means the first served model, as vLLM."""
+        if not name or name in self.settings.served_model_names:
             return self.model_name
         raise bad_request(f"the model {name!r} does not exist; this server serves "
                           f"{', '.join(map(repr, self.settings.served_model_names))}",
                           param="model", code="model_not_found")
+
+    def request_ids(self, request: Request, body_request_id: str | None, prefix: str,
+                    num_requests: int) -> tuple[str, list[str]]:
+        """The response's id ("<prefix>-<id>"; the id from the X-Request-Id header, else the
+        body's request_id, else a new one, as vLLM) and one engine request id per prompt,
+        unique even when a client reuses its id."""
+        base = request.headers.get("x-request-id") or body_request_id
+        response_id = f"{prefix}-{base or uuid.uuid4().hex}"
+        suffix = f"-{uuid.uuid4().hex[:8]}" if base else ""
+        return response_id, [f"{response_id}-{index}{suffix}" for index in range(num_requests)]
+
+    def tokens_as_ids(self, requested: bool | None) -> bool:
+        """Whether logprobs name tokens as "token_id:<id>": the request's choice, else the server's."""
+        return self.settings.return_tokens_as_token_ids if requested is None else requested
+
+    @staticmethod
+    def engine_prompt(prompt: str | list[int], cache_salt: str | None) -> str | list[int] | dict:
+        if cache_salt is None:
+            return prompt
+        key = "prompt" if isinstance(prompt, str) else "prompt_token_ids"
+        return {key: prompt, "cache_salt": cache_salt}
+
+    def usage(self, requests: EngineRequests) -> Usage:
+        """The usage of an HTTP request's engine requests, with the cached prompt tokens
+        when --enable-prompt-tokens-details is on."""
+        usage = requests.usage
+        if self.settings.enable_prompt_tokens_details:
+            usage.prompt_tokens_details = PromptTokensDetails(cached_tokens=requests.num_cached_tokens)
+        return usage
 
     def check_prompt_tokens(self, prompts: list[str | list[int]]) -> None:
         """400 for a prompt of token ids that is empty, too long or out of the vocabulary."""
@@ -126,10 +164,13 @@ async def read_json(request: Request, body_type: type[T], max_bytes: int) -> T:
             chunks.append(chunk)
     except ClientDisconnect as error:
         raise ClientGone() from error
+    body = b"".join(chunks)
     try:
-        return msgspec.json.decode(b"".join(chunks), type=body_type)
+        decoded = msgspec.json.decode(body, type=body_type)
     except msgspec.DecodeError as error:
         raise from_decode_error(error) from error
+    check_extra_fields(body, body_type)
+    return decoded
 
 
 def _too_large(max_bytes: int) -> APIError:

@@ -1,0 +1,58 @@
+"""Request fields beyond a body's Struct: the ones vLLM implements and troupe does not yet
+are refused by name (a client must never get another meaning without knowing it); any
+other unknown field is accepted and logged once, as vLLM does, so newer clients work."""
+
+from __future__ import annotations
+
+import logging
+
+import msgspec
+
+from actors.errors import InvalidRequestError
+
+logger = logging.getLogger("api.fields")
+
+_STRUCTURED_OUTPUT = "structured output is not implemented yet"
+# field -> why troupe refuses it
+UNSUPPORTED_FIELDS = {
+    "guided_json": _STRUCTURED_OUTPUT, "guided_regex": _STRUCTURED_OUTPUT, "guided_choice": _STRUCTURED_OUTPUT,
+    "guided_grammar": _STRUCTURED_OUTPUT, "guided_decoding_backend": _STRUCTURED_OUTPUT,
+    "guided_whitespace_pattern": _STRUCTURED_OUTPUT, "structured_outputs": _STRUCTURED_OUTPUT,
+    "structural_tag": _STRUCTURED_OUTPUT,
+    "logits_processors": "custom logits processors are not supported",
+    "suffix": "suffix (fill-in-the-middle) is not supported",
+    "prompt_embeds": "prompt embeddings are not supported",
+    "mm_processor_kwargs": "multimodal input is not supported",
+    "kv_transfer_params": "KV-cache transfer is not supported",
+    "vllm_xargs": "vllm_xargs are not supported",
+    "functions": "function calling is not supported", "function_call": "function calling is not supported",
+    "audio": "audio output is not supported",
+    "prediction": "predicted outputs are not supported",
+    "web_search_options": "web search is not supported",
+    "reasoning_effort": "reasoning models are not supported",
+    "lora_request": "LoRA adapters are not supported",
+}
+# values that mean "not set", so a client that sends the field empty is not refused
+_UNSET_VALUES = (b"null", b"false", b"[]", b"{}", b'""')
+_MAX_LOGGED_NAMES = 1000  # a client inventing names must not grow the set without bound
+_logged_names: set[str] = set()
+
+
+def check_extra_fields(body: bytes, body_type: type[msgspec.Struct]) -> None:
+    """Raises InvalidRequestError for a set field troupe does not implement; logs the
+    first sighting of any other unknown field. Call after the body decoded as body_type."""
+    try:
+        raw_fields = msgspec.json.decode(body, type=dict[str, msgspec.Raw])
+    except msgspec.DecodeError:
+        return  # not an object: the typed decode has said what is wrong
+    known = body_type.__struct_fields__
+    for name, value in raw_fields.items():
+        if name in known:
+            continue
+        reason = UNSUPPORTED_FIELDS.get(name)
+        if reason is not None:
+            if bytes(value).strip() not in _UNSET_VALUES:
+                raise InvalidRequestError(f"{name}: {reason}", param=name)
+        elif name not in _logged_names and len(_logged_names) < _MAX_LOGGED_NAMES:
+            _logged_names.add(name)
+            logger.warning("ignoring the unknown request field %r (logged once)", name)
