@@ -1,18 +1,29 @@
-"""vLLM's routes beyond the OpenAI API, against the shared server: /tokenize in vLLM's
-shapes (checked against the tokenizer itself), SageMaker's /ping and /invocations, /load,
-and CORS as vLLM's defaults set it."""
+"""vLLM's routes and server flags beyond the OpenAI API, against real servers: /tokenize in
+vLLM's shapes (checked against the tokenizer itself), SageMaker's /ping and /invocations,
+/load, /tokenizer_info, CORS, X-Request-Id, --root-path, --uds and --disable-log-requests.
+
+The shared server covers the defaults; one more server, on a Unix socket behind a root
+path with every optional flag on, covers the flags."""
 
 from __future__ import annotations
+
+import os
+import shutil
+import stat
+import tempfile
+import time
 
 import httpx
 import openai
 import pytest
 from transformers import AutoTokenizer
 
-from tests.api.conftest import API_KEY, AUTH, MODEL_NAME, sse_events
+from tests.api.conftest import API_KEY, AUTH, MODEL_NAME, ServerProcess, sse_events
 from tests.api.test_errors import assert_openai_error
+from tests.api.test_launch import launch
 
 MESSAGES = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Hello world!"}]
+ROOT_PATH = "/llm"
 APP_ORIGIN = "https://app.example"
 
 
@@ -127,3 +138,135 @@ def test_cors_allows_any_origin_by_default_and_preflights_need_no_api_key(server
     assert "authorization" in preflight.headers["access-control-allow-headers"]
     response = httpx.get(f"{server.url}/v1/models", headers={"Origin": APP_ORIGIN, **AUTH})
     assert response.status_code == 200 and response.headers["access-control-allow-origin"] == "*"
+
+
+# ---- the flags: one server on a Unix socket with all of them ----
+
+def test_help_lists_the_flags_and_bad_values_fail_at_once(tmp_path):
+    result = launch("--help")
+    assert result.returncode == 0
+    for flag in ("--uds", "--root-path", "--allowed-origins", "--allowed-methods", "--allowed-headers",
+                 "--allow-credentials", "--enable-request-id-headers", "--disable-log-requests",
+                 "--enable-server-load-tracking", "--enable-tokenizer-info-endpoint"):
+        assert flag in result.stdout
+    result = launch("--allowed-origins", "*")
+    assert result.returncode == 2 and "--allowed-origins: expected a JSON list of strings" in result.stderr
+    result = launch("--root-path", "llm/")
+    assert result.returncode == 2 and "--root-path must start with '/'" in result.stderr
+    # a socket that cannot be made fails before the model loads
+    result = launch("--uds", str(tmp_path / "missing" / "troupe.sock"), timeout=30.0)
+    assert result.returncode == 1 and "cannot listen on unix:" in result.stderr and result.stdout == ""
+
+
+@pytest.fixture(scope="module")
+def socket_dir():
+    """A short directory: a Unix socket's path must fit in 108 bytes."""
+    path = tempfile.mkdtemp(prefix="troupe-")
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def flag_server(long_context_llama_dir, tmp_path_factory, socket_dir):
+    process = ServerProcess(
+        long_context_llama_dir, tmp_path_factory.mktemp("flag_server") / "server.log",
+        "--uds", os.path.join(socket_dir, "troupe.sock"), "--root-path", ROOT_PATH, "--api-key", API_KEY,
+        "--allowed-origins", f'["{APP_ORIGIN}"]', "--allowed-methods", '["GET", "POST"]',
+        "--allowed-headers", '["authorization", "content-type"]', "--allow-credentials",
+        "--enable-request-id-headers", "--enable-server-load-tracking", "--enable-tokenizer-info-endpoint",
+        "--disable-log-requests", "--log-level", "info")
+    try:
+        yield process
+    finally:
+        if process.popen.poll() is None:  # the last test stops it; a run that skipped that one
+            process.stop()
+        elif process.leftover_pids():
+            process.kill()
+
+
+@pytest.fixture(scope="module")
+def uds_http(flag_server, socket_dir):
+    """A client of the flag server over its Unix socket, with the API key."""
+    transport = httpx.HTTPTransport(uds=os.path.join(socket_dir, "troupe.sock"))
+    with httpx.Client(transport=transport, base_url="http://troupe", headers=AUTH, timeout=60.0) as client:
+        yield client
+
+
+def test_uds_serves_on_the_socket_and_says_so(flag_server, socket_dir, uds_http):
+    path = os.path.join(socket_dir, "troupe.sock")
+    assert flag_server.ready_line == f"Serving {MODEL_NAME} on unix:{path}"
+    assert stat.S_ISSOCK(os.stat(path).st_mode)
+    assert uds_http.get("/v1/models").json()["data"][0]["id"] == MODEL_NAME
+
+
+def test_root_path_prefixes_urls_and_the_api_key_still_guards_v1(uds_http):
+    # the proxy strips the prefix; the server puts it back where it names its own URLs
+    error = assert_openai_error(uds_http.get("/nope"), 404, code="not_found")
+    assert error["message"] == f"no route GET {ROOT_PATH}/nope"
+    assert_openai_error(uds_http.get("/v1/models", headers={"Authorization": "Bearer wrong"}), 401,
+                        code="invalid_api_key")
+    # metrics label requests by route, below the prefix
+    assert 'route="/v1/models",status="401"' in uds_http.get("/metrics").text
+
+
+def test_request_id_header_is_echoed_or_made(uds_http):
+    assert uds_http.get("/health", headers={"X-Request-Id": "trace-42"}).headers["x-request-id"] == "trace-42"
+    made = uds_http.get("/health").headers["x-request-id"]
+    assert len(made) == 32 and int(made, 16) >= 0
+    # errors and streams carry it too
+    assert uds_http.get("/nope", headers={"X-Request-Id": "trace-43"}).headers["x-request-id"] == "trace-43"
+    with uds_http.stream("POST", "/v1/completions", headers={"X-Request-Id": "trace-44"},
+                         json={"prompt": "Hi", "max_tokens": 2, "stream": True}) as stream:
+        assert stream.headers["x-request-id"] == "trace-44"
+        stream.read()
+
+
+def wait_for_load(client: httpx.Client, load: int, timeout: float = 10.0) -> None:
+    """Until /load reads load: a request counts until its app call returns, just after its
+    last bytes are sent."""
+    deadline = time.monotonic() + timeout
+    while (current := client.get("/load").json()) != {"server_load": load}:
+        assert time.monotonic() < deadline, f"/load reads {current}, not {load}, {timeout} s later"
+        time.sleep(0.05)
+
+
+def test_load_counts_a_streaming_request_while_it_runs(uds_http):
+    wait_for_load(uds_http, 0)
+    body = {"prompt": [5, 6, 7], "max_tokens": 2000, "ignore_eos": True, "stream": True}
+    with uds_http.stream("POST", "/v1/completions", json=body) as stream:
+        next(stream.iter_bytes())  # the stream is under way
+        assert uds_http.get("/load").json() == {"server_load": 1}
+    # leaving the stream disconnects: the request ends and the count with it
+    wait_for_load(uds_http, 0)
+
+
+def test_tokenizer_info_gives_the_tokenizers_config(uds_http, tokenizer):
+    info = uds_http.get("/tokenizer_info").json()
+    assert info["tokenizer_class"] == type(tokenizer).__name__
+    assert info["chat_template"] == tokenizer.chat_template
+    assert info["eos_token"] == "<|endoftext|>" and info["model_max_length"] == tokenizer.model_max_length
+    assert "vocab_file" not in info and "merges_file" not in info  # its files are the server's own business
+
+
+def test_cors_allows_only_the_allowed_origin_with_credentials(uds_http):
+    preflight = {"Access-Control-Request-Method": "POST", "Access-Control-Request-Headers": "content-type"}
+    allowed = uds_http.options("/v1/completions", headers={"Origin": APP_ORIGIN, **preflight})
+    assert allowed.status_code == 200 and allowed.headers["access-control-allow-origin"] == APP_ORIGIN
+    assert allowed.headers["access-control-allow-credentials"] == "true"
+    assert allowed.headers["access-control-allow-methods"] == "GET, POST"
+    assert uds_http.options("/v1/completions", headers={"Origin": "https://evil.example", **preflight}).status_code \
+        == 400
+    assert uds_http.options("/v1/completions", headers={"Origin": APP_ORIGIN, **preflight,
+                                                        "Access-Control-Request-Method": "DELETE"}).status_code == 400
+    assert "access-control-allow-origin" not in uds_http.get("/health", headers={"Origin": "https://evil.example"}).headers
+
+
+def test_disable_log_requests_leaves_no_request_line_and_stopping_removes_the_socket(flag_server, socket_dir,
+                                                                                   uds_http):
+    # last in this file: it stops the flag server
+    assert uds_http.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 2}).status_code == 200
+    assert flag_server.stop() == 0
+    log = flag_server.log()
+    assert '"POST /' not in log and '"GET /' not in log, log
+    assert not os.path.exists(os.path.join(socket_dir, "troupe.sock"))
+    assert not flag_server.leftover_pids()
