@@ -2,10 +2,12 @@
 
     python -m actors.launch                      # the embedded SmolLM2-135M-Instruct on 127.0.0.1:8000
     python -m actors.launch --model PATH --port 8080 --api-key secret
+    python -m actors.launch --uds /run/troupe.sock --root-path /llm   # behind a proxy
 
-Start-up: bind the port (so a port in use fails at once, before the model loads), start
-the engine's actor processes (AsyncClient), serve the app (api/) with uvicorn on uvloop,
-and print one line, `Serving MODEL on http://HOST:PORT`, once requests are taken.
+Start-up: bind the port or Unix socket (so one in use fails at once, before the model
+loads), start the engine's actor processes (AsyncClient), serve the app (api/) with uvicorn
+on uvloop, and print one line, `Serving MODEL on http://HOST:PORT` (or `on unix:PATH`),
+once requests are taken.
 
 Shutdown: SIGTERM or SIGINT stops taking connections, gives running requests
 --shutdown-timeout seconds to finish, aborts the rest, stops every actor process and
@@ -31,6 +33,8 @@ from actors.config import parse_size
 from actors.engine_args import ATTENTION_BACKENDS, DEVICES, DTYPES, LOAD_FORMATS
 from actors.errors import EngineStartupError
 from actors.frontend import AsyncClient
+from actors.launch_args import (add_openai_api_flags, add_openai_server_flags, bind_unix_socket, check_openai_server_flags,
+                                openai_server_settings)
 from api.app import build_app
 from api.serving import DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_WAITING_REQUESTS, ServerSettings, ServingContext
 
@@ -89,19 +93,8 @@ def build_parser() -> argparse.ArgumentParser:
                              "are aborted (default: %(default)s)")
     server.add_argument("--log-level", choices=LOG_LEVELS, default="info",
                         help="'info' logs one line per request (default: %(default)s)")
-
-    api = parser.add_argument_group("OpenAI API (vLLM's flags)")
-    api.add_argument("--chat-template", metavar="FILE_OR_TEMPLATE",
-                     help="a Jinja chat template (a file, or the template itself) for chat requests that send "
-                          "none; default: the tokenizer's")
-    api.add_argument("--response-role", default="assistant", metavar="ROLE",
-                     help="the role of generated chat messages (default: %(default)s)")
-    api.add_argument("--max-logprobs", type=int, default=20, metavar="N",
-                     help="the most logprobs / prompt_logprobs a request may ask for (default: %(default)s)")
-    api.add_argument("--return-tokens-as-token-ids", action="store_true",
-                     help="logprobs name tokens as 'token_id:<id>' unless a request says otherwise")
-    api.add_argument("--enable-prompt-tokens-details", action="store_true",
-                     help="usage.prompt_tokens_details.cached_tokens: prompt tokens served from the prefix cache")
+    add_openai_server_flags(server)
+    add_openai_api_flags(parser.add_argument_group("OpenAI API (vLLM's flags)"))
 
     engine = parser.add_argument_group("engine")
     engine.add_argument("--max-num-seqs", type=int, default=256, metavar="N", help="requests running at once (default: %(default)s)")
@@ -151,13 +144,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             parser.error(f"--{name.replace('_', '-')} is too small: {getattr(args, name)}")
     if args.shutdown_timeout < 0:
         parser.error("--shutdown-timeout must be non-negative")
-    if args.max_logprobs < 0:
-        parser.error(f"--max-logprobs must be non-negative, got {args.max_logprobs}")
-    if args.chat_template is not None:
-        try:
-            args.chat_template = load_chat_template(args.chat_template)
-        except ValueError as error:
-            parser.error(str(error))
+    check_openai_server_flags(parser, args)
     return args
 
 
@@ -171,17 +158,6 @@ def engine_args(args: argparse.Namespace) -> dict:
                 attention_backend=args.attention_backend, load_format=args.load_format,
                 nnodes=args.nnodes, node_rank=args.node_rank, master_addr=args.master_addr,
                 master_port=args.master_port, max_logprobs=args.max_logprobs)
-
-
-def load_chat_template(value: str) -> str:
-    """--chat-template: a file's contents, or the value itself when it is a template
-    (vLLM's rule: text with braces or a line break is a template, else a path)."""
-    if os.path.isfile(value):
-        with open(value, encoding="utf-8") as file:
-            return file.read()
-    if any(char in value for char in "{}\n"):
-        return value
-    raise ValueError(f"--chat-template: {value!r} is neither a file nor a Jinja template")
 
 
 def bind_socket(host: str, port: int) -> socket.socket:
@@ -261,6 +237,9 @@ class Launcher:
         finally:
             await client.close()
             self.sock.close()
+            if self.args.uds:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(self.args.uds)  # a socket file outlives its socket
 
     async def _start(self, client: AsyncClient) -> bool:
         """Starts the engine; False when a signal came first (the start is cancelled)."""
@@ -282,13 +261,11 @@ class Launcher:
         settings = ServerSettings(served_model_names=names, api_key=args.api_key,
                                   max_waiting_requests=args.max_waiting_requests,
                                   max_body_bytes=args.max_request_size, model_root=client.config.model.model_path,
-                                  chat_template=args.chat_template, response_role=args.response_role,
-                                  return_tokens_as_token_ids=args.return_tokens_as_token_ids,
-                                  enable_prompt_tokens_details=args.enable_prompt_tokens_details)
+                                  **openai_server_settings(args))
         app = build_app(client, settings)
         self.serving = app.state.serving
         # a backstop: by then abort_all() has ended every response (uvicorn would cancel them)
-        config = uvicorn.Config(app, lifespan="off", log_config=None, access_log=False,
+        config = uvicorn.Config(app, lifespan="off", log_config=None, access_log=False, root_path=args.root_path,
                                 timeout_graceful_shutdown=args.shutdown_timeout + _ABORT_GRACE_S)
         self.server = _Server(config)
         serve_task = asyncio.ensure_future(self.server.serve(sockets=[self.sock]))
@@ -297,7 +274,7 @@ class Launcher:
             while not self.server.started and not serve_task.done():
                 await asyncio.sleep(0.02)
             if self.server.started:
-                print(f"Serving {names[0]} on {_url(args.host, self.sock.getsockname()[1])}", flush=True)
+                print(f"Serving {names[0]} on {_listen_url(args, self.sock)}", flush=True)
             await asyncio.wait((serve_task, dying), return_when=asyncio.FIRST_COMPLETED)
             exit_code = 0
             if dying.done() and not serve_task.done():
@@ -336,7 +313,12 @@ async def run_worker_node(args: argparse.Namespace) -> int:
     return await run_ranks(engine, stop, "DEBUG" if args.log_level == "debug" else "WARNING")
 
 
-def _url(host: str, port: int) -> str:
+def _listen_url(args: argparse.Namespace, sock: socket.socket | None = None) -> str:
+    """Where the server listens: unix:PATH, or http://HOST:PORT (the port sock is bound to:
+    --port 0 picks one)."""
+    if args.uds:
+        return f"unix:{args.uds}"
+    host, port = args.host, sock.getsockname()[1] if sock is not None else args.port
     return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
 
 
@@ -349,9 +331,9 @@ def main(argv: list[str] | None = None) -> None:
     if args.node_rank > 0:
         sys.exit(uvloop.run(run_worker_node(args)))
     try:
-        sock = bind_socket(args.host, args.port)
+        sock = bind_unix_socket(args.uds) if args.uds else bind_socket(args.host, args.port)
     except OSError as error:
-        logger.error("cannot listen on %s: %s", _url(args.host, args.port), error)
+        logger.error("cannot listen on %s: %s", _listen_url(args), error)
         sys.exit(1)
     sys.exit(uvloop.run(Launcher(args, sock).run()))
 

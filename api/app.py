@@ -2,8 +2,9 @@
 
     app = build_app(client, ServerSettings(served_model_names=["smollm2"]))
 
-The generation routes live in serving_completions.py and serving_chat.py; the small
-routes (models, health, metrics, tokenizer, version) are here."""
+The generation routes live in serving_completions.py and serving_chat.py, the tokenizer's
+in serving_tokens.py; the small routes (models, health, metrics, version, load) and
+SageMaker's (/ping, /invocations) are here."""
 
 from __future__ import annotations
 
@@ -12,24 +13,28 @@ import functools
 from collections.abc import Awaitable, Callable
 from importlib.metadata import PackageNotFoundError, version
 
+from typing import Any
+
+import msgspec
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
+from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
+from starlette.types import Message, Receive
 
 from actors.errors import EngineDeadError, InvalidRequestError
 from actors.frontend import AsyncClient
-from actors.input_processor import InputProcessor
 from api.errors import APIError, bad_request, handle_api_error, handle_http_exception, internal_error
 from api.metrics import CONTENT_TYPE
-from api.middleware import APIKeyMiddleware, RequestLogMiddleware
-from api.protocol import DetokenizeRequest, TokenizeRequest
-from api.responses import DetokenizeResponse, ModelCard, ModelList, TokenizeResponse, VersionResponse
-from api.serving import ClientGone, ServerSettings, ServingContext, json_response, read_json
+from api.middleware import APIKeyMiddleware, RequestLogMiddleware, ServerLoadMiddleware, XRequestIdMiddleware
+from api.responses import ModelCard, ModelList, VersionResponse
+from api.serving import ClientGone, ServerSettings, ServingContext, decode_json, json_response, read_body
 from api.serving_chat import create_chat_completion
 from api.serving_completions import create_completion
+from api.serving_tokens import detokenize, tokenize, tokenizer_info
 
 # How long /metrics waits for the scheduler's counters before answering without them.
 _STATS_TIMEOUT_S = 2.0
@@ -57,41 +62,53 @@ async def health(ctx: ServingContext, request: Request) -> Response:
     return Response(status_code=200)
 
 
+async def server_load(ctx: ServingContext, request: Request) -> Response:
+    """vLLM's GET /load: the generation requests in flight (0 without --enable-server-load-tracking)."""
+    return json_response({"server_load": ctx.server_load})
+
+
+class _InvocationKind(msgspec.Struct):
+    """What /invocations looks at to pick an endpoint; the endpoint decodes the rest."""
+
+    prompt: Any = None
+    messages: Any = None
+
+
+async def invocations(ctx: ServingContext, request: Request) -> Response:
+    """SageMaker's POST /invocations: a chat completion for a body with messages, a
+    completion for one with a prompt (vLLM tries chat first too)."""
+    body = await read_body(request, ctx.settings.max_body_bytes)
+    kind = decode_json(body, _InvocationKind)
+    if kind.messages is not None:
+        endpoint = create_chat_completion
+    elif kind.prompt is not None:
+        endpoint = create_completion
+    else:
+        raise bad_request("/invocations needs 'messages' (a chat completion) or 'prompt' (a completion)")
+    return await endpoint(ctx, Request(request.scope, _replay(body, request.receive)))
+
+
+def _replay(body: bytes, receive: Receive) -> Receive:
+    """receive() that gives body, already read, first, then what the client sends next (its
+    disconnect), so the endpoint reads the body once more and still sees the client leave."""
+    sent = False
+
+    async def replay() -> Message:
+        nonlocal sent
+        if sent:
+            return await receive()
+        sent = True
+        return {"type": "http.request", "body": body, "more_body": False}
+
+    return replay
+
+
 async def metrics(ctx: ServingContext, request: Request) -> Response:
     try:
         stats = await ctx.client.get_stats(timeout=_STATS_TIMEOUT_S)
     except (EngineDeadError, asyncio.TimeoutError):
         stats = None  # the server's own counters are still worth reporting
     return Response(ctx.metrics.render(stats), media_type=CONTENT_TYPE)
-
-
-async def tokenize(ctx: ServingContext, request: Request) -> Response:
-    """A prompt's token ids, or a conversation's as the chat template renders it."""
-    body = await read_json(request, TokenizeRequest, ctx.settings.max_body_bytes)
-    ctx.check_model(body.model)
-    if (body.prompt is None) == (body.messages is None):
-        raise bad_request("give exactly one of prompt and messages", param="prompt")
-    tokenizer = await ctx.client.get_tokenizer()
-    if body.prompt is not None:
-        add_special_tokens = True if body.add_special_tokens is None else body.add_special_tokens
-        tokens = await asyncio.to_thread(tokenizer.encode, body.prompt, add_special_tokens=add_special_tokens)
-    else:
-        config = ctx.client.config
-        processor = InputProcessor(tokenizer, config.model.vocab_size, ctx.max_model_len)
-        messages = [message.to_dict() for message in body.messages]
-        tokens = await asyncio.to_thread(processor.apply_chat_template, messages, body.add_generation_prompt)
-    return json_response(TokenizeResponse(count=len(tokens), max_model_len=ctx.max_model_len, tokens=tokens))
-
-
-async def detokenize(ctx: ServingContext, request: Request) -> Response:
-    body = await read_json(request, DetokenizeRequest, ctx.settings.max_body_bytes)
-    ctx.check_model(body.model)
-    vocab_size = ctx.client.config.model.vocab_size
-    bad = [token for token in body.tokens if not 0 <= token < vocab_size]
-    if bad:
-        raise bad_request(f"token id {bad[0]} is out of range [0, {vocab_size})", param="tokens")
-    tokenizer = await ctx.client.get_tokenizer()
-    return json_response(DetokenizeResponse(prompt=await asyncio.to_thread(tokenizer.decode, body.tokens)))
 
 
 async def server_version(ctx: ServingContext, request: Request) -> Response:
@@ -107,6 +124,9 @@ ROUTES = [
     Route("/v1/chat/completions", _with_context(create_chat_completion), methods=["POST"]),
     Route("/v1/models", _with_context(list_models), methods=["GET"]),
     Route("/health", _with_context(health), methods=["GET"]),
+    Route("/ping", _with_context(health), methods=["GET", "POST"]),  # SageMaker's health check
+    Route("/invocations", _with_context(invocations), methods=["POST"]),
+    Route("/load", _with_context(server_load), methods=["GET"]),
     Route("/metrics", _with_context(metrics), methods=["GET"]),
     Route("/tokenize", _with_context(tokenize), methods=["POST"]),
     Route("/detokenize", _with_context(detokenize), methods=["POST"]),
@@ -122,17 +142,32 @@ async def _unexpected(request: Request, error: Exception) -> Response:
     return internal_error().response()  # uvicorn logs the traceback; the client gets no trace
 
 
+# vLLM counts these in /load: the routes whose requests take the engine's time
+_GENERATION_PATHS = {"/v1/completions", "/v1/chat/completions", "/invocations"}
+
+
 def build_app(client: AsyncClient, settings: ServerSettings) -> Starlette:
     """The OpenAI-compatible app serving a started client."""
     serving = ServingContext(client, settings)
-    middleware = [Middleware(RequestLogMiddleware, metrics=serving.metrics,
-                             route_paths={route.path for route in ROUTES})]
+    routes = list(ROUTES)
+    if settings.enable_tokenizer_info_endpoint:  # off by default, as vLLM: it shows the server's tokenizer files
+        routes.append(Route("/tokenizer_info", _with_context(tokenizer_info), methods=["GET"]))
+    # outermost first: CORS answers preflights and adds its headers to every response, errors too
+    middleware = [Middleware(CORSMiddleware, allow_origins=settings.allowed_origins,
+                             allow_methods=settings.allowed_methods, allow_headers=settings.allowed_headers,
+                             allow_credentials=settings.allow_credentials)]
+    if settings.enable_request_id_headers:
+        middleware.append(Middleware(XRequestIdMiddleware))
+    middleware.append(Middleware(RequestLogMiddleware, metrics=serving.metrics, log_requests=settings.log_requests,
+                                 route_paths={route.path for route in routes}))
     if settings.api_key:
         middleware.append(Middleware(APIKeyMiddleware, api_key=settings.api_key))
+    if settings.enable_server_load_tracking:  # inside the API key check: a refused request is no load
+        middleware.append(Middleware(ServerLoadMiddleware, serving=serving, paths=_GENERATION_PATHS))
     exception_handlers = {
         APIError: handle_api_error, InvalidRequestError: handle_api_error, EngineDeadError: handle_api_error,
         HTTPException: handle_http_exception, ClientGone: _client_gone, Exception: _unexpected,
     }
-    app = Starlette(routes=ROUTES, middleware=middleware, exception_handlers=exception_handlers)
+    app = Starlette(routes=routes, middleware=middleware, exception_handlers=exception_handlers)
     app.state.serving = serving
     return app

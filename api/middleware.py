@@ -1,30 +1,47 @@
 """Pure-ASGI middleware (they see every message, so streamed responses too): the API key
-check on /v1 routes, and one log line and one metrics count per request."""
+check on /v1 routes, one log line and one metrics count per request, the X-Request-Id
+header, and the count of generation requests in flight (GET /load).
+
+Paths are matched below the root path (--root-path): uvicorn puts the proxy's prefix in
+front of scope["path"], and a /v1 route must not slip past the API key under it."""
 
 from __future__ import annotations
 
 import hmac
 import logging
 import time
+import uuid
 
+from starlette.datastructures import Headers, MutableHeaders
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from api.errors import APIError
 from api.metrics import ServerMetrics
+from api.serving import ServingContext
 
 logger = logging.getLogger("api.requests")
 
 
+def route_path(scope: Scope) -> str:
+    """The request's path below the root path, as the router matches it."""
+    path, root_path = scope["path"], scope.get("root_path", "")
+    if root_path and path.startswith(root_path) and path[len(root_path):len(root_path) + 1] in ("", "/"):
+        return path[len(root_path):] or "/"
+    return path
+
+
 class APIKeyMiddleware:
     """401 for a /v1 request without `Authorization: Bearer <api_key>` (as vLLM, the
-    health, metrics, version and tokenizer routes stay open)."""
+    health, metrics, version and tokenizer routes stay open, and so do CORS preflights,
+    which browsers send without credentials)."""
 
     def __init__(self, app: ASGIApp, api_key: str) -> None:
         self.app = app
         self.expected = f"Bearer {api_key}".encode()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and scope["path"].startswith("/v1") and not self._authorized(scope):
+        guarded = scope["type"] == "http" and scope["method"] != "OPTIONS" and route_path(scope).startswith("/v1")
+        if guarded and not self._authorized(scope):
             error = APIError(401, "a valid API key is needed: send the header 'Authorization: Bearer <key>'",
                              code="invalid_api_key")
             await error.response()(scope, receive, send)
@@ -40,12 +57,14 @@ class APIKeyMiddleware:
 
 class RequestLogMiddleware:
     """Logs `client "METHOD path" status seconds [tokens]` at info level once a response
-    has been sent in full (a stream: when it ends), and counts it by route and status."""
+    has been sent in full (a stream: when it ends), unless log_requests is off, and
+    counts it by route and status."""
 
-    def __init__(self, app: ASGIApp, metrics: ServerMetrics, route_paths: set[str]) -> None:
+    def __init__(self, app: ASGIApp, metrics: ServerMetrics, route_paths: set[str], log_requests: bool = True) -> None:
         self.app = app
         self.metrics = metrics
         self.route_paths = route_paths  # metrics labels only for known routes, so unknown paths cannot flood them
+        self.log_requests = log_requests
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -66,10 +85,54 @@ class RequestLogMiddleware:
             self._record(scope, status, time.monotonic() - start)
 
     def _record(self, scope: Scope, status: int, seconds: float) -> None:
-        path = scope["path"]
-        self.metrics.requests.labels(route=path if path in self.route_paths else "other", status=str(status)).inc()
+        route = route_path(scope)
+        self.metrics.requests.labels(route=route if route in self.route_paths else "other", status=str(status)).inc()
+        if not self.log_requests:
+            return
+        path = scope["path"]  # with the root path: what the client asked the proxy for
         client = scope.get("client")
         where = f"{client[0]}:{client[1]}" if client else "-"
         usage = scope.get("state", {}).get("usage")
         tokens = f" prompt_tokens={usage.prompt_tokens} completion_tokens={usage.completion_tokens}" if usage else ""
         logger.info('%s "%s %s" %d %.3fs%s', where, scope["method"], path, status, seconds, tokens)
+
+
+class XRequestIdMiddleware:
+    """Every response carries X-Request-Id: the request's own, echoed, or a new one (as
+    vLLM's --enable-request-id-headers), so a client can match its logs with the server's."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        request_id = Headers(scope=scope).get("x-request-id") or uuid.uuid4().hex
+
+        async def send_with_request_id(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                MutableHeaders(scope=message)["X-Request-Id"] = request_id
+            await send(message)
+
+        await self.app(scope, receive, send_with_request_id)
+
+
+class ServerLoadMiddleware:
+    """Counts the requests on the generation routes from their arrival until their
+    response is sent in full (a stream: until it ends), in serving.server_load."""
+
+    def __init__(self, app: ASGIApp, serving: ServingContext, paths: set[str]) -> None:
+        self.app = app
+        self.serving = serving
+        self.paths = paths
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or route_path(scope) not in self.paths:
+            await self.app(scope, receive, send)
+            return
+        self.serving.server_load += 1
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            self.serving.server_load -= 1

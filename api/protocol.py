@@ -256,6 +256,12 @@ class TokenizeRequest(msgspec.Struct, kw_only=True):
     messages: list[ChatMessage] | None = None
     add_special_tokens: bool | None = None  # default: true for a prompt, false for messages
     add_generation_prompt: bool = True
+    return_token_strs: bool | None = False  # also each token's string
+    # with messages: the chat template's options
+    continue_final_message: bool = False  # the last message stays open, for the model to continue
+    chat_template: str | None = None  # a Jinja template instead of the tokenizer's
+    chat_template_kwargs: dict | None = None  # more variables for the template
+    documents: list[dict[str, Any]] | None = None  # for retrieval-augmented templates
 
 
 class DetokenizeRequest(msgspec.Struct, kw_only=True):

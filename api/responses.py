@@ -162,6 +162,7 @@ class TokenizeResponse(msgspec.Struct):
     count: int
     max_model_len: int
     tokens: list[int]
+    token_strs: list[str] | None = None  # only when asked for (return_token_strs); else null, as vLLM
 
 
 class DetokenizeResponse(msgspec.Struct):

@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 import msgspec
@@ -48,6 +48,16 @@ class ServerSettings:
     response_role: str = "assistant"  # --response-role: the role of generated chat messages
     return_tokens_as_token_ids: bool = False  # --return-tokens-as-token-ids: the default of the field
     enable_prompt_tokens_details: bool = False  # usage.prompt_tokens_details.cached_tokens
+    # vLLM's server options (its flag names)
+    log_requests: bool = True  # one log line per request (--disable-log-requests turns it off)
+    enable_request_id_headers: bool = False  # every response carries X-Request-Id
+    enable_server_load_tracking: bool = False  # GET /load counts the generation requests in flight
+    enable_tokenizer_info_endpoint: bool = False  # GET /tokenizer_info exists
+    # CORS (Starlette's CORSMiddleware); "*" allows any
+    allowed_origins: list[str] = field(default_factory=lambda: ["*"])
+    allowed_methods: list[str] = field(default_factory=lambda: ["*"])
+    allowed_headers: list[str] = field(default_factory=lambda: ["*"])
+    allow_credentials: bool = False
 
 
 class ClientGone(Exception):
@@ -70,6 +80,8 @@ class ServingContext:
         self._token_checker = InputProcessor(None, client.config.model.vocab_size, self.max_model_len,
                                              client.config.max_logprobs)
         self.open_requests: set[EngineRequests] = set()  # what abort_all() ends
+        # generation requests in flight, for GET /load; counted only with enable_server_load_tracking
+        self.server_load = 0
 
     def check_model(self, name: str | None) -> str:
         """The model name a response carries; 400 for a model this server does not serve.
@@ -152,6 +164,21 @@ class ServingContext:
 async def read_json(request: Request, body_type: type[T], max_bytes: int) -> T:
     """The request body decoded as body_type: 413 past max_bytes, 400 for anything
     that is not JSON of the right shape."""
+    return decode_json(await read_body(request, max_bytes), body_type)
+
+
+def decode_json(body: bytes, body_type: type[T]) -> T:
+    """body decoded as body_type; 400 for anything that is not JSON of the right shape."""
+    try:
+        decoded = msgspec.json.decode(body, type=body_type)
+    except msgspec.DecodeError as error:
+        raise from_decode_error(error) from error
+    check_extra_fields(body, body_type)
+    return decoded
+
+
+async def read_body(request: Request, max_bytes: int) -> bytes:
+    """The request body's bytes; 413 past max_bytes."""
     declared = request.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > max_bytes:
         raise _too_large(max_bytes)
@@ -164,13 +191,7 @@ async def read_json(request: Request, body_type: type[T], max_bytes: int) -> T:
             chunks.append(chunk)
     except ClientDisconnect as error:
         raise ClientGone() from error
-    body = b"".join(chunks)
-    try:
-        decoded = msgspec.json.decode(body, type=body_type)
-    except msgspec.DecodeError as error:
-        raise from_decode_error(error) from error
-    check_extra_fields(body, body_type)
-    return decoded
+    return b"".join(chunks)
 
 
 def _too_large(max_bytes: int) -> APIError:

@@ -42,7 +42,9 @@ async def test_a_dead_engine_makes_health_and_generation_503(app_and_client):
 
         health = await http.get("/health")
         assert health.status_code == 503 and health.json()["error"]["code"] == "engine_dead"
-        for route, body in (("/v1/chat/completions", CHAT), ("/v1/completions", {"prompt": "x"})):
+        assert (await http.get("/ping")).status_code == 503 and (await http.post("/ping")).status_code == 503
+        for route, body in (("/v1/chat/completions", CHAT), ("/v1/completions", {"prompt": "x"}),
+                            ("/invocations", CHAT)):
             response = await http.post(route, json=body)
             assert response.status_code == 503
             assert response.json()["error"]["type"] == "server_error"

@@ -1,0 +1,133 @@
+"""The launcher's flags that vLLM's OpenAI server has under the same names: where to listen
+(--uds, --root-path), CORS, request ids, request logging and the optional routes. launch.py
+adds them to its parser and turns them into ServerSettings fields."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import stat
+
+# CORS: any origin, method and header, as vLLM's defaults
+_ALLOW_ALL = ["*"]
+
+
+def json_list(text: str) -> list[str]:
+    """A JSON list of strings, as vLLM's CORS flags take: '["*"]' or '["https://a.example"]'."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError:
+        value = None
+    if not isinstance(value, list) or not all(isinstance(item, str) for item in value):
+        raise argparse.ArgumentTypeError(f"expected a JSON list of strings such as '[\"*\"]', got {text!r}")
+    return value
+
+
+def add_openai_server_flags(server: argparse._ArgumentGroup) -> None:
+    """vLLM's server flags, in the parser's "HTTP server" group."""
+    server.add_argument("--uds", metavar="PATH",
+                        help="serve on this Unix domain socket instead of --host and --port")
+    server.add_argument("--root-path", default="", metavar="PREFIX",
+                        help="the path prefix a proxy in front of the server routes by (e.g. /llm): the proxy "
+                             "strips it from requests, the server puts it back in URLs and logs")
+    server.add_argument("--allowed-origins", type=json_list, default=_ALLOW_ALL, metavar="JSON",
+                        help="CORS: the origins browsers may call from, as a JSON list (default: '[\"*\"]')")
+    server.add_argument("--allowed-methods", type=json_list, default=_ALLOW_ALL, metavar="JSON",
+                        help="CORS: the methods allowed, as a JSON list (default: '[\"*\"]')")
+    server.add_argument("--allowed-headers", type=json_list, default=_ALLOW_ALL, metavar="JSON",
+                        help="CORS: the request headers allowed, as a JSON list (default: '[\"*\"]')")
+    server.add_argument("--allow-credentials", action="store_true",
+                        help="CORS: let browsers send cookies and Authorization headers cross-origin")
+    server.add_argument("--enable-request-id-headers", action="store_true",
+                        help="every response carries X-Request-Id: the request's own, or a new one")
+    server.add_argument("--disable-log-requests", action="store_true",
+                        help="no log line per request")
+    server.add_argument("--enable-server-load-tracking", action="store_true",
+                        help="count the generation requests in flight, served by GET /load")
+    server.add_argument("--enable-tokenizer-info-endpoint", action="store_true",
+                        help="serve GET /tokenizer_info: the tokenizer's configuration, chat template included")
+
+
+def add_openai_api_flags(api: argparse._ArgumentGroup) -> None:
+    """vLLM's flags for what the API answers: chat template, roles, logprobs, usage."""
+    api.add_argument("--chat-template", metavar="FILE_OR_TEMPLATE",
+                     help="a Jinja chat template (a file, or the template itself) for chat requests that send "
+                          "none; default: the tokenizer's")
+    api.add_argument("--response-role", default="assistant", metavar="ROLE",
+                     help="the role of generated chat messages (default: %(default)s)")
+    api.add_argument("--max-logprobs", type=int, default=20, metavar="N",
+                     help="the most logprobs / prompt_logprobs a request may ask for (default: %(default)s)")
+    api.add_argument("--return-tokens-as-token-ids", action="store_true",
+                     help="logprobs name tokens as 'token_id:<id>' unless a request says otherwise")
+    api.add_argument("--enable-prompt-tokens-details", action="store_true",
+                     help="usage.prompt_tokens_details.cached_tokens: prompt tokens served from the prefix cache")
+
+
+def load_chat_template(value: str) -> str:
+    """--chat-template: a file's contents, or the value itself when it is a template
+    (vLLM's rule: text with braces or a line break is a template, else a path)."""
+    if os.path.isfile(value):
+        with open(value, encoding="utf-8") as file:
+            return file.read()
+    if any(char in value for char in "{}\n"):
+        return value
+    raise ValueError(f"--chat-template: {value!r} is neither a file nor a Jinja template")
+
+
+def check_openai_server_flags(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Exits with a usage error (status 2) for a value the server could not use; reads
+    the --chat-template file."""
+    if args.max_logprobs < 0:
+        parser.error(f"--max-logprobs must be non-negative, got {args.max_logprobs}")
+    if args.chat_template is not None:
+        try:
+            args.chat_template = load_chat_template(args.chat_template)
+        except (ValueError, OSError) as error:
+            parser.error(str(error))
+    root_path = args.root_path
+    if root_path and (not root_path.startswith("/") or root_path.endswith("/")):
+        parser.error(f"--root-path must start with '/' and not end with one (e.g. /llm), got {root_path!r}")
+    if args.uds is not None and not args.uds:
+        parser.error("--uds needs a socket path")
+
+
+def openai_server_settings(args: argparse.Namespace) -> dict:
+    """The ServerSettings fields these flags set."""
+    return dict(log_requests=not args.disable_log_requests,
+                enable_request_id_headers=args.enable_request_id_headers,
+                enable_server_load_tracking=args.enable_server_load_tracking,
+                enable_tokenizer_info_endpoint=args.enable_tokenizer_info_endpoint,
+                allowed_origins=args.allowed_origins, allowed_methods=args.allowed_methods,
+                allowed_headers=args.allowed_headers, allow_credentials=args.allow_credentials,
+                chat_template=args.chat_template, response_role=args.response_role,
+                return_tokens_as_token_ids=args.return_tokens_as_token_ids,
+                enable_prompt_tokens_details=args.enable_prompt_tokens_details)
+
+
+def bind_unix_socket(path: str) -> socket.socket:
+    """A stream socket bound to path. A socket file left by a server that died is replaced;
+    one a live server listens on, or any other file, is an error (OSError)."""
+    if os.path.exists(path):
+        if not stat.S_ISSOCK(os.stat(path).st_mode):
+            raise OSError(f"{path} exists and is not a socket")
+        if _in_use(path):
+            raise OSError(f"another server listens on {path}")
+        os.unlink(path)
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        sock.bind(path)
+    except OSError:
+        sock.close()
+        raise
+    return sock
+
+
+def _in_use(path: str) -> bool:
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
+        try:
+            probe.connect(path)
+        except (ConnectionRefusedError, FileNotFoundError):
+            return False
+    return True
