@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 from actors.actor import Actor, ActorSpec
 from actors.incremental_decode import IncrementalDecoder
-from messages.common import CompletionOutput, Logprob, RequestOutput, SamplingParams
+from messages.common import CompletionOutput, Logprob, RequestMetrics, RequestOutput, SamplingParams
 from messages.detokenizer import DetokenizerInbox, NewTokens, StepOutputs, TrackRequest
 from messages.frontend import RequestOutputs
 from messages.scheduler import AbortRequest, FinishRequest, TokenLogprobs
@@ -137,6 +137,14 @@ class RequestState:
         self.num_cached_tokens = 0
         self.num_finished = 0
         self.sent_first = False
+        self.first_scheduled_time: float | None = None
+        self.new_metrics: RequestMetrics | None = None  # not yet in a delta
+
+    def note_first_scheduled(self, first_scheduled_time: float) -> None:
+        """A completion was first scheduled; the request was when the first of them was."""
+        if self.first_scheduled_time is None or first_scheduled_time < self.first_scheduled_time:
+            self.first_scheduled_time = first_scheduled_time
+            self.new_metrics = RequestMetrics(first_scheduled_time=first_scheduled_time)
 
 
 class OutputProcessor:
@@ -174,6 +182,8 @@ class OutputProcessor:
             if state is None:
                 continue  # aborted meanwhile
             state.num_cached_tokens = max(state.num_cached_tokens, update.num_cached_tokens)
+            if update.first_scheduled_time is not None:
+                state.note_first_scheduled(update.first_scheduled_time)
             if update.prompt_logprobs and state.wants_prompt_logprobs:
                 if not state.got_prompt_logprobs:
                     state.new_prompt_logprobs.append(None)  # the first prompt token has none
@@ -211,6 +221,8 @@ class OutputProcessor:
             state.sent_first = True
         if state.new_prompt_logprobs:
             delta.prompt_logprobs, state.new_prompt_logprobs = state.new_prompt_logprobs, []
+        if state.new_metrics is not None:
+            delta.metrics, state.new_metrics = state.new_metrics, None
         return delta
 
 
@@ -224,6 +236,8 @@ def merge_delta(accumulated: RequestOutput | None, delta: RequestOutput) -> Requ
     if delta.prompt_logprobs:
         accumulated.prompt_logprobs = (accumulated.prompt_logprobs or []) + delta.prompt_logprobs
     accumulated.num_cached_tokens = max(accumulated.num_cached_tokens, delta.num_cached_tokens)
+    if delta.metrics is not None:
+        accumulated.metrics = delta.metrics
     accumulated.finished = delta.finished
     by_index = {c.index: c for c in accumulated.outputs}
     for part in delta.outputs:

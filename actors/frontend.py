@@ -32,7 +32,8 @@ from actors.errors import EngineDeadError, InvalidRequestError
 from actors.prompts import PromptInput, per_prompt, split_prompt
 from actors.supervisor import EngineProcesses, engine_addresses
 from messages.common import CompletionOutput, Ping, RequestOutput, SamplingParams
-from messages.frontend import ActorFailed, FrontendInbox, Pong, RequestOutputs, RequestRejected, Stats
+from messages.frontend import (ActorFailed, FrontendInbox, HistogramSnapshot, Pong, RequestOutputs, RequestRejected,
+                               Stats)
 from messages.input_processor import AddRequest, ChatOptions
 from messages.scheduler import AbortRequest, GetStats
 from messages.transport import Namespace, Sockets
@@ -299,9 +300,9 @@ class AsyncClient:
                                               finished=True))
         self._send_abort(request_id)
 
-    async def get_stats(self, timeout: float = 10.0) -> dict[str, float]:
+    async def get_stats(self, timeout: float = 10.0) -> dict[str, float | HistogramSnapshot]:
         """The scheduler's counters: running and waiting requests, KV blocks held and free,
-        prefix-cache hits, preemptions."""
+        prefix-cache hits, preemptions, and a histogram of tokens per step."""
         self.check_health()
         query_id = next(self._query_ids)
         future = asyncio.get_running_loop().create_future()

@@ -9,14 +9,13 @@ an AsyncClient stream aborts its request in the engine (its KV blocks are freed)
 from __future__ import annotations
 
 import asyncio
-import time
 from collections import deque
 from collections.abc import AsyncIterator, Callable
 from contextlib import aclosing
 
 from actors.errors import InvalidRequestError
 from api.errors import server_busy
-from api.metrics import ServerMetrics
+from api.metrics import RequestStats, ServerMetrics
 from api.responses import Usage
 from messages.common import RequestOutput
 
@@ -43,27 +42,19 @@ class RequestGate:
         assert self.num_admitted >= 0, "released more requests than were admitted"
 
 
-class _Timing:
-    """When one engine request arrived, produced its first token and finished."""
-
-    def __init__(self) -> None:
-        self.arrival = time.monotonic()
-        self.first_token: float | None = None
-        self.num_tokens_by_completion: dict[int, int] = {}
-
-
 class EngineRequests:
     """Merges the delta streams of one HTTP request's engine requests."""
 
     def __init__(self, request_ids: list[str], streams: list[AsyncIterator[RequestOutput]], *, max_model_len: int,
                  max_tokens: int | None, metrics: ServerMetrics,
-                 on_close: Callable[[EngineRequests], None]) -> None:
+                 on_close: Callable[[EngineRequests], None], n: int = 1) -> None:
         self.request_ids = request_ids  # the engine's ids, in prompt order
         self.num_requests = len(streams)
         self.usage = Usage()
         self._num_cached_tokens: dict[int, int] = {}  # prompt index -> prompt tokens from the prefix cache
         self._max_model_len = max_model_len
         self._max_tokens = max_tokens
+        self._n = n  # completions per engine request
         self._metrics = metrics
         self._on_close = on_close
         # (prompt index, a delta | the error that ended the stream | None once it finished)
@@ -121,7 +112,7 @@ class EngineRequests:
         self._on_close(self)
 
     async def _pump(self, index: int, stream: AsyncIterator[RequestOutput]) -> None:
-        timing = _Timing()
+        stats = RequestStats(self._metrics, self._n, self._max_tokens)
         try:
             async with aclosing(stream):
                 async for delta in stream:
@@ -129,10 +120,12 @@ class EngineRequests:
                         self._num_cached_tokens[index] = delta.num_cached_tokens
                     if delta.prompt_token_ids:
                         self._on_prompt(delta)
-                    self._on_tokens(timing, delta)
+                    self.usage.add(0, sum(len(completion.token_ids) for completion in delta.outputs))
+                    stats.on_delta(delta)
                     self._queue.put_nowait((index, delta))
             self._queue.put_nowait((index, None))
         except asyncio.CancelledError:
+            stats.on_cancelled()  # the client left: closing the stream aborts the request
             raise
         except Exception as error:  # noqa: BLE001 - handed to the consumer, which decides what the client sees
             self._queue.put_nowait((index, error))
@@ -147,24 +140,3 @@ class EngineRequests:
                 f"{num_prompt_tokens + self._max_tokens} ({num_prompt_tokens} in the prompt, {self._max_tokens} "
                 "for the completion)", param="max_tokens")
         self.usage.add(num_prompt_tokens, 0)
-        self._metrics.prompt_tokens.inc(num_prompt_tokens)
-
-    def _on_tokens(self, timing: _Timing, delta: RequestOutput) -> None:
-        now = time.monotonic()
-        num_new = 0
-        for completion in delta.outputs:
-            counts = timing.num_tokens_by_completion
-            counts[completion.index] = counts.get(completion.index, 0) + len(completion.token_ids)
-            num_new += len(completion.token_ids)
-        if num_new:
-            self.usage.add(0, num_new)
-            self._metrics.generation_tokens.inc(num_new)
-            if timing.first_token is None:
-                timing.first_token = now
-                self._metrics.time_to_first_token.observe(now - timing.arrival)
-        if delta.finished:
-            self._metrics.request_latency.observe(now - timing.arrival)
-            # decode steps after the first token; the n completions of a request share them
-            num_steps = max(timing.num_tokens_by_completion.values(), default=0) - 1
-            if timing.first_token is not None and num_steps > 0:
-                self._metrics.time_per_output_token.observe((now - timing.first_token) / num_steps)

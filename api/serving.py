@@ -73,7 +73,7 @@ class ServingContext:
         self.settings = settings
         self.model_name = settings.served_model_names[0]
         self.max_model_len = client.config.scheduler.max_model_len
-        self.metrics = ServerMetrics()
+        self.metrics = ServerMetrics(self.model_name, client.config)
         self.gate = RequestGate(client.config.scheduler.max_num_seqs, settings.max_waiting_requests)
         # the input processor's own checks, for prompts of token ids (text needs the tokenizer,
         # so the input processor checks that): a bad id never reaches the engine
@@ -145,7 +145,8 @@ class ServingContext:
             self.gate.release(len(request_ids))
             raise
         requests = EngineRequests(request_ids, streams, max_model_len=self.max_model_len,
-                                  max_tokens=params.max_tokens, metrics=self.metrics, on_close=self._closed)
+                                  max_tokens=params.max_tokens, metrics=self.metrics, on_close=self._closed,
+                                  n=params.n)
         self.open_requests.add(requests)
         return requests
 

@@ -21,4 +21,4 @@ curl -sSN "${AUTH[@]}" "$URL/v1/chat/completions" -H "Content-Type: application/
 
 echo "== health (200 while every actor is alive) and a few metrics"
 curl -sS -o /dev/null -w "%{http_code}\n" "$URL/health"
-curl -sS "$URL/metrics" | grep -E "^troupe_(num_requests|kv_cache_usage|generation_tokens_total)"
+curl -sS "$URL/metrics" | grep -E "^vllm:(num_requests|kv_cache_usage|generation_tokens_total)"

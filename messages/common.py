@@ -145,6 +145,14 @@ class CompletionOutput(msgspec.Struct, kw_only=True):
         return self.finish_reason is not None
 
 
+class RequestMetrics(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """When the engine handled a request, for latency metrics. Times are time.monotonic()
+    on the machine that runs the scheduler, which is the frontend's (only workers run
+    elsewhere), so they compare with the frontend's own clock; None until known."""
+
+    first_scheduled_time: float | None = None  # the first of its completions got KV blocks and a step
+
+
 class RequestOutput(msgspec.Struct, kw_only=True):
     """What a request has produced: the whole of it (offline) or a delta (streaming)."""
 
@@ -155,6 +163,7 @@ class RequestOutput(msgspec.Struct, kw_only=True):
     outputs: list[CompletionOutput] = msgspec.field(default_factory=list)
     finished: bool = False
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
+    metrics: RequestMetrics | None = None  # the request's timing so far; on a delta only when it changed
 
 
 class Shutdown(msgspec.Struct, array_like=True, frozen=True, tag="shutdown"):

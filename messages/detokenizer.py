@@ -23,6 +23,8 @@ class NewTokens(msgspec.Struct, array_like=True, frozen=True, gc=False, tag="new
     stop_reason: int | str | None = None  # the stop token id that matched
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
+    # time.monotonic() when the sequence was first scheduled; on its first token's update only
+    first_scheduled_time: float | None = None
 
 
 class StepOutputs(msgspec.Struct, array_like=True, frozen=True, gc=False, tag="step_outputs"):

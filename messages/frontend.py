@@ -43,11 +43,20 @@ class ActorFailed(msgspec.Struct, array_like=True, frozen=True, kw_only=True, ta
     error: str
 
 
+class HistogramSnapshot(msgspec.Struct, array_like=True, frozen=True, kw_only=True):
+    """A histogram of counts so far, as Prometheus reads one: counts[i] observations fell in
+    (bounds[i-1], bounds[i]]; counts has one more entry, for those above every bound."""
+
+    bounds: list[int]
+    counts: list[int]
+    total: int  # the sum of the observed values
+
+
 class Stats(msgspec.Struct, array_like=True, frozen=True, kw_only=True, tag="stats"):
     """scheduler → frontend: the answer to a GetStats query."""
 
     query_id: int
-    stats: dict[str, int | float]
+    stats: dict[str, int | float | HistogramSnapshot]
 
 
 class Pong(msgspec.Struct, array_like=True, frozen=True, tag="pong"):

@@ -51,6 +51,7 @@ class Sequence:
         self.sent_to_worker = False  # the worker holds state for seq_id
         self.num_cached_tokens = 0  # prompt tokens served from the prefix cache at first admission
         self.was_admitted = False
+        self.first_scheduled_time: float | None = None  # time.monotonic() at its first admission
         self.prompt_computed = False  # the whole prompt was computed at least once
         # n > 1: the sibling whose prompt blocks this one waits for, to share them.
         self.prefix_source: Sequence | None = None

@@ -18,6 +18,7 @@ are freed and it is recomputed later (prompt + output so far), prefix cache perm
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from dataclasses import dataclass
 
@@ -26,8 +27,10 @@ import msgspec
 from actors.config import CacheConfig, SchedulerConfig
 from actors.scheduler.block_pool import BlockPool, salted_root_hash
 from actors.scheduler.request import Sequence, SequenceStatus
+from actors.scheduler.stats import ITERATION_TOKENS_BOUNDS, CountHistogram
 from messages.common import SamplingParams
 from messages.detokenizer import NewTokens
+from messages.frontend import HistogramSnapshot
 from messages.scheduler import StepResult, TokenLogprobs
 from messages.worker import ContinuingRequest, NewRequest, StepPlan
 
@@ -70,6 +73,9 @@ class Scheduler:
 
         self.num_preemptions = 0
         self.num_computed_prefill_tokens = 0  # prompt tokens computed (recomputation included)
+        # per step that produced tokens, as vLLM counts them: the tokens sampled, plus the
+        # prompt of each request whose first token came
+        self.iteration_tokens = CountHistogram(ITERATION_TOKENS_BOUNDS)
 
     # ---- requests in and out ----
 
@@ -161,7 +167,7 @@ class Scheduler:
     def num_waiting(self) -> int:
         return len(self.waiting)
 
-    def stats(self) -> dict[str, float | int]:
+    def stats(self) -> dict[str, float | int | HistogramSnapshot]:
         pool = self.block_pool
         return {
             "num_running": self.num_running,
@@ -174,6 +180,7 @@ class Scheduler:
             "num_prefix_hit_tokens": pool.num_prefix_hit_tokens,
             "num_computed_prefill_tokens": self.num_computed_prefill_tokens,
             "num_preemptions": self.num_preemptions,
+            "iteration_tokens": self.iteration_tokens.snapshot(),
         }
 
     # ---- one step ----
@@ -303,6 +310,7 @@ class Scheduler:
         seq.num_cached_blocks = len(hit_block_ids)
         if not seq.was_admitted:
             seq.num_cached_tokens = num_hit_tokens
+            seq.first_scheduled_time = time.monotonic()
             seq.was_admitted = True
         seq.status = SequenceStatus.RUNNING
         return num_new_tokens
@@ -353,6 +361,7 @@ class Scheduler:
         del self._in_flight[plan.step_id]
         sample_index = {seq_id: i for i, seq_id in enumerate(result.request_ids)}
         outputs = []
+        num_step_tokens = 0
         for seq_id, entry in scheduled.items():
             seq = entry.seq
             if self.sequences.get(seq_id) is not seq or seq.generation != entry.generation:
@@ -360,6 +369,11 @@ class Scheduler:
             output = self._apply_step(seq, entry, result, sample_index.get(seq_id))
             if output is not None:
                 outputs.append(output)
+                num_step_tokens += len(output.new_token_ids)
+                if output.first_scheduled_time is not None and output.index == 0:
+                    num_step_tokens += output.num_prompt_tokens  # the request's first token: its prompt, once
+        if num_step_tokens:
+            self.iteration_tokens.observe(num_step_tokens)
         return outputs
 
     def _check_result(self, plan: StepPlan, result: StepResult, scheduled: dict[str, ScheduledSequence]) -> None:
@@ -401,10 +415,12 @@ class Scheduler:
 
         if not new_token_ids and prompt_logprobs is None:
             return None
+        is_first_token = bool(new_token_ids) and seq.num_output_tokens == 1
         return NewTokens(request_id=seq.request_id, index=seq.index, new_token_ids=new_token_ids,
                          new_logprobs=new_logprobs, prompt_logprobs=prompt_logprobs,
                          finish_reason=seq.finish_reason, stop_reason=seq.stop_reason,
-                         num_prompt_tokens=seq.num_prompt_tokens, num_cached_tokens=seq.num_cached_tokens)
+                         num_prompt_tokens=seq.num_prompt_tokens, num_cached_tokens=seq.num_cached_tokens,
+                         first_scheduled_time=seq.first_scheduled_time if is_first_token else None)
 
     def _cache_computed_blocks(self, seq: Sequence, num_computed_tokens: int) -> None:
         """Offers seq's blocks that a step just filled with computed tokens to the prefix

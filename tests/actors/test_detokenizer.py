@@ -104,3 +104,20 @@ def test_a_stop_string_cuts_the_text_and_is_reported():
     assert whole.finished and whole.outputs[0].text == "The dog sleeps "
     assert whole.outputs[0].finish_reason == "stop" and whole.outputs[0].stop_reason == "in the"
     assert "r" not in processor.requests
+
+
+def test_a_request_is_scheduled_when_its_first_completion_was_and_deltas_say_so_once():
+    tokenizer = build_tiny_tokenizer()
+    processor = OutputProcessor(tokenizer)
+    processor.add_request("r", None, [1], SamplingParams(n=2, max_tokens=50))
+    # completion 1 reports first, though completion 0 was scheduled earlier
+    [delta], _ = processor.process([NewTokens("r", 1, [5], first_scheduled_time=5.0)])
+    assert delta.metrics.first_scheduled_time == 5.0
+    [delta], _ = processor.process([NewTokens("r", 0, [5], first_scheduled_time=3.0)])
+    assert delta.metrics.first_scheduled_time == 3.0
+    # nothing new: no metrics on the next deltas
+    [delta], _ = processor.process([NewTokens("r", 0, [6]), NewTokens("r", 1, [6])])
+    assert delta.metrics is None
+    whole = merge_delta(None, delta)
+    assert whole.metrics is None
+    assert merge_delta(whole, processor.abort_request("r")).metrics is None

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 API_KEY = "test-key"
@@ -159,22 +160,32 @@ def http(server):
         yield client
 
 
-def engine_gauges(client: httpx.Client) -> dict[str, float]:
-    """The engine's gauges from /metrics (running and waiting requests, KV blocks)."""
-    gauges = {}
-    for line in client.get("/metrics").text.splitlines():
-        if line.startswith("troupe_") and " " in line and "{" not in line:
-            name, value = line.rsplit(" ", 1)
-            gauges[name] = float(value)
-    return gauges
+def parse_metrics(text: str) -> dict[str, float]:
+    """Every sample of a /metrics text, keyed by its name and its labels other than
+    model_name and engine (the same on every engine metric): `vllm:num_requests_running`,
+    `vllm:request_success_total{finished_reason="stop"}`."""
+    samples = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            labels = sorted((k, v) for k, v in sample.labels.items() if k not in ("model_name", "engine"))
+            key = sample.name + ("{" + ",".join(f'{k}="{v}"' for k, v in labels) + "}" if labels else "")
+            samples[key] = sample.value
+    return samples
+
+
+def scrape_metrics(client: httpx.Client) -> dict[str, float]:
+    """GET /metrics, parsed by parse_metrics."""
+    response = client.get("/metrics")
+    assert response.status_code == 200, response.text
+    return parse_metrics(response.text)
 
 
 def wait_until_idle(client: httpx.Client, timeout: float) -> dict[str, float]:
-    """The gauges once no request runs or waits and no KV block is held; fails past timeout."""
+    """The metrics once no request runs or waits and no KV block is held; fails past timeout."""
     deadline = time.monotonic() + timeout
     while True:
-        gauges = engine_gauges(client)
-        idle = (gauges.get("troupe_num_requests_running") == 0 and gauges.get("troupe_num_requests_waiting") == 0
+        gauges = scrape_metrics(client)
+        idle = (gauges.get("vllm:num_requests_running") == 0 and gauges.get("vllm:num_requests_waiting") == 0
                 and gauges.get("troupe_kv_cache_blocks_held") == 0)
         if idle:
             return gauges

@@ -13,7 +13,7 @@ import httpx
 import pytest
 import pytest_asyncio
 
-from tests.api.conftest import AUTH, MODEL_NAME, engine_gauges, sse_events, wait_until_idle
+from tests.api.conftest import AUTH, MODEL_NAME, scrape_metrics, sse_events, wait_until_idle
 
 # far more tokens than a request can produce in the time its client waits
 LONG = {"prompt": [5, 6, 7, 8], "max_tokens": 2000, "ignore_eos": True, "temperature": 0.0}
@@ -37,7 +37,7 @@ def test_dropped_stream_is_aborted_within_1_s(http):
         lines = response.iter_lines()
         for _ in range(3):
             next(lines)
-        assert engine_gauges(http)["troupe_num_requests_running"] == 1
+        assert scrape_metrics(http)["vllm:num_requests_running"] == 1
         dropped_at = time.monotonic()
     # leaving the block closes the connection with the response half read
     assert seconds_until_idle(http, dropped_at) < 1.0

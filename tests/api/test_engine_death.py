@@ -52,5 +52,5 @@ async def test_a_dead_engine_makes_health_and_generation_503(app_and_client):
         metrics = await http.get("/metrics")
         assert metrics.status_code == 200 and 'troupe_http_requests_total{route="/health",status="503"} 1.0' in \
             metrics.text
-        assert "troupe_num_requests_running" not in metrics.text  # no stale engine gauges
+        assert "vllm:num_requests_running" not in metrics.text  # no stale engine gauges
         assert (await http.get("/v1/models")).status_code == 200

@@ -15,7 +15,7 @@ import time
 import httpx
 import pytest
 
-from tests.api.conftest import MODEL_NAME, REPO_ROOT, ServerProcess, child_pids, sse_events
+from tests.api.conftest import MODEL_NAME, REPO_ROOT, ServerProcess, child_pids, parse_metrics, sse_events
 
 
 def launch(*flags: str, timeout: float = 60.0) -> subprocess.CompletedProcess:
@@ -88,8 +88,7 @@ def stream_in_background(url: str, body: dict, count: int) -> tuple[list[threadi
 def wait_for_running(url: str, count: int, timeout: float = 30.0) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        metrics = httpx.get(f"{url}/metrics").text
-        if f"troupe_num_requests_running {float(count)}" in metrics:
+        if parse_metrics(httpx.get(f"{url}/metrics").text).get("vllm:num_requests_running") == count:
             return
         time.sleep(0.05)
     raise AssertionError(f"{count} requests were not running within {timeout} s")
