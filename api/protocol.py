@@ -27,8 +27,8 @@ class SamplingRequest(msgspec.Struct, kw_only=True):
     max_tokens: int | None = None  # None: up to the context left
     temperature: float | None = None
     top_p: float | None = None
-    n: int = 1
-    stream: bool = False
+    n: int | None = 1  # never None after decoding (see __post_init__)
+    stream: bool | None = False  # never None after decoding
     stream_options: StreamOptions | None = None
     stop: str | list[str] | None = None
     seed: int | None = None
@@ -45,6 +45,13 @@ class SamplingRequest(msgspec.Struct, kw_only=True):
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     logit_bias: dict[str, float] | None = None  # OpenAI's: token ids as strings -> bias in [-100, 100]
+
+    def __post_init__(self) -> None:
+        # OpenAI's API takes null for these too, and the openai package sends null when a
+        # caller passes n=None or stream=None: the default is filled in once, here, so the
+        # rest of the server sees plain values
+        self.n = _or(self.n, 1)
+        self.stream = _or(self.stream, False)
 
     def check_stream_options(self) -> None:
         if self.stream_options is not None and not self.stream:
@@ -97,7 +104,11 @@ class CompletionRequest(SamplingRequest, kw_only=True):
     prompt: PromptField
     max_tokens: int | None = 16  # OpenAI's default for completions; null: up to the context left
     logprobs: int | None = None  # top logprobs per token (the sampled token is always listed too)
-    echo: bool = False  # the prompt precedes each completion's text (and its logprobs)
+    echo: bool | None = False  # the prompt precedes each completion's text (and its logprobs); None: False
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        self.echo = _or(self.echo, False)
 
     def prompts(self) -> list[Prompt]:
         """The prompts this request asks for, one engine request each."""
@@ -146,7 +157,7 @@ class ChatCompletionRequest(SamplingRequest, kw_only=True):
 
     messages: list[ChatMessage]
     max_completion_tokens: int | None = None  # OpenAI's newer name for max_tokens; wins when both are set
-    logprobs: bool = False
+    logprobs: bool | None = False  # None: False
     top_logprobs: int | None = None  # with logprobs: how many alternatives per token (0-20)
     add_generation_prompt: bool = True  # extension: end the rendered prompt with the assistant's turn
     # troupe generates free text: asking for JSON or for tool calls is refused rather than
@@ -154,6 +165,10 @@ class ChatCompletionRequest(SamplingRequest, kw_only=True):
     response_format: dict | None = None
     tools: list | None = None
     tool_choice: str | dict | None = None
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        self.logprobs = _or(self.logprobs, False)
 
     def to_sampling_params(self) -> SamplingParams:
         if self.response_format is not None and self.response_format.get("type", "text") != "text":
