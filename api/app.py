@@ -51,9 +51,19 @@ def _with_context(endpoint: Endpoint) -> Callable[[Request], Awaitable[Response]
 
 
 async def list_models(ctx: ServingContext, request: Request) -> Response:
-    cards = [ModelCard(id=name, root=ctx.settings.model_root, max_model_len=ctx.max_model_len)
-             for name in ctx.settings.served_model_names]
-    return json_response(ModelList(data=cards))
+    return json_response(ModelList(data=[_model_card(ctx, name) for name in ctx.settings.served_model_names]))
+
+
+async def retrieve_model(ctx: ServingContext, request: Request) -> Response:
+    """GET /v1/models/{model}: OpenAI's retrieve; 404 for a model this server does not serve."""
+    name = request.path_params["model"]
+    if name not in ctx.settings.served_model_names:
+        raise APIError(404, f"the model {name!r} does not exist", param="model", code="model_not_found")
+    return json_response(_model_card(ctx, name))
+
+
+def _model_card(ctx: ServingContext, name: str) -> ModelCard:
+    return ModelCard(id=name, root=ctx.settings.model_root, max_model_len=ctx.max_model_len)
 
 
 async def health(ctx: ServingContext, request: Request) -> Response:
@@ -123,6 +133,7 @@ ROUTES = [
     Route("/v1/completions", _with_context(create_completion), methods=["POST"]),
     Route("/v1/chat/completions", _with_context(create_chat_completion), methods=["POST"]),
     Route("/v1/models", _with_context(list_models), methods=["GET"]),
+    Route("/v1/models/{model:path}", _with_context(retrieve_model), methods=["GET"]),
     Route("/health", _with_context(health), methods=["GET"]),
     Route("/ping", _with_context(health), methods=["GET", "POST"]),  # SageMaker's health check
     Route("/invocations", _with_context(invocations), methods=["POST"]),

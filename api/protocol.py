@@ -34,9 +34,9 @@ class SamplingRequest(msgspec.Struct, kw_only=True):
     max_tokens: int | None = None  # None: up to the context left
     temperature: float | None = None
     top_p: float | None = None
-    n: int = 1
+    n: int | None = 1  # never None after decoding (see __post_init__)
     best_of: int | None = None  # only best_of == n (or null): troupe returns every completion it runs
-    stream: bool = False
+    stream: bool | None = False  # never None after decoding
     stream_options: StreamOptions | None = None
     stop: str | list[str] | None = None
     seed: int | None = None
@@ -65,7 +65,15 @@ class SamplingRequest(msgspec.Struct, kw_only=True):
     priority: int = 0
     request_id: str | None = None  # the response's id (after "cmpl-"/"chatcmpl-"); X-Request-Id wins
     cache_salt: str | None = None  # prefix-cache entries shared only with requests of the same salt
-    echo: bool = False
+    echo: bool | None = False  # never None after decoding
+
+    def __post_init__(self) -> None:
+        # OpenAI's API takes null for these too, and the openai package sends null when a
+        # caller passes n=None or stream=None: the default is filled in once, here, so the
+        # rest of the server sees plain values
+        self.n = _or(self.n, 1)
+        self.stream = _or(self.stream, False)
+        self.echo = _or(self.echo, False)
 
     def check_common(self) -> None:
         if self.stream_options is not None and not self.stream:
@@ -194,7 +202,7 @@ class ChatCompletionRequest(SamplingRequest, kw_only=True):
 
     messages: list[ChatMessage]
     max_completion_tokens: int | None = None  # OpenAI's newer name for max_tokens; wins when both are set
-    logprobs: bool = False
+    logprobs: bool | None = False  # never None after decoding
     top_logprobs: int | None = None  # with logprobs: how many alternatives per token
     # vLLM's chat-template options
     add_generation_prompt: bool = True  # end the rendered prompt with the assistant's turn
@@ -210,6 +218,10 @@ class ChatCompletionRequest(SamplingRequest, kw_only=True):
     tool_choice: str | dict | None = None
     parallel_tool_calls: bool | None = None  # meaningless without tools, so accepted
     modalities: list[str] | None = None  # only ["text"]
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        self.logprobs = _or(self.logprobs, False)
 
     def to_sampling_params(self, max_logprobs: int) -> SamplingParams:
         check_response_format(self.response_format)

@@ -270,3 +270,12 @@ def test_disable_log_requests_leaves_no_request_line_and_stopping_removes_the_so
     assert '"POST /' not in log and '"GET /' not in log, log
     assert not os.path.exists(os.path.join(socket_dir, "troupe.sock"))
     assert not flag_server.leftover_pids()
+
+
+def test_lm_evals_remote_tokenizer_probe_works_with_the_flag(uds_http):
+    """lm-eval's tokenizer_backend "auto" reads /tokenizer_info for eos_token, then takes
+    the EOS id from /tokenize (vLLM serves the route under the same flag)."""
+    info = uds_http.get("/tokenizer_info")
+    assert info.status_code == 200 and "eos_token" in info.json()
+    eos = uds_http.post("/tokenize", json={"prompt": info.json()["eos_token"], "add_special_tokens": False})
+    assert eos.json()["tokens"][0] == 0
