@@ -3,6 +3,8 @@ a logprob's token text (or "token_id:<id>"), and per-choice usage while streamin
 
 from __future__ import annotations
 
+from msgspec import UNSET
+
 from api.responses import LogprobEntry, PromptLogprobsField, Usage
 from messages.common import CompletionOutput, Logprob, PromptLogprobs, RequestOutput
 
@@ -10,7 +12,7 @@ from messages.common import CompletionOutput, Logprob, PromptLogprobs, RequestOu
 def prompt_logprobs_field(entries: PromptLogprobs | None) -> PromptLogprobsField:
     """vLLM's prompt_logprobs: per prompt position None (the first) or {token id: logprob}."""
     if entries is None:
-        return None
+        return UNSET
     return [None if entry is None else {token_id: LogprobEntry(lp.logprob, lp.rank, lp.decoded_token)
                                         for token_id, lp in entry.items()}
             for entry in entries]

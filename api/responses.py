@@ -20,7 +20,8 @@ class Usage(msgspec.Struct):
     prompt_tokens: int = 0
     completion_tokens: int = 0
     total_tokens: int = 0
-    prompt_tokens_details: PromptTokensDetails | None = None  # with --enable-prompt-tokens-details
+    # with --enable-prompt-tokens-details; left out otherwise
+    prompt_tokens_details: PromptTokensDetails | UnsetType = UNSET
 
     def add(self, num_prompt_tokens: int, num_completion_tokens: int) -> None:
         self.prompt_tokens += num_prompt_tokens
@@ -36,8 +37,9 @@ class LogprobEntry(msgspec.Struct):
     decoded_token: str | None = None
 
 
-# position -> {token id: its logprob}; the first prompt token has none
-PromptLogprobsField = list[dict[int, LogprobEntry] | None] | None
+# position -> {token id: its logprob}; the first prompt token has none. vLLM's extensions
+# are left out of a response unless asked for (every streamed chunk would carry them).
+PromptLogprobsField = list[dict[int, LogprobEntry] | None] | UnsetType
 
 
 # ---- /v1/completions ----
@@ -58,9 +60,9 @@ class CompletionChoice(msgspec.Struct):
     finish_reason: str | None = None  # "stop" | "length" | "abort"; None while streaming
     stop_reason: int | str | None = None  # the stop string or token id that ended it (vLLM's extension)
     # vLLM's extensions: prompt_logprobs when asked; token ids with return_token_ids
-    prompt_logprobs: PromptLogprobsField = None
-    prompt_token_ids: list[int] | None = None
-    token_ids: list[int] | None = None
+    prompt_logprobs: PromptLogprobsField = UNSET
+    prompt_token_ids: list[int] | UnsetType = UNSET
+    token_ids: list[int] | UnsetType = UNSET
 
 
 class CompletionResponse(msgspec.Struct):
@@ -104,7 +106,7 @@ class ChatChoice(msgspec.Struct):
     logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
-    token_ids: list[int] | None = None  # with return_token_ids
+    token_ids: list[int] | UnsetType = UNSET  # with return_token_ids
 
 
 class ChatCompletionResponse(msgspec.Struct):
@@ -114,8 +116,8 @@ class ChatCompletionResponse(msgspec.Struct):
     usage: Usage
     object: str = "chat.completion"
     created: int = msgspec.field(default_factory=lambda: int(time.time()))
-    prompt_logprobs: PromptLogprobsField = None
-    prompt_token_ids: list[int] | None = None  # with return_token_ids
+    prompt_logprobs: PromptLogprobsField = UNSET
+    prompt_token_ids: list[int] | UnsetType = UNSET  # with return_token_ids
 
 
 class DeltaMessage(msgspec.Struct):

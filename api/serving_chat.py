@@ -79,12 +79,12 @@ async def create_chat_completion(ctx: ServingContext, request: Request) -> Respo
                               message=AssistantMessage(content=reply.echo + completion.text, role=reply.role),
                               logprobs=reply.logprobs(completion), finish_reason=completion.finish_reason,
                               stop_reason=completion.stop_reason,
-                              token_ids=completion.token_ids if reply.wants_token_ids else None)
+                              token_ids=completion.token_ids if reply.wants_token_ids else UNSET)
                    for completion in output.outputs]
         return ChatCompletionResponse(
             id=response_id, model=model, choices=choices, usage=ctx.usage(requests),
             prompt_logprobs=prompt_logprobs_field(output.prompt_logprobs),
-            prompt_token_ids=output.prompt_token_ids if reply.wants_token_ids else None)
+            prompt_token_ids=output.prompt_token_ids if reply.wants_token_ids else UNSET)
 
     return await respond(request, requests, body.stream,
                          lambda: _chunks(ctx, response_id, model, body, requests, reply), whole_response)

@@ -100,7 +100,7 @@ class _Choices:
         if self.wants_token_ids:
             choice.token_ids = completion.token_ids
             if first:
-                choice.prompt_token_ids = self.prompt_token_ids.get(prompt_index)
+                choice.prompt_token_ids = self.prompt_token_ids.get(prompt_index, [])
         return choice
 
     def _add_prompt_logprobs(self, logprobs: CompletionLogprobs, prompt_index: int) -> None:

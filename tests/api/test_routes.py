@@ -234,7 +234,8 @@ def test_load_counts_a_streaming_request_while_it_runs(uds_http):
     wait_for_load(uds_http, 0)
     body = {"prompt": [5, 6, 7], "max_tokens": 2000, "ignore_eos": True, "stream": True}
     with uds_http.stream("POST", "/v1/completions", json=body) as stream:
-        next(stream.iter_bytes())  # the stream is under way
+        chunks = stream.iter_bytes()  # kept: a dropped iterator closes the stream, a disconnect
+        next(chunks)  # the stream is under way
         assert uds_http.get("/load").json() == {"server_load": 1}
     # leaving the stream disconnects: the request ends and the count with it
     wait_for_load(uds_http, 0)
@@ -246,6 +247,15 @@ def test_tokenizer_info_gives_the_tokenizers_config(uds_http, tokenizer):
     assert info["chat_template"] == tokenizer.chat_template
     assert info["eos_token"] == "<|endoftext|>" and info["model_max_length"] == tokenizer.model_max_length
     assert "vocab_file" not in info and "merges_file" not in info  # its files are the server's own business
+
+def test_lm_evals_remote_tokenizer_probe_works_with_the_flag(uds_http):
+    """lm-eval's tokenizer_backend "auto" reads /tokenizer_info for eos_token, then takes
+    the EOS id from /tokenize (vLLM serves the route under the same flag)."""
+    info = uds_http.get("/tokenizer_info")
+    assert info.status_code == 200 and "eos_token" in info.json()
+    eos = uds_http.post("/tokenize", json={"prompt": info.json()["eos_token"], "add_special_tokens": False})
+    assert eos.json()["tokens"][0] == 0
+
 
 
 def test_cors_allows_only_the_allowed_origin_with_credentials(uds_http):
@@ -271,11 +281,3 @@ def test_disable_log_requests_leaves_no_request_line_and_stopping_removes_the_so
     assert not os.path.exists(os.path.join(socket_dir, "troupe.sock"))
     assert not flag_server.leftover_pids()
 
-
-def test_lm_evals_remote_tokenizer_probe_works_with_the_flag(uds_http):
-    """lm-eval's tokenizer_backend "auto" reads /tokenizer_info for eos_token, then takes
-    the EOS id from /tokenize (vLLM serves the route under the same flag)."""
-    info = uds_http.get("/tokenizer_info")
-    assert info.status_code == 200 and "eos_token" in info.json()
-    eos = uds_http.post("/tokenize", json={"prompt": info.json()["eos_token"], "add_special_tokens": False})
-    assert eos.json()["tokens"][0] == 0
