@@ -25,6 +25,7 @@ from typing import Any
 
 import zmq
 
+from actors.beam_search import AsyncBeamSearch
 from actors.config import EngineConfig
 from actors.detokenizer import merge_delta
 from actors.engine_args import EngineArgs
@@ -76,8 +77,9 @@ class RequestStream:
         return whole
 
 
-class AsyncClient:
-    """Starts and supervises a troupe engine; generate() streams RequestOutput deltas."""
+class AsyncClient(AsyncBeamSearch):
+    """Starts and supervises a troupe engine; generate() streams RequestOutput deltas;
+    beam_search() (actors/beam_search.py) returns a prompt's finished beams."""
 
     def __init__(self, model: str | None = None, *, num_input_processors: int = 1, startup_timeout: float = 600.0,
                  log_level: str = "WARNING", transport: str = "ipc", **engine_args: Any) -> None:

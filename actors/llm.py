@@ -9,6 +9,7 @@ from collections.abc import Sequence
 import msgspec
 from tqdm import tqdm
 
+from actors.beam_search import BeamPrompt, BeamSearchBatch, BeamSearchOutput, BeamSearchParams
 from actors.engine_args import EngineArgs
 from actors.engine_core import EngineCore
 from actors.prompts import PromptInput, per_prompt, split_prompt
@@ -113,6 +114,21 @@ class LLM:
                               chat_template_kwargs=chat_template_kwargs, documents=documents)
         prompts = [self.inputs.render_chat(c, options) for c in conversations]
         return self.generate(prompts, sampling_params, use_tqdm)
+
+    def beam_search(self, prompts: BeamPrompt | Sequence[BeamPrompt], params: BeamSearchParams,
+                    use_tqdm: bool = False) -> list[BeamSearchOutput]:
+        """vLLM's LLM.beam_search: prompts are strings, token id lists or vLLM's dict prompts
+        ({"prompt": ...} / {"prompt_token_ids": [...]}), one or a list. Each step runs every
+        live beam of every prompt as one batch; see actors/beam_search.py. Returns one
+        BeamSearchOutput per prompt, in prompt order, its sequences best first."""
+        if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        batch = BeamSearchBatch.from_prompts(list(prompts), params, self.inputs, self.config.model.eos_token_ids)
+        with tqdm(total=params.max_tokens, desc="Beam search", unit="step", disable=not use_tqdm) as progress:
+            while not batch.done:
+                batch.advance(self.generate(batch.requests(), batch.step_params, use_tqdm=False))
+                progress.update(1)
+        return [search.output(self.tokenizer) for search in batch.searches]
 
     def _run(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
         results: dict[str, RequestOutput] = {}
