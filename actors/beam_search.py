@@ -44,6 +44,9 @@ import msgspec
 from messages.common import (MAX_LOGPROBS, CompletionOutput, InvalidRequestError, Logprob, RequestOutput,
                              SamplingParams)
 
+from actors.prompts import split_prompt
+from messages.input_processor import ChatOptions
+
 if TYPE_CHECKING:
     from actors.frontend import AsyncClient
     from actors.input_processor import InputProcessor
@@ -226,13 +229,13 @@ class BeamSearchBatch:
     """The searches of several prompts, stepped together: each step's requests() go to the
     engine as one batch with step_params, and advance() takes their outputs in order."""
 
-    def __init__(self, searches: list[BeamSearch]) -> None:
+    def __init__(self, searches: list[BeamSearch], max_logprobs: int = MAX_LOGPROBS) -> None:
         self.searches = searches
         num_logprobs = max((search.num_logprobs for search in searches), default=1)
-        if num_logprobs > MAX_LOGPROBS:
+        if num_logprobs > max_logprobs:
             raise InvalidRequestError(
                 f"beam_width plus the model's {num_logprobs - searches[0].params.beam_width} EOS tokens "
-                f"must be at most {MAX_LOGPROBS}, got beam_width {searches[0].params.beam_width}",
+                f"must be at most max_logprobs ({max_logprobs}), got beam_width {searches[0].params.beam_width}",
                 param="beam_width")
         self.step_params = SamplingParams(max_tokens=1, temperature=0.0, logprobs=num_logprobs, ignore_eos=True)
         self._num_requests_per_search: list[int] = []
@@ -249,9 +252,9 @@ class BeamSearchBatch:
         step_check = SamplingParams(max_tokens=1)
         searches = []
         for prompt in prompts:
-            text, token_ids = inputs.process(unwrap_prompt(prompt), step_check)
+            text, token_ids = inputs.process(split_prompt(prompt)[0], step_check)
             searches.append(BeamSearch(token_ids, text, params, eos_token_ids, inputs.max_model_len))
-        return cls(searches)
+        return cls(searches, inputs.max_logprobs)
 
     @property
     def done(self) -> bool:
@@ -290,10 +293,17 @@ class AsyncBeamSearch:
         return await self._run_beam_search(batch, request_id, inputs.tokenizer)
 
     async def beam_search_chat(self: AsyncClient, messages: list[dict[str, Any]], params: BeamSearchParams,
-                               request_id: str | None = None, add_generation_prompt: bool = True) -> RequestOutput:
-        """beam_search() for a conversation, rendered with the model's chat template."""
+                               request_id: str | None = None, add_generation_prompt: bool = True, *,
+                               continue_final_message: bool = False, chat_template: str | None = None,
+                               chat_template_kwargs: dict[str, Any] | None = None,
+                               documents: list[dict[str, Any]] | None = None) -> RequestOutput:
+        """beam_search() for a conversation, rendered with the chat template (chat_template,
+        else the model's) and chat()'s options."""
         inputs = await self._beam_search_inputs()
-        token_ids = inputs.apply_chat_template(messages, add_generation_prompt)
+        options = ChatOptions(add_generation_prompt=add_generation_prompt, continue_final_message=continue_final_message,
+                              chat_template=chat_template, chat_template_kwargs=chat_template_kwargs,
+                              documents=documents)
+        token_ids = inputs.render_chat(messages, options)
         batch = BeamSearchBatch.from_prompts([token_ids], params, inputs, self.config.model.eos_token_ids)
         return await self._run_beam_search(batch, request_id, inputs.tokenizer)
 
@@ -302,7 +312,8 @@ class AsyncBeamSearch:
 
         self.check_health()
         tokenizer = await self.get_tokenizer()
-        return InputProcessor(tokenizer, self.config.model.vocab_size, self.config.scheduler.max_model_len)
+        return InputProcessor(tokenizer, self.config.model.vocab_size, self.config.scheduler.max_model_len,
+                              self.config.max_logprobs)
 
     async def _run_beam_search(self: AsyncClient, batch: BeamSearchBatch, request_id: str | None,
                                tokenizer) -> RequestOutput:
@@ -318,17 +329,6 @@ def _top_logprobs(output: RequestOutput) -> dict[int, Logprob]:
         raise RuntimeError(f"beam request {output.request_id} ended without logprobs "
                            f"(finish_reason {completion.finish_reason!r})")
     return completion.logprobs[0]
-
-
-def unwrap_prompt(prompt: BeamPrompt) -> str | list[int]:
-    """vLLM's dict prompts ({"prompt": text} or {"prompt_token_ids": ids}) as plain ones."""
-    if isinstance(prompt, dict):
-        if "prompt_token_ids" in prompt:
-            return prompt["prompt_token_ids"]
-        if "prompt" in prompt:
-            return prompt["prompt"]
-        raise InvalidRequestError("a dict prompt needs 'prompt' or 'prompt_token_ids'", param="prompt")
-    return prompt
 
 
 def _require(ok: bool, name: str, message: str) -> None:

@@ -31,6 +31,7 @@ from actors.detokenizer import merge_delta
 from actors.engine_args import EngineArgs
 from actors.errors import EngineDeadError, InvalidRequestError
 from actors.prompts import PromptInput, per_prompt, split_prompt
+from actors.request_stream import LiveRequest, RequestStream, broadcast_params, check_params, rejection_error
 from actors.supervisor import EngineProcesses, engine_addresses
 from messages.common import CompletionOutput, Ping, RequestOutput, SamplingParams
 from messages.frontend import (ActorFailed, FrontendInbox, HistogramSnapshot, Pong, RequestOutputs, RequestRejected,
@@ -42,41 +43,6 @@ from messages.transport import Namespace, Sockets
 logger = logging.getLogger(__name__)
 
 Prompt = str | list[int]
-class _Stream:
-    """One live request as the frontend sees it."""
-
-    def __init__(self, prompt: str | None, n: int) -> None:
-        self.queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
-        self.prompt = prompt
-        self.n = n
-
-
-class RequestStream:
-    """What generate() and chat() return: iterate it for the deltas (`async for`), or
-    await it for the whole output at once."""
-
-    def __init__(self, deltas: AsyncIterator[RequestOutput]) -> None:
-        self._deltas = deltas
-
-    def __aiter__(self) -> AsyncIterator[RequestOutput]:
-        return self._deltas
-
-    async def __anext__(self) -> RequestOutput:
-        return await anext(self._deltas)
-
-    async def aclose(self) -> None:
-        await self._deltas.aclose()
-
-    def __await__(self):
-        return self._collect().__await__()
-
-    async def _collect(self) -> RequestOutput:
-        whole = None
-        async for delta in self._deltas:
-            whole = merge_delta(whole, delta)
-        return whole
-
-
 class AsyncClient(AsyncBeamSearch):
     """Starts and supervises a troupe engine; generate() streams RequestOutput deltas;
     beam_search() (actors/beam_search.py) returns a prompt's finished beams."""
@@ -92,7 +58,7 @@ class AsyncClient(AsyncBeamSearch):
         self.transport = transport
         self.config: EngineConfig | None = None
         self.processes: EngineProcesses | None = None
-        self._streams: dict[str, _Stream] = {}
+        self._streams: dict[str, LiveRequest] = {}
         self._stats_queries: dict[int, asyncio.Future] = {}
         self._query_ids = itertools.count()
         self._pings: dict[int, tuple[set[str], asyncio.Future]] = {}  # ping_id -> (names to answer, done)
@@ -235,7 +201,7 @@ class AsyncClient(AsyncBeamSearch):
         the stream is first iterated (or awaited, which gives the whole output); leaving
         the stream early aborts it. prompt: text, token ids, or vLLM's dict prompt
         ({"prompt": text} or {"prompt_token_ids": ids}, with an optional "cache_salt")."""
-        params = _check_params(sampling_params)
+        params = check_params(sampling_params)
         prompt, cache_salt = split_prompt(prompt)
         request = AddRequest(request_id=self._new_id(request_id), prompt=prompt, params=params,
                              arrival_time=time.time(), add_special_tokens=add_special_tokens, priority=priority,
@@ -249,7 +215,7 @@ class AsyncClient(AsyncBeamSearch):
              add_special_tokens: bool = False, priority: int = 0, cache_salt: str | None = None) -> RequestStream:
         """generate() for a conversation, rendered with the chat template (chat_template,
         else the model's) with vLLM's options."""
-        params = _check_params(sampling_params)
+        params = check_params(sampling_params)
         if not isinstance(messages, list):
             raise InvalidRequestError("messages must be a list of {'role', 'content'} objects", param="messages")
         chat = ChatOptions(add_generation_prompt=add_generation_prompt, continue_final_message=continue_final_message,
@@ -267,7 +233,7 @@ class AsyncClient(AsyncBeamSearch):
         priority may be one per prompt."""
         from tqdm import tqdm
 
-        params_list = _broadcast_params(sampling_params, len(prompts))
+        params_list = broadcast_params(sampling_params, len(prompts))
         priorities = per_prompt(priority, len(prompts), "priority", 0)
         progress = tqdm(total=len(prompts), desc="Generating", unit="req", disable=not use_tqdm)
         start, num_output_tokens = time.perf_counter(), 0
@@ -330,7 +296,7 @@ class AsyncClient(AsyncBeamSearch):
         request_id = request.request_id
         if request_id in self._streams:
             raise InvalidRequestError(f"request_id {request_id!r} is already in use", param="request_id")
-        stream = self._streams[request_id] = _Stream(prompt_text, request.params.n)
+        stream = self._streams[request_id] = LiveRequest(prompt_text, request.params.n)
         finished = False
         try:
             try:
@@ -388,7 +354,7 @@ class AsyncClient(AsyncBeamSearch):
             case RequestRejected(request_id=request_id):
                 stream = self._streams.pop(request_id, None)
                 if stream is not None:
-                    stream.queue.put_nowait(_rejection_error(message))
+                    stream.queue.put_nowait(rejection_error(message))
             case Stats(query_id=query_id, stats=stats):
                 future = self._stats_queries.get(query_id)
                 if future is not None and not future.done():
@@ -411,30 +377,3 @@ class AsyncClient(AsyncBeamSearch):
             assert self.config is not None, "start() the client first"
             self._tokenizer = await asyncio.to_thread(load_tokenizer, self.config.tokenizer_path)
         return self._tokenizer
-
-
-def _rejection_error(rejection: RequestRejected) -> Exception:
-    if rejection.error_type == "invalid_request":
-        return InvalidRequestError(rejection.message, param=rejection.param)
-    return RuntimeError(rejection.message)
-
-
-def _check_params(params: SamplingParams | None) -> SamplingParams:
-    if params is None:
-        return SamplingParams()
-    if not isinstance(params, SamplingParams):
-        raise InvalidRequestError(f"sampling_params must be SamplingParams, got {type(params).__name__}",
-                                  param="sampling_params")
-    params.validate()
-    return params
-
-
-def _broadcast_params(params: SamplingParams | Sequence[SamplingParams] | None,
-                      num_prompts: int) -> list[SamplingParams]:
-    if params is None or isinstance(params, SamplingParams):
-        return [_check_params(params)] * num_prompts
-    params = list(params)
-    if len(params) != num_prompts:
-        raise InvalidRequestError(f"got {len(params)} sampling_params for {num_prompts} prompts",
-                                  param="sampling_params")
-    return [_check_params(p) for p in params]

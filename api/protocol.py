@@ -17,6 +17,7 @@ from typing import Any
 
 import msgspec
 
+from actors.beam_search import BeamSearchParams
 from actors.errors import InvalidRequestError
 from messages.common import SamplingParams
 from messages.input_processor import ChatOptions
@@ -84,10 +85,7 @@ class SamplingRequest(msgspec.Struct, kw_only=True):
         if self.stream and self.prompt_logprobs is not None:
             raise InvalidRequestError("prompt_logprobs are not available when stream is true",
                                       param="prompt_logprobs")
-        if self.use_beam_search:
-            if self.stream:
-                raise InvalidRequestError("use_beam_search does not stream; send stream false", param="stream")
-        elif self.length_penalty != 1.0:
+        if not self.use_beam_search and self.length_penalty != 1.0:
             raise InvalidRequestError("length_penalty applies to beam search only; set use_beam_search",
                                       param="length_penalty")
 
@@ -120,6 +118,18 @@ class SamplingRequest(msgspec.Struct, kw_only=True):
             allowed_token_ids=self.allowed_token_ids, bad_words=self.bad_words,
             truncate_prompt_tokens=self.truncate_prompt_tokens)
 
+    def beam_search_params(self, max_tokens: int | None, max_model_len: int) -> BeamSearchParams:
+        """use_beam_search's parameters: n beams; InvalidRequestError for a field the search
+        would ignore."""
+        self.check_common()
+        for name, unset_values in _NOT_FOR_BEAM_SEARCH.items():
+            if getattr(self, name, None) not in unset_values:
+                raise InvalidRequestError(f"{name} does not apply to beam search (use_beam_search)", param=name)
+        return BeamSearchParams(beam_width=self.n, max_tokens=max_tokens or max_model_len,
+                                ignore_eos=self.ignore_eos, temperature=_or(self.temperature, 0.0),
+                                length_penalty=self.length_penalty,
+                                include_stop_str_in_output=self.include_stop_str_in_output)
+
     def _logit_bias(self) -> dict[int, float] | None:
         if not self.logit_bias:
             return None
@@ -131,6 +141,17 @@ class SamplingRequest(msgspec.Struct, kw_only=True):
                 raise InvalidRequestError(f"logit_bias keys must be token ids, got {key!r}",
                                           param="logit_bias") from None
         return bias
+
+
+# Fields a beam search has no use for, with the values that mean "not set": set to anything
+# else, they would be silently ignored, so they are refused.
+_NOT_FOR_BEAM_SEARCH = {
+    "top_p": (None, 1.0), "top_k": (None, 0, -1), "min_p": (None, 0.0), "presence_penalty": (None, 0.0),
+    "frequency_penalty": (None, 0.0), "repetition_penalty": (None, 1.0), "stop": (None, [], ""),
+    "stop_token_ids": (None, []), "logit_bias": (None, {}), "allowed_token_ids": (None,), "bad_words": (None, []),
+    "min_tokens": (0,), "prompt_logprobs": (None,), "truncate_prompt_tokens": (None,), "cache_salt": (None,),
+    "logprobs": (None, False), "top_logprobs": (None,),
+}
 
 
 def _or(value, default):

@@ -18,7 +18,8 @@ from api.engine_requests import EngineRequests
 from api.output import UsageCounter, prompt_logprobs_field, token_text
 from api.protocol import ChatCompletionRequest
 from api.responses import (AssistantMessage, ChatChoice, ChatChunkChoice, ChatCompletionChunk, ChatCompletionResponse,
-                           ChatLogprobs, ChatTokenLogprob, DeltaMessage, TopLogprob)
+                           ChatLogprobs, ChatTokenLogprob, DeltaMessage, TopLogprob, Usage)
+from api.serving_beam_search import beam_response, beam_usage, run_beam_searches
 from api.serving import ServingContext, read_json, respond
 from messages.common import CompletionOutput, Logprob, RequestOutput
 
@@ -58,22 +59,16 @@ class _Reply:
 async def create_chat_completion(ctx: ServingContext, request: Request) -> Response:
     body = await read_json(request, ChatCompletionRequest, ctx.settings.max_body_bytes)
     model = ctx.check_model(body.model_name)
-    params = body.to_sampling_params(ctx.client.config.max_logprobs)
+    params = None if body.use_beam_search else body.to_sampling_params(ctx.client.config.max_logprobs)
     messages = body.message_dicts()
     options = body.chat_options(ctx.settings.chat_template)
+    chat_kwargs = dict(add_generation_prompt=options.add_generation_prompt,
+                       continue_final_message=options.continue_final_message, chat_template=options.chat_template,
+                       chat_template_kwargs=options.chat_template_kwargs, documents=options.documents)
     reply = _Reply(ctx, body, messages)
     response_id, engine_ids = ctx.request_ids(request, body.request_id, "chatcmpl", 1)
-    if body.use_beam_search:
-        from api.serving_beam_search import beam_search_chat
 
-        return await beam_search_chat(ctx, request, body, model, response_id, messages, options, reply.role)
-    requests = ctx.open(engine_ids, lambda engine_id, _: ctx.client.chat(
-        messages, params, request_id=engine_id, add_generation_prompt=options.add_generation_prompt,
-        continue_final_message=options.continue_final_message, chat_template=options.chat_template,
-        chat_template_kwargs=options.chat_template_kwargs, documents=options.documents,
-        add_special_tokens=body.add_special_tokens, priority=body.priority, cache_salt=body.cache_salt), params)
-
-    def whole_response(outputs: list[RequestOutput]) -> ChatCompletionResponse:
+    def whole_response(outputs: list[RequestOutput], usage: Usage) -> ChatCompletionResponse:
         output = outputs[0]
         choices = [ChatChoice(index=completion.index,
                               message=AssistantMessage(content=reply.echo + completion.text, role=reply.role),
@@ -82,12 +77,34 @@ async def create_chat_completion(ctx: ServingContext, request: Request) -> Respo
                               token_ids=completion.token_ids if reply.wants_token_ids else UNSET)
                    for completion in output.outputs]
         return ChatCompletionResponse(
-            id=response_id, model=model, choices=choices, usage=ctx.usage(requests),
+            id=response_id, model=model, choices=choices, usage=usage,
             prompt_logprobs=prompt_logprobs_field(output.prompt_logprobs),
             prompt_token_ids=output.prompt_token_ids if reply.wants_token_ids else UNSET)
 
+    if body.use_beam_search:
+        max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+        beam_params = body.beam_search_params(max_tokens, ctx.max_model_len)
+        outputs = await run_beam_searches(ctx, request, [
+            lambda: ctx.client.beam_search_chat(messages, beam_params, **chat_kwargs)])
+        whole = whole_response(outputs, beam_usage(outputs))
+        # streamed, each finished beam is one chunk with the whole message
+        chunks = [ChatCompletionChunk(id=response_id, model=model, created=whole.created,
+                                      usage=None if body.include_usage else UNSET, choices=[ChatChunkChoice(
+                                          index=choice.index, delta=DeltaMessage(role=choice.message.role,
+                                                                                 content=choice.message.content),
+                                          finish_reason=choice.finish_reason, stop_reason=choice.stop_reason,
+                                          token_ids=choice.token_ids)])
+                  for choice in whole.choices]
+        if body.include_usage:
+            chunks.append(ChatCompletionChunk(id=response_id, model=model, created=whole.created, choices=[],
+                                              usage=whole.usage))
+        return beam_response(body.stream, whole, chunks)
+    requests = ctx.open(engine_ids, lambda engine_id, _: ctx.client.chat(
+        messages, params, request_id=engine_id, add_special_tokens=body.add_special_tokens, priority=body.priority,
+        cache_salt=body.cache_salt, **chat_kwargs), params)
     return await respond(request, requests, body.stream,
-                         lambda: _chunks(ctx, response_id, model, body, requests, reply), whole_response)
+                         lambda: _chunks(ctx, response_id, model, body, requests, reply),
+                         lambda outputs: whole_response(outputs, ctx.usage(requests)))
 
 
 def _utf8(text: str | None) -> list[int] | None:

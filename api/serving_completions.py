@@ -13,7 +13,8 @@ from starlette.responses import Response
 from api.engine_requests import EngineRequests
 from api.output import UsageCounter, prompt_logprobs_field, token_text
 from api.protocol import CompletionRequest, Prompt
-from api.responses import CompletionChoice, CompletionLogprobs, CompletionResponse
+from api.responses import CompletionChoice, CompletionLogprobs, CompletionResponse, Usage
+from api.serving_beam_search import beam_response, beam_usage, run_beam_searches
 from api.serving import ServingContext, read_json, respond
 from messages.common import CompletionOutput, Logprob, RequestOutput
 
@@ -21,31 +22,40 @@ from messages.common import CompletionOutput, Logprob, RequestOutput
 async def create_completion(ctx: ServingContext, request: Request) -> Response:
     body = await read_json(request, CompletionRequest, ctx.settings.max_body_bytes)
     model = ctx.check_model(body.model_name)
-    params = body.to_sampling_params()
+    params = None if body.use_beam_search else body.to_sampling_params()
     prompts = body.prompts()
     ctx.check_prompt_tokens(prompts)
     response_id, engine_ids = ctx.request_ids(request, body.request_id, "cmpl", len(prompts))
-    if body.use_beam_search:
-        from api.serving_beam_search import beam_search_completion
-
-        return await beam_search_completion(ctx, request, body, model, response_id, prompts)
     echoes = await _echo_texts(ctx, prompts) if body.echo else None
     tokenizer = await ctx.client.get_tokenizer() if body.echo and body.logprobs is not None else None
     choices = _Choices(body, echoes, tokenizer, ctx.tokens_as_ids(body.return_tokens_as_token_ids))
-    requests = ctx.open(engine_ids, lambda engine_id, index: ctx.client.generate(
-        ctx.engine_prompt(prompts[index], body.cache_salt), params, request_id=engine_id,
-        add_special_tokens=body.add_special_tokens, priority=body.priority), params)
 
-    def whole_response(outputs: list[RequestOutput]) -> CompletionResponse:
+    def whole_response(outputs: list[RequestOutput], usage: Usage) -> CompletionResponse:
         for prompt_index, output in enumerate(outputs):
             choices.note_prompt(prompt_index, output)
-        return CompletionResponse(id=response_id, model=model, usage=ctx.usage(requests),
+        return CompletionResponse(id=response_id, model=model, usage=usage,
                                   choices=[choices.choice(prompt_index, completion, whole=output)
                                            for prompt_index, output in enumerate(outputs)
                                            for completion in output.outputs])
 
+    if body.use_beam_search:
+        beam_params = body.beam_search_params(body.max_tokens, ctx.max_model_len)
+        outputs = await run_beam_searches(ctx, request, [
+            lambda prompt=prompt: ctx.client.beam_search(prompt, beam_params) for prompt in prompts])
+        whole = whole_response(outputs, beam_usage(outputs))
+        # streamed, each finished beam is a chunk (the choices are whole already)
+        chunks = [CompletionResponse(id=response_id, model=model, created=whole.created, choices=[choice],
+                                     usage=None if body.include_usage else UNSET) for choice in whole.choices]
+        if body.include_usage:
+            chunks.append(CompletionResponse(id=response_id, model=model, created=whole.created, choices=[],
+                                             usage=whole.usage))
+        return beam_response(body.stream, whole, chunks)
+    requests = ctx.open(engine_ids, lambda engine_id, index: ctx.client.generate(
+        ctx.engine_prompt(prompts[index], body.cache_salt), params, request_id=engine_id,
+        add_special_tokens=body.add_special_tokens, priority=body.priority), params)
     return await respond(request, requests, body.stream,
-                         lambda: _chunks(ctx, response_id, model, body, requests, choices), whole_response)
+                         lambda: _chunks(ctx, response_id, model, body, requests, choices),
+                         lambda outputs: whole_response(outputs, ctx.usage(requests)))
 
 
 async def _echo_texts(ctx: ServingContext, prompts: list[Prompt]) -> list[str]:

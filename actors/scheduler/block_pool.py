@@ -95,11 +95,15 @@ class BlockPool:
         return self._block_hashes[block_id]
 
     def stats(self) -> dict[str, float | int]:
+        """Blocks in all, free, held and cached, the share held, and the prefix cache's
+        token counts."""
         return {
             "num_total_blocks": self.num_blocks,
             "num_free_blocks": self.num_free_blocks,
+            "num_held_blocks": self.num_blocks - self.num_free_blocks,
             "num_cached_blocks": self.num_cached_blocks,
             "usage": self.usage,
+            "kv_cache_usage": self.usage,  # the scheduler's (and /metrics') name
             "num_prefix_query_tokens": self.num_prefix_query_tokens,
             "num_prefix_hit_tokens": self.num_prefix_hit_tokens,
         }

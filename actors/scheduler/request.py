@@ -10,8 +10,11 @@ from __future__ import annotations
 
 import enum
 
-from actors.scheduler.block_pool import BlockHash, hash_block_tokens
+import msgspec
+
+from actors.scheduler.block_pool import BlockHash, BlockPool, hash_block_tokens, salted_root_hash
 from messages.common import SamplingParams
+from messages.scheduler import TokenLogprobs
 
 
 class SequenceStatus(enum.Enum):
@@ -97,6 +100,32 @@ class Sequence:
             self.block_hashes.append(hash_block_tokens(parent_hash, self.token_ids[start:start + block_size]))
         return self.block_hashes
 
+    def offer_computed_blocks(self, pool: BlockPool, num_computed_tokens: int) -> None:
+        """Offers its blocks that a step just filled with computed tokens to the prefix
+        cache (later steps in flight may have filled more: they are offered with theirs)."""
+        if not pool.enable_prefix_caching:
+            return
+        num_full_blocks = num_computed_tokens // pool.block_size
+        if num_full_blocks <= self.num_cached_blocks:
+            return
+        block_hashes = self.full_block_hashes(pool.block_size)
+        for block_index in range(self.num_cached_blocks, num_full_blocks):
+            pool.cache_full_block(self.block_ids[block_index], block_hashes[block_index])
+        self.num_cached_blocks = num_full_blocks
+
+    def take_prompt_logprobs(self, num_computed_before: int,
+                             entries: list[TokenLogprobs] | None) -> list[TokenLogprobs] | None:
+        """The prompt logprobs of this step not delivered before. Entry i is the logprob
+        of prompt position num_computed_before + 1 + i; a sequence recomputed after a
+        preemption gets some positions twice, and they are sent once."""
+        if not entries or self.params.prompt_logprobs is None:
+            return None
+        first_pos = num_computed_before + 1
+        start = max(0, self.next_prompt_logprob_pos - first_pos)
+        end = max(start, min(len(entries), self.num_prompt_tokens - first_pos))
+        self.next_prompt_logprob_pos = max(self.next_prompt_logprob_pos, first_pos + end)
+        return entries[start:end] or None
+
     def append_token(self, token_id: int) -> None:
         self.token_ids.append(token_id)
 
@@ -124,3 +153,26 @@ class Sequence:
     def __repr__(self) -> str:
         return (f"Sequence({self.seq_id!r}, {self.status.name}, tokens={self.num_tokens}, "
                 f"computed={self.num_computed_tokens}, blocks={self.block_ids})")
+
+
+def make_sequences(request_id: str, prompt_token_ids: list[int], params: SamplingParams, max_seq_len: int,
+                   share_prefix: bool, cache_salt: str | None = None) -> list[Sequence]:
+    """A request's n sequences. Each gets its own seed (seed + index); prompt logprobs
+    belong to the request, so only completion 0 computes them, which also lets its
+    siblings take the prompt from the prefix cache (share_prefix: they wait for it). A
+    cache_salt roots the sequences' block hashes apart from other salts'."""
+    sequences = []
+    for index in range(params.n):
+        seq_id = request_id if params.n == 1 else f"{request_id}#{index}"
+        seed = params.seed if params.seed is None else params.seed + index
+        prompt_logprobs = params.prompt_logprobs if index == 0 else None
+        seq_params = msgspec.structs.replace(params, n=1, seed=seed, prompt_logprobs=prompt_logprobs)
+        sequences.append(Sequence(seq_id, request_id, index, prompt_token_ids, seq_params, max_seq_len))
+    root_hash = salted_root_hash(cache_salt) if cache_salt is not None else None
+    for seq in sequences:
+        seq.root_hash = root_hash
+        if share_prefix and seq is not sequences[0]:
+            # it waits until the first has computed (and cached) the prompt, then computes
+            # only the prompt's last partial block
+            seq.prefix_source = sequences[0]
+    return sequences

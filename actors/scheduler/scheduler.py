@@ -22,11 +22,10 @@ import time
 from collections import deque
 from dataclasses import dataclass
 
-import msgspec
 
 from actors.config import CacheConfig, SchedulerConfig
-from actors.scheduler.block_pool import BlockPool, salted_root_hash
-from actors.scheduler.request import Sequence, SequenceStatus
+from actors.scheduler.block_pool import BlockPool
+from actors.scheduler.request import Sequence, SequenceStatus, make_sequences
 from actors.scheduler.stats import ITERATION_TOKENS_BOUNDS, CountHistogram
 from messages.common import SamplingParams
 from messages.detokenizer import NewTokens
@@ -97,35 +96,15 @@ class Scheduler:
             raise ValueError(f"prompt has {num_prompt_tokens} tokens, which leaves no room for output in "
                              f"the KV cache: it holds {capacity} tokens "
                              f"({self.block_pool.num_blocks} blocks of {self.block_size})")
-        seq_ids = [request_id] if params.n == 1 else [f"{request_id}#{i}" for i in range(params.n)]
-        for seq_id in seq_ids:
-            if seq_id in self.sequences:
-                raise ValueError(f"request_id {request_id!r}: sequence id {seq_id!r} is already live")
-
-        sequences = [self._make_sequence(seq_id, request_id, index, prompt_token_ids, params)
-                     for index, seq_id in enumerate(seq_ids)]
-        if cache_salt is not None:
-            root_hash = salted_root_hash(cache_salt)
-            for seq in sequences:
-                seq.root_hash = root_hash
-        if self.block_pool.enable_prefix_caching:
-            # Siblings wait until the first sequence has computed (and cached) the
-            # prompt, then compute only its last partial block.
-            for sibling in sequences[1:]:
-                sibling.prefix_source = sequences[0]
+        sequences = make_sequences(request_id, prompt_token_ids, params, self.max_seq_len,
+                                   self.block_pool.enable_prefix_caching, cache_salt)
+        for seq in sequences:
+            if seq.seq_id in self.sequences:
+                raise ValueError(f"request_id {request_id!r}: sequence id {seq.seq_id!r} is already live")
         for seq in sequences:
             self.sequences[seq.seq_id] = seq
             self.waiting.append(seq)
-        self._request_id_to_seq_ids[request_id] = seq_ids
-
-    def _make_sequence(self, seq_id: str, request_id: str, index: int, prompt_token_ids: list[int],
-                       params: SamplingParams) -> Sequence:
-        seed = params.seed if params.seed is None else params.seed + index
-        # Prompt logprobs belong to the request: only completion 0 computes them, which
-        # also lets its siblings take the prompt from the prefix cache.
-        prompt_logprobs = params.prompt_logprobs if index == 0 else None
-        seq_params = msgspec.structs.replace(params, n=1, seed=seed, prompt_logprobs=prompt_logprobs)
-        return Sequence(seq_id, request_id, index, prompt_token_ids, seq_params, self.max_seq_len)
+        self._request_id_to_seq_ids[request_id] = [seq.seq_id for seq in sequences]
 
     def abort_request(self, request_id: str) -> None:
         """Drops all of a request's sequences and their blocks. Unknown ids are ignored
@@ -168,16 +147,10 @@ class Scheduler:
         return len(self.waiting)
 
     def stats(self) -> dict[str, float | int | HistogramSnapshot]:
-        pool = self.block_pool
         return {
             "num_running": self.num_running,
             "num_waiting": self.num_waiting,
-            "num_free_blocks": pool.num_free_blocks,
-            "num_total_blocks": pool.num_blocks,
-            "num_held_blocks": pool.num_blocks - pool.num_free_blocks,
-            "kv_cache_usage": pool.usage,
-            "num_prefix_query_tokens": pool.num_prefix_query_tokens,
-            "num_prefix_hit_tokens": pool.num_prefix_hit_tokens,
+            **self.block_pool.stats(),
             "num_computed_prefill_tokens": self.num_computed_prefill_tokens,
             "num_preemptions": self.num_preemptions,
             "iteration_tokens": self.iteration_tokens.snapshot(),
@@ -396,8 +369,8 @@ class Scheduler:
             self.num_computed_prefill_tokens += min(num_computed_after, seq.num_prompt_tokens) - num_computed_before
         if num_computed_after >= seq.num_prompt_tokens:
             seq.prompt_computed = True
-        self._cache_computed_blocks(seq, num_computed_after)
-        prompt_logprobs = self._take_prompt_logprobs(seq, num_computed_before,
+        seq.offer_computed_blocks(self.block_pool, num_computed_after)
+        prompt_logprobs = seq.take_prompt_logprobs(num_computed_before,
                                                      result.prompt_logprobs.get(seq.seq_id))
 
         new_token_ids: list[int] = []
@@ -421,29 +394,3 @@ class Scheduler:
                          finish_reason=seq.finish_reason, stop_reason=seq.stop_reason,
                          num_prompt_tokens=seq.num_prompt_tokens, num_cached_tokens=seq.num_cached_tokens,
                          first_scheduled_time=seq.first_scheduled_time if is_first_token else None)
-
-    def _cache_computed_blocks(self, seq: Sequence, num_computed_tokens: int) -> None:
-        """Offers seq's blocks that a step just filled with computed tokens to the prefix
-        cache (later steps in flight may have filled more: they are offered with theirs)."""
-        if not self.block_pool.enable_prefix_caching:
-            return
-        num_full_blocks = num_computed_tokens // self.block_size
-        if num_full_blocks <= seq.num_cached_blocks:
-            return
-        block_hashes = seq.full_block_hashes(self.block_size)
-        for block_index in range(seq.num_cached_blocks, num_full_blocks):
-            self.block_pool.cache_full_block(seq.block_ids[block_index], block_hashes[block_index])
-        seq.num_cached_blocks = num_full_blocks
-
-    def _take_prompt_logprobs(self, seq: Sequence, num_computed_before: int,
-                              entries: list[TokenLogprobs] | None) -> list[TokenLogprobs] | None:
-        """The prompt logprobs of this step not delivered before. Entry i is the logprob
-        of prompt position num_computed_before + 1 + i; a sequence recomputed after a
-        preemption gets some positions twice, and they are sent once."""
-        if not entries or seq.params.prompt_logprobs is None:
-            return None
-        first_pos = num_computed_before + 1
-        start = max(0, seq.next_prompt_logprob_pos - first_pos)
-        end = max(start, min(len(entries), seq.num_prompt_tokens - first_pos))
-        seq.next_prompt_logprob_pos = max(seq.next_prompt_logprob_pos, first_pos + end)
-        return entries[start:end] or None

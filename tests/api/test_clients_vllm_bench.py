@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 import httpx
 import pytest
 
-from tests.api.conftest import API_KEY, AUTH, MODEL_NAME
+from tests.api.conftest import API_KEY, MODEL_NAME
 
 PROMPTS = ["The quick brown fox jumps over the lazy dog.", "Paris is the capital of France.",
            "Once upon a time there was a little robot", "def add(a, b):\n    return a + b",
