@@ -61,14 +61,16 @@ class ServerProcess:
     """`python -m actors.launch --model DIR --port 0 ...`, started and waited for (bounded);
     stop() or kill() ends it and every actor process it started."""
 
-    def __init__(self, model_dir: str, log_path: Path, *flags: str) -> None:
+    def __init__(self, model_dir: str, log_path: Path, *flags: str, own_session: bool = False) -> None:
+        """own_session: the server leads a process group of its own, which a test may
+        signal as a whole (as a service manager does) without signalling pytest."""
         command = [sys.executable, "-m", "actors.launch", "--model", model_dir, "--host", "127.0.0.1", "--port", "0",
                    "--served-model-name", MODEL_NAME, *ENGINE_FLAGS, *flags]
         env = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
         self.log_path = log_path
         self._log = open(log_path, "w")
         self.popen = subprocess.Popen(command, cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE, stderr=self._log,
-                                      text=True)
+                                      text=True, start_new_session=own_session)
         self.actor_pids: dict[str, int] = {}  # actor name -> pid
         try:
             self.ready_line = self._wait_ready(STARTUP_TIMEOUT_S)

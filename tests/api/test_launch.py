@@ -158,3 +158,28 @@ def test_a_killed_actor_fails_in_flight_requests_and_the_server_exits_1(start_se
             assert outcome.status_code == 503 and outcome.json()["error"]["code"] == "engine_dead"
     assert not server.leftover_pids()
     assert "the engine died" in server.log()
+
+
+def test_sigterm_to_the_whole_process_group_is_a_clean_stop(long_context_llama_dir, tmp_path):
+    """A service manager or `kill -- -PGID` signals every process of the group: the actors
+    (in sessions of their own) are not hit, the launcher stops them in order, and the log
+    says it stopped, not that the engine died."""
+    server = ServerProcess(long_context_llama_dir, tmp_path / "server.log", "--shutdown-timeout", "2",
+                           own_session=True)
+    try:
+        threads, outcomes = stream_in_background(server.url, LONG, 2)
+        wait_for_running(server.url, 2)
+        os.killpg(server.popen.pid, signal.SIGTERM)
+        assert server.wait(30) == 0, server.log()
+        for thread in threads:
+            thread.join(30)
+        # the running requests were given their time, then aborted in order: none failed
+        assert len(outcomes) == 2
+        for outcome in outcomes:
+            assert sse_events(outcome.text)[-1]["choices"][0]["finish_reason"] in ("length", "abort")
+        log = server.log()
+        assert " ERROR " not in log and "engine died" not in log, log
+        assert not server.leftover_pids()
+    finally:
+        if server.popen.poll() is None or server.leftover_pids():
+            server.kill()
