@@ -108,10 +108,6 @@ class InputProcessor:
         keep = self.max_model_len - 1 if truncate == -1 else truncate  # -1: as much as leaves room for output
         return token_ids[-keep:]
 
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
-        """The conversation's prompt token ids, with the default chat options otherwise."""
-        return self.render_chat(messages, ChatOptions(add_generation_prompt=add_generation_prompt))
-
     def render_chat(self, messages: list[dict], options: ChatOptions, add_special_tokens: bool = False) -> list[int]:
         """The conversation rendered with the chat template (the request's own, else the
         tokenizer's) and tokenized; add_special_tokens adds BOS on top of the template's."""

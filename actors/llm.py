@@ -6,17 +6,17 @@ import itertools
 import time
 from collections.abc import Sequence
 
-import msgspec
 from tqdm import tqdm
 
 from actors.beam_search import BeamPrompt, BeamSearchBatch, BeamSearchOutput, BeamSearchParams
 from actors.engine_args import EngineArgs
 from actors.engine_core import EngineCore
-from actors.prompts import PromptInput, per_prompt, split_prompt
 from actors.input_processor import InputProcessor
-from messages.input_processor import ChatOptions
+from actors.prompts import PromptInput, per_prompt, prompt_list, split_prompt
+from actors.request_stream import broadcast_params
 from actors.worker.loader import load_tokenizer
 from messages.common import RequestOutput, SamplingParams
+from messages.input_processor import ChatOptions
 
 
 class LLM:
@@ -74,11 +74,8 @@ class LLM:
         sampling_params and priority may be one per prompt. Outputs come back in prompt
         order. Any invalid prompt or parameter raises InvalidRequestError (a ValueError)
         before any request is added, so the engine keeps its other work."""
-        if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts
-                                                and isinstance(prompts[0], int)):
-            prompts = [prompts]
-        split = [split_prompt(prompt) for prompt in prompts]
-        params_list = _broadcast_params(sampling_params, len(split))
+        split = [split_prompt(prompt) for prompt in prompt_list(prompts)]
+        params_list = broadcast_params(sampling_params, len(split))
         priorities = per_prompt(priority, len(split), "priority", 0)
         processed = [self.inputs.process(prompt, params, priority=prio, cache_salt=salt)
                      for (prompt, salt), params, prio in zip(split, params_list, priorities)]
@@ -121,9 +118,7 @@ class LLM:
         ({"prompt": ...} / {"prompt_token_ids": [...]}), one or a list. Each step runs every
         live beam of every prompt as one batch; see actors/beam_search.py. Returns one
         BeamSearchOutput per prompt, in prompt order, its sequences best first."""
-        if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]
-        batch = BeamSearchBatch.from_prompts(list(prompts), params, self.inputs, self.config.model.eos_token_ids)
+        batch = BeamSearchBatch.from_prompts(prompt_list(prompts), params, self.inputs, self.config.model.eos_token_ids)
         with tqdm(total=params.max_tokens, desc="Beam search", unit="step", disable=not use_tqdm) as progress:
             while not batch.done:
                 batch.advance(self.generate(batch.requests(), batch.step_params, use_tqdm=False))
@@ -150,21 +145,6 @@ class LLM:
         finally:
             progress.close()
         return [results[request_id] for request_id in request_ids]
-
-
-def _broadcast_params(params: SamplingParams | Sequence[SamplingParams] | None,
-                      num_prompts: int) -> list[SamplingParams]:
-    if params is None:
-        params = SamplingParams()
-    if isinstance(params, SamplingParams):
-        return [params] * num_prompts
-    params = list(params)
-    if len(params) != num_prompts:
-        raise ValueError(f"got {len(params)} sampling_params for {num_prompts} prompts")
-    for p in params:
-        if not isinstance(p, SamplingParams):
-            raise ValueError(f"sampling_params must be SamplingParams, got {type(p).__name__}")
-    return [msgspec.structs.replace(p) for p in params]
 
 
 class ThreadedClient:

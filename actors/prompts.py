@@ -32,6 +32,13 @@ def split_prompt(prompt: PromptInput) -> tuple[Prompt, str | None]:
     return prompt, None
 
 
+def prompt_list(prompts: PromptInput | Sequence[PromptInput]) -> list[PromptInput]:
+    """One prompt (text, token ids or a prompt dict) as a list of one; a list as it is."""
+    if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+        return [prompts]
+    return list(prompts)
+
+
 def per_prompt(values: Sequence | None, num_prompts: int, name: str, default: Any) -> list:
     """A per-prompt list argument as one value per prompt (None: the default for all)."""
     if values is None:

@@ -120,8 +120,7 @@ class EngineRequests:
                         self._num_cached_tokens[index] = delta.num_cached_tokens
                     if delta.prompt_token_ids:
                         self._on_prompt(delta)
-                    self.usage.add(0, sum(len(completion.token_ids) for completion in delta.outputs))
-                    stats.on_delta(delta)
+                    self.usage.add(0, stats.on_delta(delta))
                     self._queue.put_nowait((index, delta))
             self._queue.put_nowait((index, None))
         except asyncio.CancelledError:

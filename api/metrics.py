@@ -214,7 +214,8 @@ class RequestStats:
         self.finish_reasons: dict[int, str] = {}  # completion index -> finish_reason
         self.ended = False
 
-    def on_delta(self, delta: RequestOutput) -> None:
+    def on_delta(self, delta: RequestOutput) -> int:
+        """Records a delta; returns how many tokens it brought (the usage counts them too)."""
         now = time.monotonic()
         metrics = self._metrics
         if delta.prompt_token_ids:
@@ -242,6 +243,7 @@ class RequestStats:
             self.last_token = now
         if delta.finished:
             self._end(now)
+        return num_new
 
     def on_cancelled(self) -> None:
         """The client left first: the request was aborted, with its unfinished completions."""

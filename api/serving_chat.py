@@ -14,6 +14,7 @@ from msgspec import UNSET
 from starlette.requests import Request
 from starlette.responses import Response
 
+from actors.chat_template import normalise_message
 from api.engine_requests import EngineRequests
 from api.output import UsageCounter, prompt_logprobs_field, token_text
 from api.protocol import ChatCompletionRequest
@@ -31,10 +32,8 @@ class _Reply:
     def __init__(self, ctx: ServingContext, body: ChatCompletionRequest, messages: list[dict]) -> None:
         last = messages[-1]
         self.role = ctx.settings.response_role if body.add_generation_prompt else last["role"]
-        content = last.get("content")
-        if isinstance(content, list):  # text parts, joined as the chat template sees them
-            content = "\n".join(part.get("text") or "" for part in content)
-        self.echo = (content or "") if body.echo and last["role"] == self.role else ""
+        # the last message as the chat template sees it (text parts joined)
+        self.echo = normalise_message(last)["content"] if body.echo and last["role"] == self.role else ""
         self.num_top_logprobs = (body.top_logprobs or 0) if body.logprobs else None
         self.tokens_as_ids = ctx.tokens_as_ids(body.return_tokens_as_token_ids)
         self.wants_token_ids = bool(body.return_token_ids)

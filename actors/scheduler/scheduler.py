@@ -22,7 +22,6 @@ import time
 from collections import deque
 from dataclasses import dataclass
 
-
 from actors.config import CacheConfig, SchedulerConfig
 from actors.scheduler.block_pool import BlockPool
 from actors.scheduler.request import Sequence, SequenceStatus, make_sequences

@@ -22,8 +22,8 @@ import torch.nn.functional as F
 
 from actors.config import cache_dir
 from actors.worker.cpu_model_step import CpuModelStep
-from kernels.paged_attention import (PagedAttentionLaunch, PagedAttentionPlan, paged_attention,
-                                     paged_attention_launch, paged_attention_planned, plan_paged_attention)
+from kernels.paged_attention import PagedAttentionLaunch, paged_attention, paged_attention_launch
+from kernels.paged_attention_ref import PagedAttentionPlan, paged_attention_planned, plan_paged_attention
 from kernels.cpu_kernels import NativeKernels, load_native_kernels
 from kernels.paged_attention_cpu import (CpuAttentionPlan, paged_attention_cpu, plan_paged_attention_cpu,
                                          store_kv_cpu)

@@ -12,6 +12,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from actors import LLM, BeamSearchParams, InvalidRequestError, SamplingParams
+from messages.input_processor import ChatOptions
 from tests.actors.test_async_client import ENGINE_ARGS, client  # noqa: F401 - client is a fixture
 from tests.actors.test_llm_matches_hf import make_prompts
 
@@ -214,7 +215,7 @@ async def test_async_beam_search_of_text_and_chat(client, llm):
         by_text = await client.beam_search({"prompt": "Once upon a time"}, params)
         by_chat = await client.beam_search_chat(messages, params)
     [expected_text] = llm.beam_search(["Once upon a time"], params)
-    [expected_chat] = llm.beam_search([llm.inputs.apply_chat_template(messages)], params)
+    [expected_chat] = llm.beam_search([llm.inputs.render_chat(messages, ChatOptions())], params)
     assert by_text.prompt == "Once upon a time"
     for result, expected in ((by_text, expected_text), (by_chat, expected_chat)):
         num_prompt_tokens = len(result.prompt_token_ids)
