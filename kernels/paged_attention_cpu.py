@@ -26,8 +26,8 @@ import torch
 import torch.nn.functional as F
 
 from kernels.cpu_kernels import NativeKernels
-from kernels.paged_attention import (PagedAttentionPlan, PrefillChunk, decode_attention, plan_decodes,
-                                     prefill_attention, split_sequences)
+from kernels.paged_attention_ref import (PagedAttentionPlan, PrefillChunk, decode_attention, plan_decodes,
+                                         prefill_attention, split_sequences)
 from kernels.store_kv import store_kv_ref
 
 

@@ -10,7 +10,8 @@ import random
 import pytest
 import torch
 
-from kernels.paged_attention import paged_attention, paged_attention_launch, paged_attention_ref
+from kernels.paged_attention import paged_attention, paged_attention_launch
+from kernels.paged_attention_ref import paged_attention_ref
 from kernels.store_kv import store_kv, store_kv_ref
 from tests.kernels.helpers import DEVICE, assert_close, generator, poisoned, requires_cuda, requires_triton
 from tests.kernels.naive import make_paged_batch, naive_paged_attention

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from actors.config import cache_dir
-from kernels.paged_attention import paged_attention_ref
+from kernels.paged_attention_ref import paged_attention_ref
 from kernels.cpu_kernels import load_native_kernels
 from kernels.paged_attention_cpu import paged_attention_cpu, plan_paged_attention_cpu, store_kv_cpu
 from kernels.store_kv import store_kv_ref
