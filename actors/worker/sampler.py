@@ -2,8 +2,8 @@
 words, min_tokens, temperature, top-k, top-p, min-p, greedy or random choice, and the
 logprobs a request asked for.
 
-Random choice uses the exponential race (argmax of probs / Exp(1) noise), so each row
-needs only its own noise. A seeded request draws its noise from a generator seeded by
+Random choice (random_sampling.py) looks one uniform number a row up in the row's
+cumulative distribution. A seeded request draws its number from a generator seeded by
 (seed, number of tokens generated so far): its samples depend on nothing else in the
 batch, and survive preemption and recompute unchanged."""
 
@@ -13,6 +13,7 @@ from typing import Protocol
 
 import torch
 
+from actors.worker.random_sampling import sample_random
 from messages.common import SamplingParams
 from messages.scheduler import TokenLogprobs
 
@@ -64,10 +65,11 @@ class Sampler:
             if penalized:
                 _apply_penalties(logits[row], request)
             if params.logit_bias:
-                ids = torch.tensor(list(params.logit_bias), dtype=torch.long)
-                logits[row, ids] += torch.tensor(list(params.logit_bias.values()), dtype=logits.dtype)
+                ids = torch.tensor(list(params.logit_bias), dtype=torch.long, device=logits.device)
+                bias = torch.tensor(list(params.logit_bias.values()), dtype=logits.dtype, device=logits.device)
+                logits[row, ids] += bias
             if params.allowed_token_ids:
-                allowed = torch.tensor(params.allowed_token_ids, dtype=torch.long)
+                allowed = torch.tensor(params.allowed_token_ids, dtype=torch.long, device=logits.device)
                 kept = logits[row, allowed]
                 logits[row] = float("-inf")
                 logits[row, allowed] = kept
@@ -80,26 +82,25 @@ class Sampler:
 
     def _sample_random(self, logits: torch.Tensor, requests: list[SamplingState],
                        greedy: list[bool]) -> torch.Tensor:
-        sampled = _argmax(logits)
         rows = [i for i, g in enumerate(greedy) if not g]
         params = [requests[i].params for i in rows]
-        index = torch.tensor(rows)
-        temperature = torch.tensor([p.temperature for p in params]).unsqueeze(1)
-        scaled = logits.index_select(0, index) / temperature
-        scaled = _top_k_top_p(scaled, [p.top_k for p in params], [p.top_p for p in params])
-        probs = scaled.softmax(-1)
-        min_p = torch.tensor([p.min_p for p in params])
-        if bool((min_p > 0).any()):
-            keep = probs >= min_p.unsqueeze(1) * probs.amax(-1, keepdim=True)
-            probs = probs.masked_fill(~keep, 0.0)
-        noise = torch.empty_like(probs).exponential_(generator=self.generator)
+        # one uniform number a row; a seeded request's from its own (seed, position) stream
+        uniforms = torch.rand(len(rows), generator=self.generator, dtype=torch.float64)
         for position, row in enumerate(rows):
             request = requests[row]
             if request.params.seed is not None:
                 generator = torch.Generator().manual_seed(
                     _mix(request.params.seed, len(request.token_ids) - request.num_prompt_tokens))
-                noise[position].exponential_(generator=generator)
-        sampled[index] = (probs / noise).argmax(-1)
+                uniforms[position] = torch.rand(1, generator=generator, dtype=torch.float64)
+        every_row = len(rows) == len(requests)
+        index = None if every_row else torch.tensor(rows, device=logits.device)
+        chosen = sample_random(logits if every_row else logits.index_select(0, index),
+                               [p.temperature for p in params], [p.top_k for p in params],
+                               [p.top_p for p in params], [p.min_p for p in params], uniforms)
+        if every_row:
+            return chosen
+        sampled = _argmax(logits)
+        sampled[index] = chosen
         return sampled
 
 
@@ -138,10 +139,11 @@ def _apply_penalties(logits: torch.Tensor, request: SamplingState) -> None:
     Hugging Face); presence and frequency penalties at the output only (as in OpenAI)."""
     params = request.params
     vocab = logits.shape[0]
-    output = torch.tensor(request.token_ids[request.num_prompt_tokens:], dtype=torch.long)
+    output = torch.tensor(request.token_ids[request.num_prompt_tokens:], dtype=torch.long,
+                          device=logits.device)
     output = output[output < vocab]
     if params.repetition_penalty != 1.0:
-        seen = torch.tensor(sorted(set(request.token_ids)), dtype=torch.long)
+        seen = torch.tensor(sorted(set(request.token_ids)), dtype=torch.long, device=logits.device)
         seen = seen[seen < vocab]
         values = logits[seen]
         logits[seen] = torch.where(values > 0, values / params.repetition_penalty,
@@ -149,23 +151,6 @@ def _apply_penalties(logits: torch.Tensor, request: SamplingState) -> None:
     if output.numel() and (params.frequency_penalty or params.presence_penalty):
         counts = torch.bincount(output, minlength=vocab).to(logits.dtype)
         logits -= params.frequency_penalty * counts + params.presence_penalty * (counts > 0).to(logits.dtype)
-
-
-def _top_k_top_p(logits: torch.Tensor, top_k: list[int], top_p: list[float]) -> torch.Tensor:
-    vocab = logits.shape[-1]
-    ks = [k if 0 < k < vocab else vocab for k in top_k]
-    if all(p >= 1.0 for p in top_p) and min(ks) == vocab:
-        return logits
-    sorted_logits, order = logits.sort(-1, descending=True)
-    position = torch.arange(vocab).unsqueeze(0)
-    remove = position >= torch.tensor(ks).unsqueeze(1)
-    if any(p < 1.0 for p in top_p):
-        probs = sorted_logits.masked_fill(remove, float("-inf")).softmax(-1)
-        mass_before = probs.cumsum(-1) - probs
-        # keep the smallest prefix whose mass reaches top_p (the first token always stays)
-        remove |= mass_before >= torch.tensor(top_p).unsqueeze(1)
-    sorted_logits = sorted_logits.masked_fill(remove, float("-inf"))
-    return torch.empty_like(logits).scatter_(-1, order, sorted_logits)
 
 
 def _token_logprobs(logprobs: torch.Tensor, token: int, top: int) -> TokenLogprobs:
