@@ -1,6 +1,7 @@
 """The actor base: one asyncio loop, one inbox, outboxes named after their peers.
 
-The loop lives here once. Idle, it blocks on the inbox; busy (has_work()), it drains
+The loop lives here once. Idle, it blocks on the inbox (up to wake_after() seconds when
+the actor has set a timer); busy (has_work()), it drains
 whatever is queued, dispatches each message to handle(), then calls step(). Handlers
 and steps are plain synchronous methods: an actor's work is CPU work and sends that
 never block, and anything asynchronous would only add latency to the hot path.
@@ -66,6 +67,10 @@ class Actor:
     def step(self) -> None:
         """One unit of work, called when has_work() after the inbox is drained."""
 
+    def wake_after(self) -> float | None:
+        """Seconds after which has_work() may turn true with no message (a timer), or None."""
+        return None
+
     def ready_info(self) -> dict[str, Any]:
         """Extra facts for the launcher, sent with ActorReady."""
         return {}
@@ -88,7 +93,11 @@ class Actor:
                         self.step()
                         await asyncio.sleep(0)  # let signal handlers and socket events run
                 else:
-                    self._dispatch(await self.inbox.recv())
+                    timeout = self.wake_after()
+                    if timeout is None:
+                        self._dispatch(await self.inbox.recv())
+                    elif await self.inbox.wait(timeout):
+                        self._drain()
         finally:
             for signum in (signal.SIGTERM, signal.SIGINT):
                 loop.remove_signal_handler(signum)

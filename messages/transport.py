@@ -138,6 +138,10 @@ class Inbox:
         self.last_payload = frame.buffer
         return self.decoder.decode(frame.buffer)
 
+    async def wait(self, timeout: float) -> bool:
+        """Whether a message arrived within timeout seconds (it stays queued)."""
+        return bool(await self.socket.poll(max(1, round(timeout * 1000)), zmq.POLLIN))
+
     def recv_nowait(self) -> Any | None:
         """The next queued message, or None when there is none."""
         try:

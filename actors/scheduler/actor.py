@@ -9,11 +9,13 @@ the frontend. Owns every request's scheduling state and the KV block pool."""
 from __future__ import annotations
 
 import logging
+import time
 from collections import OrderedDict, deque
 
 from actors.actor import Actor, ActorSpec
 from actors.config import SchedulerConfig
 from actors.scheduler.scheduler import Scheduler
+from actors.scheduler.step_timing import StepTimer
 from messages.detokenizer import StepOutputs, TrackRequest
 from messages.frontend import RequestRejected, Stats
 from messages.scheduler import (AbortRequest, FinishRequest, GetStats, SchedulerInbox, StepResult,
@@ -39,6 +41,7 @@ class SchedulerActor(Actor):
         self.scheduler = scheduler
         self.plans_in_flight: deque[StepPlan] = deque()
         self.max_plans_in_flight = 2 if scheduler_config.async_scheduling else 1
+        self.step_timer = StepTimer()  # when to build the second plan in flight
         self._early_aborts: OrderedDict[str, None] = OrderedDict()
         # Set when schedule() found nothing to do; any message may change that.
         self._nothing_to_schedule = False
@@ -93,6 +96,7 @@ class SchedulerActor(Actor):
             expected = self.plans_in_flight[0].step_id if self.plans_in_flight else None
             raise RuntimeError(f"StepResult for step {result.step_id}, expected step {expected}")
         plan = self.plans_in_flight.popleft()
+        self.step_timer.finished(plan.step_id, time.monotonic())
         updates = self.scheduler.update(plan, result)
         if updates:
             self.to_detokenizer.send(StepOutputs(step_id=plan.step_id, updates=updates))
@@ -107,12 +111,23 @@ class SchedulerActor(Actor):
     def has_work(self) -> bool:
         if len(self.plans_in_flight) >= self.max_plans_in_flight or self._nothing_to_schedule:
             return False
-        return self.scheduler.has_unfinished() or self.scheduler.has_pending_drops()
+        if not (self.scheduler.has_unfinished() or self.scheduler.has_pending_drops()):
+            return False
+        return not self.plans_in_flight or self.step_timer.dispatch_delay(time.monotonic()) <= 0
+
+    def wake_after(self) -> float | None:
+        """While one plan runs and the next waits for its time (StepTimer)."""
+        if (len(self.plans_in_flight) != 1 or self.max_plans_in_flight < 2 or self._nothing_to_schedule
+                or not self.scheduler.has_unfinished()):
+            return None
+        delay = self.step_timer.dispatch_delay(time.monotonic())
+        return delay if delay > 0 else None
 
     def step(self) -> None:
         plan = self.scheduler.schedule()
         if plan.num_scheduled_tokens:
             self.plans_in_flight.append(plan)
+            self.step_timer.sent(plan.step_id, sum(plan.num_scheduled_tokens.values()), time.monotonic())
             self.to_executor.send(plan)
         elif plan.finished_request_ids:
             self.to_executor.send(plan)  # only drops worker state: no result comes back
