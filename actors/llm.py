@@ -49,6 +49,10 @@ class LLM:
                                      self.config.scheduler.max_model_len, self.config.max_logprobs)
         self._request_counter = itertools.count()
 
+    def get_tokenizer(self):
+        """The model's tokenizer (a transformers tokenizer), as vLLM's LLM.get_tokenizer()."""
+        return self.tokenizer
+
     @property
     def scheduler(self):
         if self.engine is None:

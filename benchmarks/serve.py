@@ -50,13 +50,24 @@ def make_workload(num_prompts: int, min_len: int, max_len: int, vocab_size: int,
             for _ in range(num_prompts)]
 
 
-async def send(client: httpx.AsyncClient, model: str, prompt: list[int], output_len: int) -> RequestResult:
-    body = {"model": model, "prompt": prompt, "max_tokens": output_len, "temperature": 0.0, "ignore_eos": True,
+async def send(client: httpx.AsyncClient, model: str, prompt: list[int] | str, output_len: int,
+               endpoint: str = "completions", temperature: float | None = 0.0) -> RequestResult:
+    """One streamed request to /v1/completions (a prompt of token ids or text) or
+    /v1/chat/completions (the prompt as one user message). temperature None leaves it to
+    the server (1.0, as `vllm bench serve` does)."""
+    body = {"model": model, "max_tokens": output_len, "ignore_eos": True,
             "stream": True, "stream_options": {"include_usage": True}}
+    if temperature is not None:
+        body["temperature"] = temperature
+    if endpoint == "chat":
+        body["messages"] = [{"role": "user", "content": prompt}]
+    else:
+        body["prompt"] = prompt
     result = RequestResult()
     start = last = time.perf_counter()
     try:
-        async with client.stream("POST", "/v1/completions", json=body) as response:
+        async with client.stream("POST", f"/v1/{'chat/completions' if endpoint == 'chat' else 'completions'}",
+                                 json=body) as response:
             if response.status_code != 200:
                 result.error = f"HTTP {response.status_code}: {(await response.aread()).decode()[:200]}"
                 return result
@@ -67,7 +78,7 @@ async def send(client: httpx.AsyncClient, model: str, prompt: list[int], output_
                 now = time.perf_counter()
                 if event.get("usage"):
                     result.num_output_tokens = event["usage"]["completion_tokens"]
-                elif event["choices"] and event["choices"][0]["text"]:
+                elif event["choices"] and _chunk_text(event["choices"][0]):
                     if result.ttft == 0.0:
                         result.ttft = now - start
                     else:
@@ -79,53 +90,68 @@ async def send(client: httpx.AsyncClient, model: str, prompt: list[int], output_
     return result
 
 
-async def run(args: argparse.Namespace) -> tuple[list[RequestResult], float]:
-    headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
-    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
-    async with httpx.AsyncClient(base_url=args.url, headers=headers, timeout=None, limits=limits) as client:
-        model = args.model or (await client.get("/v1/models")).json()["data"][0]["id"]
-        prompts = make_workload(args.num_prompts, args.min_input_len, args.max_input_len, args.vocab_size, args.seed)
-        await send(client, model, prompts[0][:8], 4)  # warm-up
-        arrivals = random.Random(args.seed + 1)
-        limit = asyncio.Semaphore(args.max_concurrency or len(prompts))
+def _chunk_text(choice: dict) -> str:
+    return choice.get("text") or (choice.get("delta") or {}).get("content") or ""
 
-        async def one(prompt: list[int]) -> RequestResult:
+
+async def drive(url: str, prompts: list, output_len: int, *, endpoint: str = "completions",
+                temperature: float | None = 0.0, max_concurrency: int | None = None,
+                request_rate: float = float("inf"), seed: int = 0, api_key: str | None = None,
+                model: str | None = None) -> tuple[list[RequestResult], float]:
+    """Sends every prompt (Poisson arrivals at request_rate, at most max_concurrency in
+    flight) after one warm-up request; the results and the seconds from the first send to
+    the last answer."""
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
+    async with httpx.AsyncClient(base_url=url, headers=headers, timeout=None, limits=limits) as client:
+        model = model or (await client.get("/v1/models")).json()["data"][0]["id"]
+        await send(client, model, prompts[0][:8], 4, endpoint, temperature)  # warm-up
+        arrivals = random.Random(seed + 1)
+        limit = asyncio.Semaphore(max_concurrency or len(prompts))
+
+        async def one(prompt) -> RequestResult:
             async with limit:
-                return await send(client, model, prompt, args.output_len)
+                return await send(client, model, prompt, output_len, endpoint, temperature)
 
         start = time.perf_counter()
         tasks = []
         for prompt in prompts:
             tasks.append(asyncio.create_task(one(prompt)))
-            if args.request_rate != float("inf"):
-                await asyncio.sleep(arrivals.expovariate(args.request_rate))  # Poisson arrivals
+            if request_rate != float("inf"):
+                await asyncio.sleep(arrivals.expovariate(request_rate))  # Poisson arrivals
         results = await asyncio.gather(*tasks)
         return results, time.perf_counter() - start
 
 
-def summary(name: str, values: list[float]) -> str:
+def percentiles(values: list[float]) -> dict[str, float]:
+    """mean, p50 and p99 in milliseconds (empty: zeros)."""
     if not values:
-        return f"{name:<28} n/a"
+        return {"mean": 0.0, "p50": 0.0, "p99": 0.0}
     ordered = sorted(values)
     p99 = ordered[min(len(ordered) - 1, round(0.99 * (len(ordered) - 1)))]
-    return (f"{name:<28} mean {1000 * statistics.fmean(values):8.1f}  p50 {1000 * statistics.median(values):8.1f}"
-            f"  p99 {1000 * p99:8.1f}")
+    return {"mean": 1000 * statistics.fmean(values), "p50": 1000 * statistics.median(values), "p99": 1000 * p99}
 
 
-def report(args: argparse.Namespace, results: list[RequestResult], duration: float) -> None:
+def metrics(results: list[RequestResult], duration: float) -> dict:
     done = [r for r in results if r.error is None]
+    return {"succeeded": len(done), "requests": len(results), "duration": duration,
+            "output_tok_s": sum(r.num_output_tokens for r in done) / duration,
+            "ttft": percentiles([r.ttft for r in done]),
+            "tpot": percentiles([r.tpot for r in done if r.tpot is not None]),
+            "itl": percentiles([gap for r in done for gap in r.chunk_gaps])}
+
+
+def report(load: str, results: list[RequestResult], duration: float) -> None:
     for failed in [r for r in results if r.error is not None][:5]:
         print("failed:", failed.error)
-    load = (f"{args.request_rate} req/s (Poisson)" if args.request_rate != float("inf") else "all at once")
-    if args.max_concurrency:
-        load += f", at most {args.max_concurrency} in flight"
-    num_output_tokens = sum(r.num_output_tokens for r in done)
-    print(f"load: {load}; {len(done)}/{len(results)} requests succeeded in {duration:.2f} s")
-    print(f"request throughput: {len(done) / duration:.2f} req/s; output: {num_output_tokens / duration:.1f} tok/s")
+    m = metrics(results, duration)
+    print(f"load: {load}; {m['succeeded']}/{m['requests']} requests succeeded in {duration:.2f} s")
+    print(f"request throughput: {m['succeeded'] / duration:.2f} req/s; output: {m['output_tok_s']:.1f} tok/s")
     print("(milliseconds)")
-    print(summary("time to first token", [r.ttft for r in done]))
-    print(summary("time per output token", [r.tpot for r in done if r.tpot is not None]))
-    print(summary("inter-token latency", [gap for r in done for gap in r.chunk_gaps]))
+    for name, key in (("time to first token", "ttft"), ("time per output token", "tpot"),
+                      ("inter-token latency", "itl")):
+        p = m[key]
+        print(f"{name:<28} mean {p['mean']:8.1f}  p50 {p['p50']:8.1f}  p99 {p['p99']:8.1f}")
 
 
 def main() -> None:
@@ -144,8 +170,14 @@ def main() -> None:
     parser.add_argument("--max-concurrency", type=int, help="at most this many requests in flight")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
-    results, duration = asyncio.run(run(args))
-    report(args, results, duration)
+    prompts = make_workload(args.num_prompts, args.min_input_len, args.max_input_len, args.vocab_size, args.seed)
+    results, duration = asyncio.run(drive(args.url, prompts, args.output_len, max_concurrency=args.max_concurrency,
+                                          request_rate=args.request_rate, seed=args.seed, api_key=args.api_key,
+                                          model=args.model))
+    load = f"{args.request_rate} req/s (Poisson)" if args.request_rate != float("inf") else "all at once"
+    if args.max_concurrency:
+        load += f", at most {args.max_concurrency} in flight"
+    report(load, results, duration)
 
 
 if __name__ == "__main__":

@@ -28,7 +28,7 @@ def test_help_explains_every_flag_and_bad_ones_fail_clearly(tmp_path, long_conte
     assert result.returncode == 0
     for flag in ("--model", "--host", "--port", "--api-key", "--served-model-name", "--tensor-parallel-size",
                  "--max-model-len", "--max-num-seqs", "--max-num-batched-tokens", "--block-size",
-                 "--kv-cache-memory", "--gpu-memory-utilization", "--dtype", "--no-prefix-caching", "--log-level",
+                 "--kv-cache-memory", "--gpu-memory-utilization", "--dtype", "--no-enable-prefix-caching", "--log-level",
                  "--max-waiting-requests", "--attention-backend", "--num-input-processors"):
         assert flag in result.stdout
     result = launch("--gpu-memory-utilization", "1.5")
@@ -183,3 +183,18 @@ def test_sigterm_to_the_whole_process_group_is_a_clean_stop(long_context_llama_d
     finally:
         if server.popen.poll() is None or server.leftover_pids():
             server.kill()
+
+
+def test_step_size_defaults_by_device_and_prefix_caching_takes_vllms_flags():
+    from actors.launch import engine_args, parse_args
+
+    def resolved(*flags: str) -> dict:
+        return engine_args(parse_args(list(flags)))
+
+    assert resolved("--device", "cpu")["max_num_batched_tokens"] == 512
+    assert resolved("--device", "cuda")["max_num_batched_tokens"] == 2048
+    assert resolved("--device", "cpu", "--max-num-batched-tokens", "4096")["max_num_batched_tokens"] == 4096
+    assert resolved()["enable_prefix_caching"] is True
+    assert resolved("--no-enable-prefix-caching")["enable_prefix_caching"] is False
+    assert resolved("--no-prefix-caching")["enable_prefix_caching"] is False  # troupe's older spelling
+    assert resolved("--no-enable-prefix-caching", "--enable-prefix-caching")["enable_prefix_caching"] is True
