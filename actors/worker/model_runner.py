@@ -13,7 +13,7 @@ import torch
 
 from actors.config import EngineConfig
 from actors.worker.attention import StepAttention, make_backend
-from actors.worker.cpu_tuning import tune_allocator
+from actors.worker.cpu_tuning import tune_allocator, tune_few_rows
 from actors.worker.model import LlamaModel
 from actors.worker.parallel import TensorParallel
 from actors.worker.sampler import Sampler, prompt_token_logprobs
@@ -113,6 +113,9 @@ class ModelRunner:
             self.model.load_weights((name, parallel.shard(name, weight_slice, engine.model))
                                     for name, weight_slice in iter_weight_slices(engine.model.model_path))
         self.engine = engine
+        if self.backend.name == "cpu" and self.backend.native is not None and self.dtype == torch.float32:
+            # past this many rows sgemm beats the C++ linear, which depends on the CPU's vectors
+            self.backend.few_rows = tune_few_rows(self.backend.native, self.model.layers, self.backend.few_rows)
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.sampler = Sampler(engine.model.eos_token_ids, engine.seed)
         self.requests: dict[str, CachedRequest] = {}
