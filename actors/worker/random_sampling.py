@@ -42,9 +42,9 @@ def sample_random(logits: torch.Tensor,  # [rows, vocab] float, temperature not 
     rows = [i for i, t in enumerate(truncated) if t]
     width = min(vocab, max(ks[i] if ks[i] < vocab else _TOP_P_CANDIDATES for i in rows))
     index = torch.tensor(rows, device=device)
-    values, token_ids = scaled.index_select(0, index).topk(width, dim=-1)  # sorted, largest first
-    keep = _top_k_top_p_mask(values, scaled.index_select(0, index), [ks[i] for i in rows],
-                             [top_p[i] for i in rows])
+    subset = scaled if len(rows) == len(ks) else scaled.index_select(0, index)
+    values, token_ids = subset.topk(width, dim=-1)  # sorted, largest first
+    keep = _top_k_top_p_mask(values, subset, [ks[i] for i in rows], [top_p[i] for i in rows])
     complete = _nucleus_found(keep, [ks[i] for i in rows], [top_p[i] for i in rows], width, vocab)
     candidates = values.masked_fill(~keep, float("-inf"))
     choice = _inverse_cdf(candidates, [min_p[i] for i in rows], uniforms[index])
