@@ -96,6 +96,11 @@ class AsyncClient(AsyncBeamSearch):
             raise
         self.processes.watch(self._on_actor_exit)
         self._reader = asyncio.create_task(self._read_inbox(), name="troupe-frontend-reader")
+        # The input processors said they are ready, but their connection to this socket
+        # may still be in its handshake: a request sent now would find no peer.
+        if not await self._to_input_processors.wait_for_peer(min(self.startup_timeout, 30.0)):
+            await self.close()
+            raise EngineDeadError("no input processor connected to the frontend")
 
     async def close(self) -> None:
         """Stops every actor process and fails whatever is still pending. Idempotent."""

@@ -13,9 +13,11 @@ inproc:// when actors share a process (tests); tcp:// only when asked for."""
 
 from __future__ import annotations
 
+import asyncio
 import os
 import shutil
 import tempfile
+import time
 from typing import Any
 
 import msgspec
@@ -111,6 +113,17 @@ class Outbox:
 
     def send_bytes(self, payload: bytes | memoryview) -> None:
         self.socket.send(payload, flags=self._flags, copy=False)
+
+    async def wait_for_peer(self, timeout: float) -> bool:
+        """Whether a peer connected within timeout seconds. A bound socket's peer may say
+        it is ready (on another socket) before its connection here has finished its
+        handshake: a non-blocking send in that gap raises zmq.Again."""
+        deadline = time.monotonic() + timeout
+        while not self.socket.poll(0, zmq.POLLOUT):
+            if time.monotonic() >= deadline:
+                return False
+            await asyncio.sleep(0.005)
+        return True
 
     def close(self) -> None:
         self.socket.close()
