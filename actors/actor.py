@@ -32,7 +32,7 @@ logger = logging.getLogger(__name__)
 class ActorSpec(msgspec.Struct, kw_only=True):
     """What the launcher tells a new actor process: who it is and where its peers are."""
 
-    kind: str  # "input_processor" | "scheduler" | "executor" | "worker" | "detokenizer"
+    kind: str  # "input_processor" | "scheduler" | "worker" | "detokenizer"
     name: str  # unique in the engine: "scheduler", "worker0", "input_processor1", ...
     addresses: dict[str, str]  # actor name -> the address its inbox binds; "frontend" too
     engine: EngineConfig | None = None

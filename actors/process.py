@@ -30,7 +30,6 @@ from actors.actor import ActorSpec
 ACTOR_CLASSES = {
     "input_processor": "actors.input_processor:InputProcessorActor",
     "scheduler": "actors.scheduler.actor:SchedulerActor",
-    "executor": "actors.executor:ExecutorActor",
     "worker": "actors.worker.actor:WorkerActor",
     "detokenizer": "actors.detokenizer:DetokenizerActor",
 }

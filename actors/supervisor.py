@@ -1,9 +1,10 @@
 """The launcher's side of the actor processes: start them in order, wait until each says
 it is ready (bounded), watch them, and stop them all.
 
-Start-up order: the workers, input processors, detokenizer and executor start at once;
-the scheduler starts when every worker has reported its KV block count, since its block
-pool is the smallest of them. Every actor binds its inbox at an address of the engine's
+Start-up order: the workers, input processors and detokenizer start at once; the
+scheduler (with the executor, the object in its process that sends plans to the workers)
+starts when every worker has reported its KV block count, since its block pool is the
+smallest of them. Every actor binds its inbox at an address of the engine's
 own Namespace, so two engines never collide.
 
 Watching uses a pidfd per process (readable when the process ends), so a death is
@@ -31,10 +32,10 @@ _POLL_INTERVAL_S = 0.2
 def engine_addresses(namespace: Namespace, num_input_processors: int, parallel: ParallelConfig) -> dict[str, str]:
     """Actor name -> inbox address, for the actors of this node. Two are bound sockets
     that peers connect to: "input_processor" (the frontend's, shared by every input
-    processor) and "plans{rank}" (the executor's, one per rank). With several nodes, what
-    other nodes reach (the frontend's inbox, the executor's plan sockets) is on tcp at
+    processor) and "plans{rank}" (the scheduler's executor's, one per rank). With several
+    nodes, what other nodes reach (the frontend's inbox, the plan sockets) is on tcp at
     master_addr, on the ports above master_port."""
-    names = ["frontend", "input_processor", "scheduler", "executor", "detokenizer"]
+    names = ["frontend", "input_processor", "scheduler", "detokenizer"]
     names += [f"input_processor{i}" for i in range(num_input_processors)]
     names += [f"worker{rank}" for rank in parallel.local_ranks]
     addresses = {name: namespace.address(name) for name in names}
@@ -86,7 +87,6 @@ class EngineProcesses:
             for index in range(self.num_input_processors):
                 self._spawn("input_processor", f"input_processor{index}")
             self._spawn("detokenizer", "detokenizer")
-            self._spawn("executor", "executor", num_workers=self.num_workers)
             workers = [f"worker{rank}" for rank in range(self.num_workers)]  # other nodes' too
             await self._wait_ready(control, workers, deadline)
             num_kv_blocks = min(self.ready[name].info["num_kv_blocks"] for name in workers)
@@ -180,9 +180,9 @@ class EngineProcesses:
 
 async def run_worker_node(engine: EngineConfig, stop: asyncio.Event, log_level: str = "WARNING") -> int:
     """Node i > 0 of a multi-node engine: runs this node's ranks until the engine shuts them
-    down (the executor sends every rank a Shutdown; returns 0) or `stop` is set (returns
-    0), or one of them dies: then node 0's frontend is told, so every request fails at
-    once, the other local ranks are stopped, and this returns 1."""
+    down (the scheduler's executor sends every rank a Shutdown; returns 0) or `stop` is set
+    (returns 0), or one of them dies: then node 0's frontend is told, so every request
+    fails at once, the other local ranks are stopped, and this returns 1."""
     from messages.transport import Sockets
 
     namespace = Namespace("ipc")
@@ -201,7 +201,7 @@ async def run_worker_node(engine: EngineConfig, stop: asyncio.Event, log_level: 
             return 0
         name, returncode = died.result()
         if returncode == 0:
-            return 0  # shut down by the executor: the others follow
+            return 0  # shut down by the scheduler's executor: the others follow
         sockets = Sockets()
         sockets.outbox(addresses["frontend"]).send(
             ActorFailed(name=name, error=f"exited with code {returncode} on node {engine.parallel.node_rank}"))

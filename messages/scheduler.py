@@ -18,7 +18,7 @@ class TokenLogprobs(msgspec.Struct, array_like=True, frozen=True, gc=False):
 
 
 class StepResult(msgspec.Struct, array_like=True, frozen=True, gc=False, tag="result"):
-    """worker (rank 0) → executor → scheduler: what one StepPlan produced. Field order is
+    """worker (rank 0) → scheduler: what one StepPlan produced. Field order is
     the wire format: append fields, never reorder."""
 
     step_id: int

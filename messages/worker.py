@@ -1,4 +1,4 @@
-"""What the executor and each worker receive: the scheduler's StepPlan.
+"""What each worker receives: the scheduler's StepPlan.
 
 A StepPlan is a diff, as in vLLM V1: a request's whole token list and sampling
 parameters travel once (NewRequest); after that a step names the request, its new
@@ -35,7 +35,7 @@ class ContinuingRequest(msgspec.Struct, array_like=True, frozen=True, gc=False):
 
 
 class StepPlan(msgspec.Struct, array_like=True, frozen=True, gc=False, tag="plan"):
-    """scheduler → executor → workers: what to compute in one model step.
+    """scheduler (its executor) → every worker rank: what to compute in one model step.
 
     Every request in num_scheduled_tokens is in new_requests or continuing_requests.
     A request samples a token this step when its computed tokens reach the end of its

@@ -1,10 +1,11 @@
 """The scheduler actor: a thin shell around Scheduler.
 
 Receives TokenizedRequest (input processors), AbortRequest and GetStats (frontend),
-FinishRequest (detokenizer) and StepResult (executor). Sends StepPlans to the executor;
-TrackRequest, StepOutputs and AbortRequest to the detokenizer, on one pipe so that a
-request is always tracked before its first tokens arrive; Stats and RequestRejected to
-the frontend. Owns every request's scheduling state and the KV block pool."""
+FinishRequest (detokenizer) and StepResult (worker rank 0). Sends StepPlans to every
+worker rank through its Executor (actors/executor.py, in this process); TrackRequest,
+StepOutputs and AbortRequest to the detokenizer, on one pipe so that a request is always
+tracked before its first tokens arrive; Stats and RequestRejected to the frontend. Owns
+every request's scheduling state, the KV block pool and the links to the workers."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from collections import OrderedDict, deque
 
 from actors.actor import Actor, ActorSpec
 from actors.config import SchedulerConfig
+from actors.executor import Executor
 from actors.scheduler.scheduler import Scheduler
 from actors.scheduler.step_timing import StepTimer
 from messages.detokenizer import StepOutputs, TrackRequest
@@ -34,9 +36,9 @@ class SchedulerActor(Actor):
     inbox_type = SchedulerInbox
 
     def __init__(self, name: str, addresses: dict[str, str], sockets: Sockets, scheduler: Scheduler,
-                 scheduler_config: SchedulerConfig) -> None:
+                 scheduler_config: SchedulerConfig, executor: Executor) -> None:
         super().__init__(name, addresses, sockets)
-        self.to_executor = sockets.outbox(addresses["executor"])
+        self.executor = executor
         self.to_detokenizer = sockets.outbox(addresses["detokenizer"])
         self.scheduler = scheduler
         self.plans_in_flight: deque[StepPlan] = deque()
@@ -51,7 +53,11 @@ class SchedulerActor(Actor):
         engine = spec.engine
         scheduler = Scheduler(engine.scheduler, engine.cache, spec.options["num_kv_blocks"],
                               engine.model.eos_token_ids)
-        return cls(spec.name, spec.addresses, sockets, scheduler, engine.scheduler)
+        executor = Executor(sockets, spec.addresses, engine.parallel.tensor_parallel_size)
+        return cls(spec.name, spec.addresses, sockets, scheduler, engine.scheduler, executor)
+
+    def close(self) -> None:
+        self.executor.close()
 
     def ready_info(self) -> dict:
         return {"num_kv_blocks": self.scheduler.block_pool.num_blocks}
@@ -128,8 +134,8 @@ class SchedulerActor(Actor):
         if plan.num_scheduled_tokens:
             self.plans_in_flight.append(plan)
             self.step_timer.sent(plan.step_id, sum(plan.num_scheduled_tokens.values()), time.monotonic())
-            self.to_executor.send(plan)
+            self.executor.submit(plan)
         elif plan.finished_request_ids:
-            self.to_executor.send(plan)  # only drops worker state: no result comes back
+            self.executor.submit(plan)  # only drops worker state: no result comes back
         else:
             self._nothing_to_schedule = True

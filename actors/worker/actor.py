@@ -1,7 +1,7 @@
 """The worker actor: one per device (one on the CPU).
 
-Receives StepPlans (from the executor); rank 0 sends each plan's StepResult back to the
-executor. Owns the model shard, the KV cache tensors and each request's state between
+Receives StepPlans (from the scheduler's executor); rank 0 sends each plan's StepResult
+straight to the scheduler. Owns the model shard, the KV cache tensors and each request's state between
 steps (the ModelRunner). Reports its KV block count with its ready message: the launcher
 sizes the scheduler's block pool from it."""
 
@@ -18,11 +18,11 @@ class WorkerActor(Actor):
     def __init__(self, name: str, addresses: dict[str, str], sockets: Sockets, runner, num_kv_blocks: int,
                  rank: int = 0) -> None:
         super().__init__(name, addresses, sockets)
-        self.inbox.socket.connect(addresses[f"plans{rank}"])  # the executor's socket for this rank
+        self.inbox.socket.connect(addresses[f"plans{rank}"])  # the scheduler's executor binds it
         self.rank = rank
         self.runner = runner
         self.num_kv_blocks = num_kv_blocks
-        self.to_executor = sockets.outbox(addresses["executor"]) if rank == 0 else None
+        self.to_scheduler = sockets.outbox(addresses["scheduler"]) if rank == 0 else None
 
     @classmethod
     def from_spec(cls, spec: ActorSpec, sockets: Sockets) -> WorkerActor:
@@ -43,8 +43,8 @@ class WorkerActor(Actor):
 
     def handle(self, message: StepPlan) -> None:
         result = self.runner.execute(message)
-        if message.num_scheduled_tokens and self.to_executor is not None:
-            self.to_executor.send(result)
+        if message.num_scheduled_tokens and self.to_scheduler is not None:
+            self.to_scheduler.send(result)
 
 
 def _join_group(engine, parallel, init_method: str) -> None:

@@ -165,7 +165,7 @@ async def test_awaiting_a_stream_gives_the_whole_output(client):
     assert [(c.text, c.token_ids) for c in whole.outputs] == [joined(deltas, 0), joined(deltas, 1)]
     chat = await client.chat([{"role": "user", "content": "Hi"}], SamplingParams(max_tokens=3, ignore_eos=True))
     assert len(chat.outputs[0].token_ids) == 3
-    assert set(client.actor_pids()) == {"input_processor0", "scheduler", "executor", "detokenizer", "worker0"}
+    assert set(client.actor_pids()) == {"input_processor0", "scheduler", "detokenizer", "worker0"}
 
 
 async def test_chat_renders_the_template(client):
