@@ -3,7 +3,8 @@
 A block holds the KV of `block_size` consecutive tokens of one sequence. A sequence's
 block table lists its blocks in token order. Blocks are shared between sequences only
 through the prefix cache, and only when full: a full block is keyed by the hash of
-(its parent block's hash, its token ids), so equal keys mean equal whole prefixes.
+(its parent block's hash, its token ids, its extra keys), so equal keys mean equal whole
+prefixes computed under equal conditions (see kv_cache_manager for the extra keys).
 
 A block is in exactly one of three states:
   - held: ref_count > 0 (it may also be cached, then other sequences may share it);
@@ -20,28 +21,30 @@ from __future__ import annotations
 import hashlib
 from array import array
 from collections import OrderedDict, deque
-from collections.abc import Sequence
+from collections.abc import Hashable, Sequence
 
-# sha256 digest of (parent digest, token ids): collisions are not a practical concern,
-# unlike Python's 64-bit hash(), and the value is stable across processes.
+import msgspec
+
+# sha256 digest of (parent digest, token ids, extra keys): collisions are not a practical
+# concern, unlike Python's 64-bit hash(), and the value is stable across processes.
 BlockHash = bytes
 
 _ROOT_HASH = b""  # the parent of a sequence's first block
+_EXTRA_KEYS_TAG = b"\0extra_keys\0"  # after the fixed-width token bytes: no key looks like tokens
 
 
-def hash_block_tokens(parent_hash: BlockHash | None, token_ids: Sequence[int]) -> BlockHash:
+def hash_block_tokens(parent_hash: BlockHash | None, token_ids: Sequence[int],
+                      extra_keys: tuple[Hashable, ...] | None = None) -> BlockHash:
     """The prefix-cache key of a full block: it depends on every token before it through
-    parent_hash (None for a sequence's first block)."""
+    parent_hash (None for a sequence's first block), and on extra_keys, what besides the
+    tokens decides the block's KV (adapter, cache salt, multimodal inputs; None when
+    nothing does). extra_keys hold str, bytes, int, None and tuples of them."""
     hasher = hashlib.sha256(parent_hash or _ROOT_HASH)
     hasher.update(array("q", token_ids).tobytes())
+    if extra_keys is not None:
+        hasher.update(_EXTRA_KEYS_TAG)
+        hasher.update(msgspec.msgpack.encode(extra_keys))
     return hasher.digest()
-
-
-def salted_root_hash(cache_salt: str) -> BlockHash:
-    """The parent hash of the first block of a request with this cache_salt: every key of
-    its blocks then differs from those of unsalted requests and of other salts, so the
-    prefix cache shares blocks only between requests that send the same salt."""
-    return hashlib.sha256(b"cache_salt\0" + cache_salt.encode()).digest()
 
 
 class NoFreeBlocksError(RuntimeError):

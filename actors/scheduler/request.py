@@ -3,18 +3,32 @@
 A request with n completions becomes n Sequences, each scheduled on its own with its
 own block table; the worker only ever sees sequence ids (`seq_id`). A Sequence's
 tokens are its prompt followed by the tokens sampled so far; `num_computed_tokens` of
-them have their KV in the blocks of `block_ids`.
+them have their KV in the blocks of `block_ids`. The block fields (block_ids,
+block_hashes, num_cached_blocks) are written by the KVCacheManager alone.
 """
 
 from __future__ import annotations
 
 import enum
+from dataclasses import dataclass
 
 import msgspec
 
-from actors.scheduler.block_pool import BlockHash, BlockPool, hash_block_tokens, salted_root_hash
+from actors.scheduler.block_pool import BlockHash
 from messages.common import SamplingParams
 from messages.scheduler import TokenLogprobs
+
+
+@dataclass(frozen=True, slots=True)
+class ExtraHashKeys:
+    """What a request's KV depends on besides its token ids: the prefix cache shares a
+    block only between requests whose keys are equal (vLLM's block-hash extra keys)."""
+
+    adapter_id: str | None = None  # the LoRA adapter the request runs with, None for the base model
+    cache_salt: str | None = None  # the client's salt: only requests sending the same one share
+    # (content hash, first placeholder position, placeholder count) per multimodal input:
+    # equal placeholder tokens stand for different images
+    mm_inputs: tuple[tuple[str, int, int], ...] = ()
 
 
 class SequenceStatus(enum.Enum):
@@ -27,7 +41,7 @@ class Sequence:
     """One completion of a request, as the scheduler tracks it."""
 
     def __init__(self, seq_id: str, request_id: str, index: int, prompt_token_ids: list[int],
-                 params: SamplingParams, max_seq_len: int) -> None:
+                 params: SamplingParams, max_seq_len: int, extra_hash_keys: ExtraHashKeys | None = None) -> None:
         self.seq_id = seq_id  # the id the worker knows: request_id, or f"{request_id}#{index}"
         self.request_id = request_id  # the user's request id
         self.index = index  # which of the request's n completions
@@ -50,7 +64,7 @@ class Sequence:
         self.generation = 0  # bumped when the blocks are released: results of older plans are stale
         self.num_cached_blocks = 0  # leading blocks already offered to the prefix cache
         self.block_hashes: list[BlockHash] = []  # keys of its leading full blocks, grown lazily
-        self.root_hash: BlockHash | None = None  # the first block's parent: set by a cache_salt
+        self.extra_hash_keys = extra_hash_keys  # None: its KV depends on its tokens alone
         self.sent_to_worker = False  # the worker holds state for seq_id
         self.num_cached_tokens = 0  # prompt tokens served from the prefix cache at first admission
         self.was_admitted = False
@@ -90,28 +104,6 @@ class Sequence:
         prefix-cache hits: a cached token's logprob is never computed."""
         return (self.params.prompt_logprobs is not None
                 and self.next_prompt_logprob_pos < self.num_prompt_tokens)
-
-    def full_block_hashes(self, block_size: int) -> list[BlockHash]:
-        """Prefix-cache keys of every full block of its known tokens (computed or not)."""
-        num_full_blocks = len(self.token_ids) // block_size
-        for block_index in range(len(self.block_hashes), num_full_blocks):
-            parent_hash = self.block_hashes[-1] if self.block_hashes else self.root_hash
-            start = block_index * block_size
-            self.block_hashes.append(hash_block_tokens(parent_hash, self.token_ids[start:start + block_size]))
-        return self.block_hashes
-
-    def offer_computed_blocks(self, pool: BlockPool, num_computed_tokens: int) -> None:
-        """Offers its blocks that a step just filled with computed tokens to the prefix
-        cache (later steps in flight may have filled more: they are offered with theirs)."""
-        if not pool.enable_prefix_caching:
-            return
-        num_full_blocks = num_computed_tokens // pool.block_size
-        if num_full_blocks <= self.num_cached_blocks:
-            return
-        block_hashes = self.full_block_hashes(pool.block_size)
-        for block_index in range(self.num_cached_blocks, num_full_blocks):
-            pool.cache_full_block(self.block_ids[block_index], block_hashes[block_index])
-        self.num_cached_blocks = num_full_blocks
 
     def take_prompt_logprobs(self, num_computed_before: int,
                              entries: list[TokenLogprobs] | None) -> list[TokenLogprobs] | None:
@@ -156,21 +148,19 @@ class Sequence:
 
 
 def make_sequences(request_id: str, prompt_token_ids: list[int], params: SamplingParams, max_seq_len: int,
-                   share_prefix: bool, cache_salt: str | None = None) -> list[Sequence]:
+                   share_prefix: bool, extra_hash_keys: ExtraHashKeys | None = None) -> list[Sequence]:
     """A request's n sequences. Each gets its own seed (seed + index); prompt logprobs
     belong to the request, so only completion 0 computes them, which also lets its
-    siblings take the prompt from the prefix cache (share_prefix: they wait for it). A
-    cache_salt roots the sequences' block hashes apart from other salts'."""
+    siblings take the prompt from the prefix cache (share_prefix: they wait for it)."""
     sequences = []
     for index in range(params.n):
         seq_id = request_id if params.n == 1 else f"{request_id}#{index}"
         seed = params.seed if params.seed is None else params.seed + index
         prompt_logprobs = params.prompt_logprobs if index == 0 else None
         seq_params = msgspec.structs.replace(params, n=1, seed=seed, prompt_logprobs=prompt_logprobs)
-        sequences.append(Sequence(seq_id, request_id, index, prompt_token_ids, seq_params, max_seq_len))
-    root_hash = salted_root_hash(cache_salt) if cache_salt is not None else None
+        sequences.append(Sequence(seq_id, request_id, index, prompt_token_ids, seq_params, max_seq_len,
+                                  extra_hash_keys))
     for seq in sequences:
-        seq.root_hash = root_hash
         if share_prefix and seq is not sequences[0]:
             # it waits until the first has computed (and cached) the prompt, then computes
             # only the prompt's last partial block

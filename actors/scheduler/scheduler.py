@@ -23,8 +23,8 @@ from collections import deque
 from dataclasses import dataclass
 
 from actors.config import CacheConfig, SchedulerConfig
-from actors.scheduler.block_pool import BlockPool
-from actors.scheduler.request import Sequence, SequenceStatus, make_sequences
+from actors.scheduler.kv_cache_manager import KVCacheManager
+from actors.scheduler.request import ExtraHashKeys, Sequence, SequenceStatus, make_sequences
 from actors.scheduler.stats import ITERATION_TOKENS_BOUNDS, CountHistogram
 from messages.common import SamplingParams
 from messages.detokenizer import NewTokens
@@ -45,19 +45,20 @@ class ScheduledSequence:
 
 
 class Scheduler:
-    """Owns every live sequence and the KV block pool; builds StepPlans, applies StepResults."""
+    """Owns every live sequence and the KV-cache manager; builds StepPlans, applies StepResults."""
 
     def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig, num_blocks: int,
                  eos_token_ids: tuple[int, ...]) -> None:
         self.max_num_seqs = scheduler_config.max_num_seqs
         self.max_num_batched_tokens = scheduler_config.max_num_batched_tokens
         self.max_model_len = scheduler_config.max_model_len
-        self.block_size = cache_config.block_size
         self.eos_token_ids = tuple(eos_token_ids)
-        self.block_pool = BlockPool(num_blocks, cache_config.block_size, cache_config.enable_prefix_caching)
+        self.kv_cache_manager = KVCacheManager(num_blocks, cache_config.block_size,
+                                               cache_config.enable_prefix_caching)
+        self.block_pool = self.kv_cache_manager.block_pool  # for inspection and reset_prefix_cache()
         # A sequence alone must always fit in the pool, or preempting it would not help
         # and it would wait forever: cap its length at the pool's capacity too.
-        self.max_seq_len = min(self.max_model_len, num_blocks * cache_config.block_size)
+        self.max_seq_len = min(self.max_model_len, self.kv_cache_manager.max_num_tokens)
 
         self.waiting: deque[Sequence] = deque()  # FCFS; preempted sequences go to the front
         self.running: list[Sequence] = []  # admission order: the last is the newest
@@ -90,13 +91,14 @@ class Scheduler:
         if num_prompt_tokens >= self.max_model_len:
             raise ValueError(f"prompt has {num_prompt_tokens} tokens, which leaves no room for output: "
                              f"max_model_len is {self.max_model_len} (prompt + output tokens)")
-        capacity = self.block_pool.num_blocks * self.block_size
-        if num_prompt_tokens >= capacity:
+        kv_cache = self.kv_cache_manager
+        if num_prompt_tokens >= kv_cache.max_num_tokens:
             raise ValueError(f"prompt has {num_prompt_tokens} tokens, which leaves no room for output in "
-                             f"the KV cache: it holds {capacity} tokens "
-                             f"({self.block_pool.num_blocks} blocks of {self.block_size})")
+                             f"the KV cache: it holds {kv_cache.max_num_tokens} tokens "
+                             f"({kv_cache.num_blocks} blocks of {kv_cache.block_size})")
+        extra_hash_keys = ExtraHashKeys(cache_salt=cache_salt) if cache_salt is not None else None
         sequences = make_sequences(request_id, prompt_token_ids, params, self.max_seq_len,
-                                   self.block_pool.enable_prefix_caching, cache_salt)
+                                   kv_cache.enable_prefix_caching, extra_hash_keys)
         for seq in sequences:
             if seq.seq_id in self.sequences:
                 raise ValueError(f"request_id {request_id!r}: sequence id {seq.seq_id!r} is already live")
@@ -149,7 +151,7 @@ class Scheduler:
         return {
             "num_running": self.num_running,
             "num_waiting": self.num_waiting,
-            **self.block_pool.stats(),
+            **self.kv_cache_manager.stats(),
             "num_computed_prefill_tokens": self.num_computed_prefill_tokens,
             "num_preemptions": self.num_preemptions,
             "iteration_tokens": self.iteration_tokens.snapshot(),
@@ -177,13 +179,13 @@ class Scheduler:
                 continue
             num_new_tokens = min(seq.num_total_tokens - seq.num_computed_tokens, budget)
             assert num_new_tokens > 0, f"running {seq} has nothing to compute"
-            new_block_ids = self._allocate_slots(seq, num_new_tokens)
+            new_block_ids = self.kv_cache_manager.allocate_slots(seq, num_new_tokens)
             while new_block_ids is None:
                 victim = self.running.pop()  # the newest: it has had the least service
                 self._preempt(victim)
                 if victim is seq:
                     break
-                new_block_ids = self._allocate_slots(seq, num_new_tokens)
+                new_block_ids = self.kv_cache_manager.allocate_slots(seq, num_new_tokens)
             if new_block_ids is None:
                 break  # seq was the newest running sequence: nothing after it to schedule
             assert seq.sent_to_worker, f"running {seq} unknown to the worker"
@@ -237,18 +239,6 @@ class Scheduler:
             seq.num_pending_tokens += 1
         return entry
 
-    def _allocate_slots(self, seq: Sequence, num_new_tokens: int) -> list[int] | None:
-        """Grows seq's block table to hold num_new_tokens more tokens; the new block ids,
-        or None (and no change) when the pool is short."""
-        num_needed = -(-(seq.num_computed_tokens + num_new_tokens) // self.block_size) - len(seq.block_ids)
-        if num_needed <= 0:
-            return []
-        if not self.block_pool.can_allocate(num_needed):
-            return None
-        new_block_ids = self.block_pool.allocate(num_needed)
-        seq.block_ids.extend(new_block_ids)
-        return new_block_ids
-
     def _must_wait(self, seq: Sequence) -> bool:
         if seq.seq_id in self._ids_to_drop:
             return True  # a reused id: the worker must drop the old state first
@@ -263,23 +253,11 @@ class Scheduler:
     def _admit(self, seq: Sequence, budget: int) -> int | None:
         """Gives a waiting sequence its blocks (prefix-cache hits first) for its first
         chunk; the chunk's size, or None (and no change) when the pool is short."""
-        pool = self.block_pool
-        hit_block_ids: list[int] = []
-        use_prefix_cache = pool.enable_prefix_caching and not seq.owes_prompt_logprobs
-        # A resumed sequence looks up prompt + output: its own freed blocks may survive.
-        if use_prefix_cache:
-            hit_block_ids = pool.find_cached_prefix(seq.full_block_hashes(self.block_size), seq.num_tokens)
-        num_hit_tokens = len(hit_block_ids) * self.block_size
+        hit_block_ids, num_hit_tokens = self.kv_cache_manager.get_computed_blocks(seq)
         num_new_tokens = min(seq.num_tokens - num_hit_tokens, budget)
-        num_new_blocks = -(-(num_hit_tokens + num_new_tokens) // self.block_size) - len(hit_block_ids)
-        if not pool.can_allocate(num_new_blocks, hit_block_ids):
+        if self.kv_cache_manager.allocate_slots(seq, num_new_tokens, computed_block_ids=hit_block_ids) is None:
             return None
-        pool.reuse(hit_block_ids)
-        seq.block_ids = hit_block_ids + pool.allocate(num_new_blocks)
-        if use_prefix_cache:
-            pool.record_prefix_lookup(seq.num_tokens, num_hit_tokens)
         seq.num_computed_tokens = num_hit_tokens
-        seq.num_cached_blocks = len(hit_block_ids)
         if not seq.was_admitted:
             seq.num_cached_tokens = num_hit_tokens
             seq.first_scheduled_time = time.monotonic()
@@ -295,12 +273,10 @@ class Scheduler:
         self.num_preemptions += 1
 
     def _release_blocks(self, seq: Sequence) -> None:
-        self.block_pool.free(seq.block_ids)
-        seq.block_ids = []
+        self.kv_cache_manager.free(seq)
         seq.num_computed_tokens = 0
         seq.num_pending_tokens = 0  # lost with the KV: recomputed from the known tokens
         seq.generation += 1
-        seq.num_cached_blocks = 0
         if seq.sent_to_worker:
             self._ids_to_drop[seq.seq_id] = None
             seq.sent_to_worker = False
@@ -368,7 +344,7 @@ class Scheduler:
             self.num_computed_prefill_tokens += min(num_computed_after, seq.num_prompt_tokens) - num_computed_before
         if num_computed_after >= seq.num_prompt_tokens:
             seq.prompt_computed = True
-        seq.offer_computed_blocks(self.block_pool, num_computed_after)
+        self.kv_cache_manager.cache_blocks(seq, num_computed_after)
         prompt_logprobs = seq.take_prompt_logprobs(num_computed_before,
                                                      result.prompt_logprobs.get(seq.seq_id))
 
