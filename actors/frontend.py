@@ -49,7 +49,7 @@ class AsyncClient(AsyncBeamSearch):
 
     def __init__(self, model: str | None = None, *, num_input_processors: int = 1, startup_timeout: float = 600.0,
                  log_level: str = "WARNING", transport: str = "ipc", **engine_args: Any) -> None:
-        self.engine_args = EngineArgs(model=model, **engine_args)
+        self.engine_args = EngineArgs.from_keywords("AsyncClient", model, engine_args)
         if not isinstance(num_input_processors, int) or num_input_processors < 1:
             raise ValueError(f"num_input_processors must be a positive integer, got {num_input_processors!r}")
         self.num_input_processors = num_input_processors
