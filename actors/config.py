@@ -95,7 +95,9 @@ class ParallelConfig:
 
 
 def check_tensor_parallel_size(model: ModelConfig, tp_size: int) -> None:
-    """ValueError naming what tp_size does not divide."""
+    """ValueError naming what tp_size does not divide: worker/parallel.py's split needs it
+    to divide the heads and the intermediate size. Here, torch-free, because the frontend
+    checks it before any worker starts."""
     if not isinstance(tp_size, int) or tp_size < 1:
         raise ValueError(f"tensor_parallel_size must be a positive integer, got {tp_size!r}")
     heads, kv_heads = model.num_attention_heads, model.num_key_value_heads

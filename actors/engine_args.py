@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import ctypes
 import dataclasses
+import inspect
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -261,6 +262,18 @@ def _add_flag(group: argparse._ArgumentGroup, spec: dataclasses.Field) -> None:
     parse = flag.parse or (str if spec.default is None else type(spec.default))
     group.add_argument(name, default=spec.default, type=parse, choices=flag.choices, metavar=flag.metavar,
                        help=help_text)
+
+
+def takes_engine_args(init: Callable) -> Callable:
+    """Decorates an __init__(self, model=None, ..., **engine_args): help() and inspect show
+    EngineArgs's fields in place of **engine_args, keyword-only, with their defaults."""
+    signature = inspect.signature(init)
+    kept = [p for p in signature.parameters.values() if p.kind is not inspect.Parameter.VAR_KEYWORD]
+    engine = [inspect.Parameter(spec.name, inspect.Parameter.KEYWORD_ONLY, default=spec.default,
+                                annotation=spec.type)
+              for spec in dataclasses.fields(EngineArgs) if spec.name not in signature.parameters]
+    init.__signature__ = signature.replace(parameters=kept + engine)
+    return init
 
 
 def cuda_device_count() -> int:

@@ -10,7 +10,7 @@ from typing import Any
 from tqdm import tqdm
 
 from actors.beam_search import BeamPrompt, BeamSearchBatch, BeamSearchOutput, BeamSearchParams
-from actors.engine_args import EngineArgs
+from actors.engine_args import EngineArgs, takes_engine_args
 from actors.engine_core import EngineCore
 from actors.input_processor import InputProcessor
 from actors.prompts import PromptInput, per_prompt, prompt_list, split_prompt
@@ -28,6 +28,7 @@ class LLM:
     engine runs behind an AsyncClient on a background thread: the same scheduler, workers
     and detokenizer code either way."""
 
+    @takes_engine_args
     def __init__(self, model: str | None = None, **engine_args: Any) -> None:
         """engine_args: EngineArgs's fields (actors/engine_args.py), the launcher's engine
         flags as keywords: max_num_seqs=..., kv_cache_memory="1GiB", device="cuda", ..."""

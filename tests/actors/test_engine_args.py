@@ -6,6 +6,7 @@ runs without torch."""
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import os
 import subprocess
 import sys
@@ -56,6 +57,15 @@ def test_a_bad_engine_flag_is_a_usage_error_before_anything_starts(flags, messag
         parse_args(flags)
     assert exit_info.value.code == 2
     assert message in capsys.readouterr().err
+
+
+def test_llm_and_async_client_show_the_fields_as_keywords_with_the_same_defaults():
+    from actors import LLM, AsyncClient
+
+    for entry_point in (LLM, AsyncClient):
+        parameters = inspect.signature(entry_point).parameters
+        for spec in dataclasses.fields(EngineArgs):
+            assert parameters[spec.name].default == spec.default, (entry_point, spec.name)
 
 
 def test_an_unknown_keyword_is_a_type_error_naming_it():
