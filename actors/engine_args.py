@@ -1,68 +1,203 @@
-"""Engine arguments: what LLM, AsyncClient and the launcher's flags take, checked and
-resolved into an EngineConfig. Light to import (no torch): the frontend process needs it."""
+"""Engine arguments, written once. EngineArgs's fields are the keyword arguments of LLM and
+AsyncClient and the engine flags of the launcher: add_cli_args() generates each flag from
+its field's metadata (help, metavar, choices, parser, hidden spellings), so a name, a type
+and a default are spelled here and nowhere else.
+
+One default per field. Two fields default to None because the server and the Python API
+want different values, and what None means is decided in _resolve_unset(), and only there:
+- device: the Python API (LLM, AsyncClient) runs on the CPU unless told otherwise; the
+  server takes a GPU when there is one ("auto");
+- max_num_batched_tokens: 2048 tokens a step in the Python API (offline throughput); the
+  server 512 on the CPU, 2048 on CUDA (SERVER_BATCHED_TOKENS).
+
+Light to import: no torch (the API server process never loads it) and no transformers."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import argparse
+import ctypes
+import dataclasses
+import inspect
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, Literal
 
-from actors.config import CacheConfig, EngineConfig, ParallelConfig, SchedulerConfig, parse_size
+from actors.config import (CacheConfig, EngineConfig, ParallelConfig, SchedulerConfig, check_tensor_parallel_size,
+                           parse_size)
 from actors.worker.loader import load_model_config, resolve_model
-from actors.worker.parallel import check_tensor_parallel_size
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEVICES = ("auto", "cpu", "cuda")
 ATTENTION_BACKENDS = ("auto", "cpu", "torch", "triton")
 LOAD_FORMATS = ("auto", "dummy")
 
+# The server's step size when max_num_batched_tokens is not given. On the CPU a step's
+# time grows with its tokens from a few dozen on (compute-bound), so a 2048-token prefill
+# step stalls every decoding request for seconds (4.5 s on a 2-core EPYC); 512 cut the p99
+# inter-token latency of benchmarks/serve_vs_offline.py's workload from 2.8 s to 1.4 s and
+# the median time to first token from 4.8 s to 3.2 s at the same throughput (RESULTS.md).
+# The offline LLM keeps 2048, as vLLM keeps a larger budget for its LLM class.
+SERVER_BATCHED_TOKENS = {"cpu": 512, "cuda": 2048}
+PYTHON_BATCHED_TOKENS = 2048
+# The Python API's device when none is given: the CPU, in float32, where the tests and
+# benchmarks compare it with references; the server's: a GPU when there is one.
+PYTHON_DEVICE = "cpu"
+SERVER_DEVICE = "auto"
+
+# The --help sections of the engine flags: group name -> (title, description)
+CLI_GROUPS = {
+    "model": ("model", None),
+    "engine": ("engine", None),
+    "nodes": ("several machines",
+              "Node 0 serves HTTP and runs the first tensor-parallel ranks; every other node runs its share of the "
+              "ranks only, started with the same flags and its own --node-rank. They meet at --master-addr: "
+              "torch.distributed on --master-port, ZeroMQ over tcp on the ports just above it."),
+}
+
+
+@dataclass(frozen=True)
+class CliFlag:
+    """How a field appears on the command line: --field-name, or --[no-]field-name for a bool."""
+
+    help: str  # " (default: ...)" is appended unless the text has one
+    group: str = "engine"  # a CLI_GROUPS key
+    metavar: str | None = None
+    choices: tuple[str, ...] | None = None
+    parse: Callable[[str], Any] | None = None  # str -> value; None: the type of the default (str if None)
+    hidden_negations: tuple[str, ...] = ()  # older spellings of --no-field-name, kept working, not shown
+
+
+def _arg(default: Any, help: str, **flag: Any) -> Any:
+    """A dataclass field that is also a command-line flag (CliFlag's fields as keywords)."""
+    return field(default=default, metadata={"cli": CliFlag(help, **flag)})
+
+
+def parse_size_flag(text: str) -> int:
+    """parse_size for argparse: a usage error (exit 2) for a value that is no size."""
+    try:
+        return parse_size(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected bytes or a size like 512MiB or 2GiB, got {text!r}") from None
+
 
 @dataclass
 class EngineArgs:
-    model: str | None = None  # a Hugging Face directory or .gguf file; None: the embedded SmolLM2
-    max_num_seqs: int = 256
-    max_num_batched_tokens: int = 2048
-    block_size: int = 16
-    kv_cache_memory: int | str = "2GiB"
-    num_kv_blocks: int | None = None  # overrides the pool size derived from kv_cache_memory
-    gpu_memory_utilization: float | None = None  # CUDA: the KV cache from a share of GPU memory
-    max_model_len: int | None = None  # None: the model's max_position_embeddings
-    dtype: str = "float32"  # "auto": float32 on the CPU, bfloat16 on CUDA
-    device: str = "cpu"  # "auto": CUDA when there is a GPU
-    tensor_parallel_size: int = 1
-    # several machines (see ParallelConfig): node 0 runs the engine, the others only ranks
-    nnodes: int = 1
-    node_rank: int = 0
-    master_addr: str = "127.0.0.1"
-    master_port: int = 29500
-    seed: int = 0
-    enable_prefix_caching: bool = True
-    attention_backend: str = "auto"
-    load_format: str = "auto"
-    async_scheduling: bool = True  # two plans in flight (the actor engine; LLM runs one step at a time)
-    max_logprobs: int = 20  # the most logprobs / prompt_logprobs a request may ask for (vLLM's default)
+    """What an engine is started with; build() checks it and makes the EngineConfig."""
 
-    def build(self) -> EngineConfig:
-        """Resolves the model and checks every argument (ValueError naming the field)."""
-        for name in ("max_num_seqs", "max_num_batched_tokens", "block_size"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"{name} must be a positive integer, got {value!r}")
-        if isinstance(self.max_logprobs, bool) or not isinstance(self.max_logprobs, int) or self.max_logprobs < 0:
-            raise ValueError(f"max_logprobs must be a non-negative integer, got {self.max_logprobs!r}")
-        if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
-            raise ValueError(f"num_kv_blocks must be positive, got {self.num_kv_blocks}")
+    model: str | None = _arg(
+        None, "a local Hugging Face model directory or .gguf file (default: the embedded SmolLM2-135M-Instruct)",
+        group="model", metavar="PATH")
+    dtype: str = _arg("auto", "weights and activations; 'auto': float32 on the CPU, bfloat16 on CUDA",
+                      group="model", choices=DTYPES)
+    max_model_len: int | None = _arg(None, "the longest prompt plus output (default: the model's own limit)",
+                                     group="model", metavar="TOKENS", parse=int)
+    load_format: str = _arg("auto", "'dummy' runs random weights, for benchmarks", group="model",
+                            choices=LOAD_FORMATS)
+    seed: int = _arg(0, "the engine's random seed", group="model")
+    max_logprobs: int = _arg(20, "the most logprobs / prompt_logprobs a request may ask for", group="model",
+                             metavar="N")  # vLLM's default
+
+    max_num_seqs: int = _arg(256, "requests running at once", metavar="N")
+    max_num_batched_tokens: int | None = _arg(
+        None, "tokens computed in one step (default: the server %d on the CPU and %d on CUDA, LLM and AsyncClient "
+              "%d; a step's time grows with its tokens, and every running request waits for it)"
+              % (SERVER_BATCHED_TOKENS["cpu"], SERVER_BATCHED_TOKENS["cuda"], PYTHON_BATCHED_TOKENS),
+        metavar="TOKENS", parse=int)
+    block_size: int = _arg(16, "tokens per KV-cache block", metavar="TOKENS")
+    kv_cache_memory: int | str = _arg("2GiB", "memory for the KV cache, e.g. 512MiB or 4GiB", metavar="SIZE",
+                                      parse=parse_size_flag)
+    num_kv_blocks: int | None = _arg(None, "KV-cache blocks; overrides the pool size derived from --kv-cache-memory",
+                                     metavar="N", parse=int)
+    gpu_memory_utilization: float | None = _arg(
+        None, "on CUDA, size the KV cache from this share of the GPU's memory (e.g. 0.9): what the weights and a "
+              "profiled step leave of it; replaces --kv-cache-memory", metavar="FRACTION", parse=float)
+    enable_prefix_caching: bool = _arg(True, "reuse the KV cache of shared prompt prefixes",
+                                       hidden_negations=("--no-prefix-caching",))  # troupe's first spelling
+    attention_backend: str = _arg(
+        "auto", "'auto': Triton kernels on CUDA, the C++ kernels ('cpu') on the CPU; 'torch': the plain torch "
+                "references", choices=ATTENTION_BACKENDS)
+    device: str | None = _arg(
+        None, "'auto': CUDA when there is a GPU, else the CPU (default: the server %s, LLM and AsyncClient %s)"
+              % (SERVER_DEVICE, PYTHON_DEVICE), choices=DEVICES)
+    tensor_parallel_size: int = _arg(1, "worker processes, one per device, each holding a slice of the model",
+                                     metavar="N")
+    # two plans in flight (the actor engine; LLM with one device runs one step at a time)
+    async_scheduling: bool = _arg(True, "build the next step's plan while the workers run the current one")
+
+    # several machines (see ParallelConfig): node 0 runs the engine, the others only ranks
+    nnodes: int = _arg(1, "machines", group="nodes", metavar="N")
+    node_rank: int = _arg(0, "this machine", group="nodes", metavar="I")
+    master_addr: str = _arg("127.0.0.1", "node 0's address, reachable from every node", group="nodes",
+                            metavar="HOST")
+    master_port: int = _arg(29500, "the first of tensor-parallel-size + 2 free ports on node 0", group="nodes",
+                            metavar="PORT")
+
+    # ---- the keyword arguments of LLM and AsyncClient ----
+
+    @classmethod
+    def from_keywords(cls, caller: str, model: str | None, keywords: dict[str, Any]) -> EngineArgs:
+        """The engine arguments of caller(model, **keywords); a keyword that is no field is
+        a TypeError naming it, as Python's own."""
+        for name in keywords:
+            if name not in _FIELD_NAMES:
+                raise TypeError(f"{caller}() got an unexpected keyword argument {name!r}")
+        return cls(model=model, **keywords)
+
+    # ---- the command line ----
+
+    @staticmethod
+    def add_cli_args(parser: argparse.ArgumentParser) -> dict[str, argparse._ArgumentGroup]:
+        """Adds a flag per field, in the CLI_GROUPS sections; returns them by group name."""
+        groups = {name: parser.add_argument_group(title, description)
+                  for name, (title, description) in CLI_GROUPS.items()}
+        for spec in dataclasses.fields(EngineArgs):
+            _add_flag(groups[spec.metadata["cli"].group], spec)
+        return groups
+
+    @classmethod
+    def from_cli_args(cls, args: argparse.Namespace) -> EngineArgs:
+        return cls(**{name: getattr(args, name) for name in _FIELD_NAMES})
+
+    # ---- checks and the config ----
+
+    def for_server(self) -> EngineArgs:
+        """These arguments with the server's meaning of the fields left None."""
+        return self._resolve_unset("server")
+
+    def check(self) -> None:
+        """The checks that need neither the model nor the device (ValueError naming the field):
+        the launcher runs them on its flags before it starts anything."""
+        for name in ("max_num_seqs", "block_size", "tensor_parallel_size", "nnodes"):
+            _check_int(name, getattr(self, name), minimum=1)
+        for name in ("max_num_batched_tokens", "num_kv_blocks"):
+            if getattr(self, name) is not None:
+                _check_int(name, getattr(self, name), minimum=1)
+        _check_int("max_logprobs", self.max_logprobs, minimum=0)
         for name, allowed in (("dtype", DTYPES), ("device", DEVICES), ("attention_backend", ATTENTION_BACKENDS),
                               ("load_format", LOAD_FORMATS)):
-            if getattr(self, name) not in allowed:
-                raise ValueError(f"{name} must be one of {', '.join(allowed)}, got {getattr(self, name)!r}")
-        self._check_gpu_memory_utilization()
-        model_dir = resolve_model(self.model)
-        model_config = load_model_config(model_dir)
-        check_tensor_parallel_size(model_config, self.tensor_parallel_size)
-        if self.nnodes < 1 or self.tensor_parallel_size % self.nnodes:
+            value = getattr(self, name)
+            if value not in allowed and not (name == "device" and value is None):
+                raise ValueError(f"{name} must be one of {', '.join(allowed)}, got {value!r}")
+        fraction = self.gpu_memory_utilization
+        if fraction is not None and (isinstance(fraction, bool) or not isinstance(fraction, (int, float))
+                                     or not 0 < fraction <= 1):
+            raise ValueError(f"gpu_memory_utilization must be a fraction in (0, 1], got {fraction!r}")
+        parse_size(self.kv_cache_memory)
+        if self.tensor_parallel_size % self.nnodes:
             raise ValueError(f"nnodes ({self.nnodes}) must divide tensor_parallel_size ({self.tensor_parallel_size})")
         if not 0 <= self.node_rank < self.nnodes:
             raise ValueError(f"node_rank must be in [0, {self.nnodes}), got {self.node_rank}")
-        max_model_len = self.max_model_len
+
+    def build(self) -> EngineConfig:
+        """Resolves the model and checks every argument (ValueError naming the field). The
+        fields left None take the Python API's meaning (for_server() sets the server's first)."""
+        args = self._resolve_unset("python")
+        args.check()
+        args._check_gpu_memory_utilization()
+        model_dir = resolve_model(args.model)
+        model_config = load_model_config(model_dir)
+        check_tensor_parallel_size(model_config, args.tensor_parallel_size)
+        max_model_len = args.max_model_len
         if max_model_len is None:
             max_model_len = model_config.max_position_embeddings
         elif not 1 < max_model_len <= model_config.max_position_embeddings:
@@ -70,29 +205,86 @@ class EngineArgs:
                              f"model, got {max_model_len}")
         return EngineConfig(
             model=model_config,
-            cache=CacheConfig(block_size=self.block_size, kv_cache_memory=parse_size(self.kv_cache_memory),
-                              num_kv_blocks=self.num_kv_blocks, enable_prefix_caching=self.enable_prefix_caching,
-                              gpu_memory_utilization=self.gpu_memory_utilization),
-            scheduler=SchedulerConfig(max_num_seqs=self.max_num_seqs,
-                                      max_num_batched_tokens=self.max_num_batched_tokens,
-                                      max_model_len=max_model_len, async_scheduling=self.async_scheduling),
-            parallel=ParallelConfig(tensor_parallel_size=self.tensor_parallel_size, nnodes=self.nnodes,
-                                    node_rank=self.node_rank, master_addr=self.master_addr,
-                                    master_port=self.master_port),
-            dtype=self.dtype, device=self.device, seed=self.seed, tokenizer_path=model_dir,
-            attention_backend=self.attention_backend, load_format=self.load_format, max_logprobs=self.max_logprobs)
+            cache=CacheConfig(block_size=args.block_size, kv_cache_memory=parse_size(args.kv_cache_memory),
+                              num_kv_blocks=args.num_kv_blocks, enable_prefix_caching=args.enable_prefix_caching,
+                              gpu_memory_utilization=args.gpu_memory_utilization),
+            scheduler=SchedulerConfig(max_num_seqs=args.max_num_seqs,
+                                      max_num_batched_tokens=args.max_num_batched_tokens,
+                                      max_model_len=max_model_len, async_scheduling=args.async_scheduling),
+            parallel=ParallelConfig(tensor_parallel_size=args.tensor_parallel_size, nnodes=args.nnodes,
+                                    node_rank=args.node_rank, master_addr=args.master_addr,
+                                    master_port=args.master_port),
+            dtype=args.dtype, device=args.device, seed=args.seed, tokenizer_path=model_dir,
+            attention_backend=args.attention_backend, load_format=args.load_format, max_logprobs=args.max_logprobs)
+
+    def _resolve_unset(self, entry_point: Literal["server", "python"]) -> EngineArgs:
+        """The one place where a field left None gets its value (see the module docstring)."""
+        device = self.device
+        if device is None:
+            device = SERVER_DEVICE if entry_point == "server" else PYTHON_DEVICE
+        batched_tokens = self.max_num_batched_tokens
+        if batched_tokens is None:
+            on_cuda = device.startswith("cuda") or (device == "auto" and cuda_device_count() > 0)
+            batched_tokens = SERVER_BATCHED_TOKENS["cuda" if on_cuda else "cpu"] if entry_point == "server" \
+                else PYTHON_BATCHED_TOKENS
+        return dataclasses.replace(self, device=device, max_num_batched_tokens=batched_tokens)
 
     def _check_gpu_memory_utilization(self) -> None:
-        fraction = self.gpu_memory_utilization
-        if fraction is None:
+        if self.gpu_memory_utilization is None:
             return
-        if isinstance(fraction, bool) or not isinstance(fraction, (int, float)) or not 0 < fraction <= 1:
-            raise ValueError(f"gpu_memory_utilization must be a fraction in (0, 1], got {fraction!r}")
-        on_cuda = self.device == "cuda"
-        if self.device == "auto":
-            import torch  # only here: the frontend otherwise never imports torch
-
-            on_cuda = torch.cuda.is_available()
+        on_cuda = self.device.startswith("cuda") or (self.device == "auto" and cuda_device_count() > 0)
         if not on_cuda:
             raise ValueError("gpu_memory_utilization sizes the KV cache from GPU memory, and the engine runs on "
                              "the CPU: size it with kv_cache_memory (--kv-cache-memory) instead")
+
+
+_FIELD_NAMES = frozenset(spec.name for spec in dataclasses.fields(EngineArgs))
+
+
+def _check_int(name: str, value: Any, minimum: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        kind = "a positive integer" if minimum == 1 else "a non-negative integer"
+        raise ValueError(f"{name} must be {kind}, got {value!r}")
+
+
+def _add_flag(group: argparse._ArgumentGroup, spec: dataclasses.Field) -> None:
+    flag: CliFlag = spec.metadata["cli"]
+    name = "--" + spec.name.replace("_", "-")
+    if isinstance(spec.default, bool):
+        help_text = f"{flag.help} (default: {'on' if spec.default else 'off'})"
+        group.add_argument(name, action=argparse.BooleanOptionalAction, default=spec.default, help=help_text)
+        for negation in flag.hidden_negations:
+            group.add_argument(negation, dest=spec.name, action="store_false", help=argparse.SUPPRESS)
+        return
+    help_text = flag.help
+    if spec.default is not None and "(default:" not in help_text:
+        help_text += " (default: %(default)s)"
+    parse = flag.parse or (str if spec.default is None else type(spec.default))
+    group.add_argument(name, default=spec.default, type=parse, choices=flag.choices, metavar=flag.metavar,
+                       help=help_text)
+
+
+def takes_engine_args(init: Callable) -> Callable:
+    """Decorates an __init__(self, model=None, ..., **engine_args): help() and inspect show
+    EngineArgs's fields in place of **engine_args, keyword-only, with their defaults."""
+    signature = inspect.signature(init)
+    kept = [p for p in signature.parameters.values() if p.kind is not inspect.Parameter.VAR_KEYWORD]
+    engine = [inspect.Parameter(spec.name, inspect.Parameter.KEYWORD_ONLY, default=spec.default,
+                                annotation=spec.type)
+              for spec in dataclasses.fields(EngineArgs) if spec.name not in signature.parameters]
+    init.__signature__ = signature.replace(parameters=kept + engine)
+    return init
+
+
+def cuda_device_count() -> int:
+    """The CUDA devices this process may use (CUDA_VISIBLE_DEVICES applies), asked of the
+    NVIDIA driver without importing torch; 0 without a driver. The worker decides the
+    device itself (torch.cuda); this only picks defaults and checks arguments early."""
+    try:
+        driver = ctypes.CDLL("libcuda.so.1")
+    except OSError:
+        return 0
+    count = ctypes.c_int(0)
+    if driver.cuInit(0) != 0 or driver.cuDeviceGetCount(ctypes.byref(count)) != 0:
+        return 0
+    return count.value

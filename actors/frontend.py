@@ -28,7 +28,7 @@ import zmq
 from actors.beam_search import AsyncBeamSearch
 from actors.config import EngineConfig
 from actors.detokenizer import merge_delta
-from actors.engine_args import EngineArgs
+from actors.engine_args import EngineArgs, takes_engine_args
 from actors.errors import EngineDeadError, InvalidRequestError
 from actors.prompts import PromptInput, per_prompt, split_prompt
 from actors.request_stream import LiveRequest, RequestStream, broadcast_params, check_params, rejection_error
@@ -47,9 +47,10 @@ class AsyncClient(AsyncBeamSearch):
     """Starts and supervises a troupe engine; generate() streams RequestOutput deltas;
     beam_search() (actors/beam_search.py) returns a prompt's finished beams."""
 
+    @takes_engine_args
     def __init__(self, model: str | None = None, *, num_input_processors: int = 1, startup_timeout: float = 600.0,
                  log_level: str = "WARNING", transport: str = "ipc", **engine_args: Any) -> None:
-        self.engine_args = EngineArgs(model=model, **engine_args)
+        self.engine_args = EngineArgs.from_keywords("AsyncClient", model, engine_args)
         if not isinstance(num_input_processors, int) or num_input_processors < 1:
             raise ValueError(f"num_input_processors must be a positive integer, got {num_input_processors!r}")
         self.num_input_processors = num_input_processors

@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import os
 import signal
@@ -29,8 +30,7 @@ from collections.abc import Iterator
 import uvicorn
 import uvloop
 
-from actors.config import parse_size
-from actors.engine_args import ATTENTION_BACKENDS, DEVICES, DTYPES, LOAD_FORMATS
+from actors.engine_args import EngineArgs, parse_size_flag
 from actors.errors import EngineStartupError
 from actors.frontend import AsyncClient
 from actors.launch_args import (add_openai_api_flags, add_openai_server_flags, bind_unix_socket, check_openai_server_flags,
@@ -46,13 +46,6 @@ _ABORT_GRACE_S = 5.0
 LOG_LEVELS = ("debug", "info", "warning", "error")
 
 
-def _size(text: str) -> int:
-    try:
-        return parse_size(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected bytes or a size like 512MiB or 2GiB, got {text!r}") from None
-
-
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m actors.launch",
@@ -62,20 +55,11 @@ def build_parser() -> argparse.ArgumentParser:
                "then:    curl http://127.0.0.1:8080/v1/chat/completions -H 'Authorization: Bearer secret' "
                "-H 'Content-Type: application/json' -d '{\"messages\": [{\"role\": \"user\", \"content\": \"Hi\"}]}'",
         formatter_class=argparse.RawDescriptionHelpFormatter)
-    model = parser.add_argument_group("model")
-    model.add_argument("--model", default=None, metavar="PATH",
-                       help="a local Hugging Face model directory or .gguf file (default: the embedded "
-                            "SmolLM2-135M-Instruct)")
-    model.add_argument("--served-model-name", nargs="+", metavar="NAME",
-                       help="the name(s) clients use in the 'model' field (default: --model as given)")
-    model.add_argument("--dtype", choices=DTYPES, default="auto",
-                       help="weights and activations; 'auto': float32 on the CPU, bfloat16 on CUDA (default: "
-                            "%(default)s)")
-    model.add_argument("--max-model-len", type=int, metavar="TOKENS",
-                       help="the longest prompt plus output (default: the model's own limit)")
-    model.add_argument("--load-format", choices=LOAD_FORMATS, default="auto",
-                       help="'dummy' runs random weights, for benchmarks (default: %(default)s)")
-    model.add_argument("--seed", type=int, default=0, help="the engine's random seed (default: %(default)s)")
+    groups = EngineArgs.add_cli_args(parser)
+    groups["model"].add_argument("--served-model-name", nargs="+", metavar="NAME",
+                                 help="the name(s) clients use in the 'model' field (default: --model as given)")
+    groups["engine"].add_argument("--num-input-processors", type=int, default=1, metavar="N",
+                                  help="processes that tokenize requests side by side (default: %(default)s)")
 
     server = parser.add_argument_group("HTTP server")
     server.add_argument("--host", default="127.0.0.1", help="the address to listen on (default: %(default)s)")
@@ -86,7 +70,7 @@ def build_parser() -> argparse.ArgumentParser:
     server.add_argument("--max-waiting-requests", type=int, default=DEFAULT_MAX_WAITING_REQUESTS, metavar="N",
                         help="requests allowed to wait beyond the --max-num-seqs running ones; past that, new "
                              "requests get 503 with Retry-After (default: %(default)s)")
-    server.add_argument("--max-request-size", type=_size, default=DEFAULT_MAX_BODY_BYTES, metavar="SIZE",
+    server.add_argument("--max-request-size", type=parse_size_flag, default=DEFAULT_MAX_BODY_BYTES, metavar="SIZE",
                         help="larger request bodies get 413 (default: 16MiB)")
     server.add_argument("--shutdown-timeout", type=float, default=10.0, metavar="SECONDS",
                         help="on SIGTERM/SIGINT, how long running requests may take to finish before they "
@@ -96,51 +80,16 @@ def build_parser() -> argparse.ArgumentParser:
     add_openai_server_flags(server)
     add_openai_api_flags(parser.add_argument_group("OpenAI API (vLLM's flags)"))
 
-    engine = parser.add_argument_group("engine")
-    engine.add_argument("--max-num-seqs", type=int, default=256, metavar="N", help="requests running at once (default: %(default)s)")
-    engine.add_argument("--max-num-batched-tokens", type=int, metavar="TOKENS",
-                        help="tokens computed in one step (default: %d on the CPU, %d on CUDA; a step's "
-                             "time grows with its tokens, and every running request waits for it)"
-                             % (SERVER_BATCHED_TOKENS["cpu"], SERVER_BATCHED_TOKENS["cuda"]))
-    engine.add_argument("--block-size", type=int, default=16, metavar="TOKENS", help="tokens per KV-cache block (default: %(default)s)")
-    engine.add_argument("--kv-cache-memory", type=_size, default="2GiB", metavar="SIZE",
-                        help="memory for the KV cache, e.g. 512MiB or 4GiB (default: 2GiB)")
-    engine.add_argument("--gpu-memory-utilization", type=float, metavar="FRACTION",
-                        help="on CUDA, size the KV cache from this share of the GPU's memory (e.g. 0.9): "
-                             "what the weights and a profiled step leave of it; replaces --kv-cache-memory")
-    engine.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
-                        help="reuse the KV cache of shared prompt prefixes (default: on)")
-    engine.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false",
-                        help=argparse.SUPPRESS)  # troupe's first spelling of --no-enable-prefix-caching
-    engine.add_argument("--attention-backend", choices=ATTENTION_BACKENDS, default="auto",
-                        help="'auto': Triton kernels on CUDA, the C++ kernels ('cpu') on the CPU; 'torch': the plain "
-                             "torch references (default: %(default)s)")
-    engine.add_argument("--device", choices=DEVICES, default="auto",
-                        help="'auto': CUDA when there is a GPU, else the CPU (default: %(default)s)")
-    engine.add_argument("--tensor-parallel-size", type=int, default=1, metavar="N",
-                        help="worker processes, one per device, each holding a slice of the model "
-                             "(default: %(default)s)")
-    engine.add_argument("--num-input-processors", type=int, default=1, metavar="N",
-                        help="processes that tokenize requests side by side (default: %(default)s)")
-
-    nodes = parser.add_argument_group(
-        "several machines", "Node 0 serves HTTP and runs the first tensor-parallel ranks; every other node "
-        "runs its share of the ranks only, started with the same flags and its own --node-rank. They meet at "
-        "--master-addr: torch.distributed on --master-port, ZeroMQ over tcp on the ports just above it.")
-    nodes.add_argument("--nnodes", type=int, default=1, metavar="N", help="machines (default: %(default)s)")
-    nodes.add_argument("--node-rank", type=int, default=0, metavar="I", help="this machine (default: %(default)s)")
-    nodes.add_argument("--master-addr", default="127.0.0.1", metavar="HOST",
-                       help="node 0's address, reachable from every node (default: %(default)s)")
-    nodes.add_argument("--master-port", type=int, default=29500, metavar="PORT",
-                       help="the first of tensor-parallel-size + 2 free ports on node 0 (default: %(default)s)")
     return parser
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = build_parser()
     args = parser.parse_args(argv)
-    if args.gpu_memory_utilization is not None and not 0 < args.gpu_memory_utilization <= 1:
-        parser.error(f"--gpu-memory-utilization must be in (0, 1], got {args.gpu_memory_utilization}")
+    try:
+        EngineArgs.from_cli_args(args).check()
+    except ValueError as error:
+        parser.error(str(error))
     if not 0 <= args.port <= 65535:
         parser.error(f"--port must be in [0, 65535], got {args.port}")
     for name in ("max_waiting_requests", "num_input_processors"):
@@ -153,33 +102,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def engine_args(args: argparse.Namespace) -> dict:
-    """The EngineArgs fields the flags set."""
-    batched_tokens = args.max_num_batched_tokens or SERVER_BATCHED_TOKENS[_device_kind(args.device)]
-    return dict(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=batched_tokens,
-                block_size=args.block_size, kv_cache_memory=args.kv_cache_memory, max_model_len=args.max_model_len,
-                gpu_memory_utilization=args.gpu_memory_utilization,
-                dtype=args.dtype, device=args.device, tensor_parallel_size=args.tensor_parallel_size,
-                seed=args.seed, enable_prefix_caching=args.enable_prefix_caching,
-                attention_backend=args.attention_backend, load_format=args.load_format,
-                nnodes=args.nnodes, node_rank=args.node_rank, master_addr=args.master_addr,
-                master_port=args.master_port, max_logprobs=args.max_logprobs)
-
-
-# The server's step size when --max-num-batched-tokens is not given. On the CPU a step's
-# time grows with its tokens from a few dozen on (compute-bound), so a 2048-token prefill
-# step stalls every decoding request for seconds (4.5 s on a 2-core EPYC); 512 cut the p99
-# inter-token latency of benchmarks/serve_vs_offline.py's workload from 2.8 s to 1.4 s and
-# the median time to first token from 4.8 s to 3.2 s at the same throughput (RESULTS.md).
-# The offline LLM keeps 2048, as vLLM keeps a larger budget for its LLM class.
-SERVER_BATCHED_TOKENS = {"cpu": 512, "cuda": 2048}
-
-
-def _device_kind(device: str) -> str:
-    if device == "auto":
-        import torch
-
-        return "cuda" if torch.cuda.is_available() else "cpu"
-    return "cuda" if device.startswith("cuda") else "cpu"
+    """The EngineArgs fields the flags set, with the server's defaults for those left unset."""
+    return dataclasses.asdict(EngineArgs.from_cli_args(args).for_server())
 
 
 def bind_socket(host: str, port: int) -> socket.socket:
@@ -247,7 +171,7 @@ class Launcher:
         for signum in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(signum, self.on_signal, signum)
         args = self.args
-        client = AsyncClient(args.model, num_input_processors=args.num_input_processors,
+        client = AsyncClient(num_input_processors=args.num_input_processors,
                              log_level="DEBUG" if args.log_level == "debug" else "WARNING", **engine_args(args))
         try:
             if not await self._start(client):
@@ -317,7 +241,6 @@ class Launcher:
 
 async def run_worker_node(args: argparse.Namespace) -> int:
     """A node other than 0: its ranks only, until the engine stops them or a signal."""
-    from actors.engine_args import EngineArgs
     from actors.supervisor import run_worker_node as run_ranks
 
     stop = asyncio.Event()
@@ -325,7 +248,7 @@ async def run_worker_node(args: argparse.Namespace) -> int:
     for signum in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(signum, stop.set)
     try:
-        engine = await asyncio.to_thread(EngineArgs(model=args.model, **engine_args(args)).build)
+        engine = await asyncio.to_thread(EngineArgs(**engine_args(args)).build)
     except (ValueError, OSError, ImportError) as error:
         logger.error("bad engine arguments: %s", error)
         return 1

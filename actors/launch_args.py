@@ -51,14 +51,13 @@ def add_openai_server_flags(server: argparse._ArgumentGroup) -> None:
 
 
 def add_openai_api_flags(api: argparse._ArgumentGroup) -> None:
-    """vLLM's flags for what the API answers: chat template, roles, logprobs, usage."""
+    """vLLM's flags for what the API answers: chat template, roles, logprobs, usage
+    (--max-logprobs is an engine flag: EngineArgs.max_logprobs)."""
     api.add_argument("--chat-template", metavar="FILE_OR_TEMPLATE",
                      help="a Jinja chat template (a file, or the template itself) for chat requests that send "
                           "none; default: the tokenizer's")
     api.add_argument("--response-role", default="assistant", metavar="ROLE",
                      help="the role of generated chat messages (default: %(default)s)")
-    api.add_argument("--max-logprobs", type=int, default=20, metavar="N",
-                     help="the most logprobs / prompt_logprobs a request may ask for (default: %(default)s)")
     api.add_argument("--return-tokens-as-token-ids", action="store_true",
                      help="logprobs name tokens as 'token_id:<id>' unless a request says otherwise")
     api.add_argument("--enable-prompt-tokens-details", action="store_true",
@@ -79,8 +78,6 @@ def load_chat_template(value: str) -> str:
 def check_openai_server_flags(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     """Exits with a usage error (status 2) for a value the server could not use; reads
     the --chat-template file."""
-    if args.max_logprobs < 0:
-        parser.error(f"--max-logprobs must be non-negative, got {args.max_logprobs}")
     if args.chat_template is not None:
         try:
             args.chat_template = load_chat_template(args.chat_template)

@@ -5,11 +5,12 @@ from __future__ import annotations
 import itertools
 import time
 from collections.abc import Sequence
+from typing import Any
 
 from tqdm import tqdm
 
 from actors.beam_search import BeamPrompt, BeamSearchBatch, BeamSearchOutput, BeamSearchParams
-from actors.engine_args import EngineArgs
+from actors.engine_args import EngineArgs, takes_engine_args
 from actors.engine_core import EngineCore
 from actors.input_processor import InputProcessor
 from actors.prompts import PromptInput, per_prompt, prompt_list, split_prompt
@@ -27,23 +28,15 @@ class LLM:
     engine runs behind an AsyncClient on a background thread: the same scheduler, workers
     and detokenizer code either way."""
 
-    def __init__(self, model: str | None = None, *, max_num_seqs: int = 256,
-                 max_num_batched_tokens: int = 2048, block_size: int = 16,
-                 kv_cache_memory: int | str = "2GiB", num_kv_blocks: int | None = None,
-                 max_model_len: int | None = None, dtype: str = "float32", seed: int = 0,
-                 enable_prefix_caching: bool = True, attention_backend: str = "auto",
-                 load_format: str = "auto", device: str = "cpu", tensor_parallel_size: int = 1,
-                 gpu_memory_utilization: float | None = None, max_logprobs: int = 20) -> None:
-        args = EngineArgs(
-            model=model, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-            block_size=block_size, kv_cache_memory=kv_cache_memory, num_kv_blocks=num_kv_blocks,
-            max_model_len=max_model_len, dtype=dtype, seed=seed, enable_prefix_caching=enable_prefix_caching,
-            attention_backend=attention_backend, load_format=load_format, device=device,
-            tensor_parallel_size=tensor_parallel_size, gpu_memory_utilization=gpu_memory_utilization,
-            max_logprobs=max_logprobs)
+    @takes_engine_args
+    def __init__(self, model: str | None = None, **engine_args: Any) -> None:
+        """engine_args: EngineArgs's fields (actors/engine_args.py), the launcher's engine
+        flags as keywords: max_num_seqs=..., kv_cache_memory="1GiB", device="cuda", ..."""
+        args = EngineArgs.from_keywords("LLM", model, engine_args)
         self.config = args.build()
         self.tokenizer = load_tokenizer(self.config.tokenizer_path)
-        self.engine = EngineCore(self.config, self.tokenizer) if tensor_parallel_size == 1 else None
+        self.engine = EngineCore(self.config, self.tokenizer) if self.config.parallel.tensor_parallel_size == 1 \
+            else None
         self._remote = ThreadedClient(args) if self.engine is None else None
         self.inputs = InputProcessor(self.tokenizer, self.config.model.vocab_size,
                                      self.config.scheduler.max_model_len, self.config.max_logprobs)

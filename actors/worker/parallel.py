@@ -22,21 +22,6 @@ import torch
 from actors.config import ModelConfig
 
 
-def check_tensor_parallel_size(model: ModelConfig, tp_size: int) -> None:
-    """ValueError naming what tp_size does not divide."""
-    if not isinstance(tp_size, int) or tp_size < 1:
-        raise ValueError(f"tensor_parallel_size must be a positive integer, got {tp_size!r}")
-    heads, kv_heads = model.num_attention_heads, model.num_key_value_heads
-    if heads % tp_size:
-        raise ValueError(f"tensor_parallel_size {tp_size} does not divide the model's {heads} attention heads")
-    if kv_heads % tp_size and tp_size % kv_heads:
-        raise ValueError(f"tensor_parallel_size {tp_size} and the model's {kv_heads} KV heads must divide one "
-                         "another")
-    if model.intermediate_size % tp_size:
-        raise ValueError(f"tensor_parallel_size {tp_size} does not divide the model's intermediate size "
-                         f"{model.intermediate_size}")
-
-
 @dataclass(frozen=True)
 class TensorParallel:
     """One rank's place in the group and its share of the model."""

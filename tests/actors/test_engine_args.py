@@ -1,0 +1,114 @@
+"""EngineArgs, written once: every field is a launcher flag and a keyword of LLM and
+AsyncClient with the same default; the fields left None take each entry point's value in
+one place; and the API server process (engine arguments, launcher, app, AsyncClient)
+runs without torch."""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+from actors import engine_args as engine_args_module
+from actors.config import parse_size
+from actors.engine_args import EngineArgs, cuda_device_count
+from actors.launch import build_parser, engine_args, parse_args
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+FIELD_NAMES = [spec.name for spec in dataclasses.fields(EngineArgs)]
+
+
+def test_every_field_is_a_flag_whose_default_is_the_keywords_default():
+    help_text = build_parser().format_help()
+    for name in FIELD_NAMES:
+        assert "--" + name.replace("_", "-") in help_text
+    from_flags = EngineArgs.from_cli_args(parse_args([]))
+    # the one difference: the flag's parser turns the size into bytes
+    assert from_flags == dataclasses.replace(EngineArgs(), kv_cache_memory=parse_size(EngineArgs().kv_cache_memory))
+
+
+def test_flags_set_the_fields_of_the_same_name():
+    args = EngineArgs.from_cli_args(parse_args([
+        "--model", "/models/x", "--max-num-seqs", "7", "--kv-cache-memory", "1GiB", "--num-kv-blocks", "40",
+        "--dtype", "bfloat16", "--device", "cuda", "--gpu-memory-utilization", "0.5", "--no-async-scheduling",
+        "--max-logprobs", "3", "--tensor-parallel-size", "2", "--nnodes", "2", "--node-rank", "1"]))
+    assert (args.model, args.max_num_seqs, args.kv_cache_memory, args.num_kv_blocks) == ("/models/x", 7, 2**30, 40)
+    assert (args.dtype, args.device, args.gpu_memory_utilization) == ("bfloat16", "cuda", 0.5)
+    assert (args.async_scheduling, args.max_logprobs) == (False, 3)
+    assert (args.tensor_parallel_size, args.nnodes, args.node_rank) == (2, 2, 1)
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--max-num-seqs", "0"], "max_num_seqs must be a positive integer"),
+    (["--max-logprobs", "-1"], "max_logprobs must be a non-negative integer"),
+    (["--num-kv-blocks", "0"], "num_kv_blocks must be a positive integer"),
+    (["--tensor-parallel-size", "2", "--nnodes", "3"], "nnodes (3) must divide tensor_parallel_size (2)"),
+    (["--device", "tpu"], "invalid choice: 'tpu'"),
+])
+def test_a_bad_engine_flag_is_a_usage_error_before_anything_starts(flags, message, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        parse_args(flags)
+    assert exit_info.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_llm_and_async_client_show_the_fields_as_keywords_with_the_same_defaults():
+    from actors import LLM, AsyncClient
+
+    for entry_point in (LLM, AsyncClient):
+        parameters = inspect.signature(entry_point).parameters
+        for spec in dataclasses.fields(EngineArgs):
+            assert parameters[spec.name].default == spec.default, (entry_point, spec.name)
+
+
+def test_an_unknown_keyword_is_a_type_error_naming_it():
+    from actors import LLM, AsyncClient
+
+    with pytest.raises(TypeError, match=r"LLM\(\) got an unexpected keyword argument 'max_num_seq'"):
+        LLM(max_num_seq=4)
+    with pytest.raises(TypeError, match=r"AsyncClient\(\) got an unexpected keyword argument 'no_prefix_caching'"):
+        AsyncClient(no_prefix_caching=True)
+
+
+def test_unset_device_and_step_size_mean_auto_for_the_server_and_the_cpu_for_python(tiny_llama_dir, monkeypatch):
+    for num_gpus, server_tokens in ((0, 512), (1, 2048)):
+        monkeypatch.setattr(engine_args_module, "cuda_device_count", lambda: num_gpus)
+        server = engine_args(parse_args(["--model", tiny_llama_dir]))
+        assert (server["device"], server["max_num_batched_tokens"]) == ("auto", server_tokens)
+        # the Python API runs on the CPU with 2048-token steps, GPU or not
+        config = EngineArgs(model=tiny_llama_dir).build()
+        assert (config.device, config.dtype, config.scheduler.max_num_batched_tokens) == ("cpu", "auto", 2048)
+    assert engine_args(parse_args(["--device", "cuda"]))["max_num_batched_tokens"] == 2048
+    config = EngineArgs(model=tiny_llama_dir, device="cuda", max_num_batched_tokens=64).build()
+    assert (config.device, config.scheduler.max_num_batched_tokens) == ("cuda", 64)
+
+
+def test_the_driver_query_agrees_with_torch_on_whether_there_is_a_gpu():
+    assert (cuda_device_count() > 0) == torch.cuda.is_available()
+
+
+def test_the_api_server_process_runs_without_torch(tiny_llama_dir):
+    # what `python -m actors.launch` imports and does before it starts the engine's
+    # processes: parse the flags (device "auto" included), build the engine config, the app
+    script = textwrap.dedent(f"""
+        import sys
+        import actors.launch, actors.launch_args, actors.frontend, api.app
+        from actors.engine_args import EngineArgs
+        from actors.launch import engine_args, parse_args
+        from actors.frontend import AsyncClient
+        args = engine_args(parse_args(["--model", {tiny_llama_dir!r}, "--device", "auto"]))
+        EngineArgs(**args).build()
+        AsyncClient(**args)
+        loaded = sorted(name for name in sys.modules if name == "torch" or name.startswith("torch."))
+        assert not loaded, loaded
+    """)
+    result = subprocess.run([sys.executable, "-c", script], cwd=REPO_ROOT, capture_output=True, text=True,
+                            timeout=120, env={**os.environ, "PYTHONPATH": str(REPO_ROOT)})
+    assert result.returncode == 0, result.stderr
