@@ -10,6 +10,7 @@ from dataclasses import dataclass
 import torch
 
 from kernels._triton import cdiv, dot_in_fp32, jit, next_power_of_2, tl
+from kernels.paged_attention_ref import SequenceSplit
 
 # -- Triton ----------------------------------------------------------------------------------
 #
@@ -30,8 +31,8 @@ from kernels._triton import cdiv, dot_in_fp32, jit, next_power_of_2, tl
 @dataclass(frozen=True)
 class PagedAttentionLaunch:
     """What a step's launches need besides the attention inputs, computed once per step
-    (paged_attention_launch) and shared by all layers: the grid sizes, which must be read
-    off the device (a sync), and which sequences each kernel takes."""
+    (paged_attention_launch) and shared by all layers: the grid sizes, which are host
+    numbers, and which sequences each kernel takes."""
 
     decode_seqs: torch.Tensor  # [num_decodes] int32: sequences with one query token
     prefill_seqs: torch.Tensor  # [num_prefills] int32: sequences with more
@@ -50,22 +51,20 @@ def paged_attention_launch(
     seq_lens: torch.Tensor,  # [num_seqs] int32
     query_start_loc: torch.Tensor,  # [num_seqs + 1] int32
     decode_partition_size: int = 512,
+    host: SequenceSplit | None = None,  # the same on the host, split; else read off the device (a sync)
 ) -> PagedAttentionLaunch:
     assert decode_partition_size >= 16 and decode_partition_size & (decode_partition_size - 1) == 0
-    num_seqs = seq_lens.shape[0]
-    on_host = torch.cat([seq_lens, query_start_loc]).tolist()  # one copy, one sync
-    seq_lens_list, starts = on_host[:num_seqs], on_host[num_seqs:]
-    query_lens = [end - start for start, end in zip(starts, starts[1:])]
-    decodes = [seq for seq, query_len in enumerate(query_lens) if query_len == 1]
-    prefills = [seq for seq, query_len in enumerate(query_lens) if query_len > 1]
+    if host is None:
+        host = SequenceSplit.from_device(seq_lens, query_start_loc)
+    starts = host.query_start_loc
 
     def on_device(seqs: list[int]) -> torch.Tensor:
         return torch.tensor(seqs, dtype=torch.int32).to(seq_lens.device, non_blocking=True)
 
     return PagedAttentionLaunch(
-        decode_seqs=on_device(decodes), prefill_seqs=on_device(prefills),
-        max_query_len=max((query_lens[seq] for seq in prefills), default=0),
-        max_decode_seq_len=max((seq_lens_list[seq] for seq in decodes), default=0),
+        decode_seqs=on_device(host.decode_seqs), prefill_seqs=on_device(host.prefill_seqs),
+        max_query_len=max((starts[seq + 1] - starts[seq] for seq in host.prefill_seqs), default=0),
+        max_decode_seq_len=max((host.seq_lens[seq] for seq in host.decode_seqs), default=0),
         decode_partition_size=decode_partition_size)
 
 
