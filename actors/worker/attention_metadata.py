@@ -12,11 +12,15 @@ chunks, so the decodes' tokens are the first num_decode_tokens of the flat batch
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 
-from kernels.paged_attention_ref import SequenceSplit
+from kernels.paged_attention import PagedAttentionLaunch
+from kernels.paged_attention_cpu import CpuAttentionPlan
+from kernels.paged_attention_ref import PagedAttentionPlan, SequenceSplit
+
+# what each backend's prepare() derives: torch's plan, the cpu backend's, Triton's launch
+BackendPlan = PagedAttentionPlan | CpuAttentionPlan | PagedAttentionLaunch
 
 
 @dataclass
@@ -34,7 +38,7 @@ class AttentionMetadata:
     block_tables: torch.Tensor  # [num_seqs, max_blocks_per_seq] int32 on the device, padded with 0
     seq_lens: torch.Tensor  # [num_seqs] int32 on the device: tokens in the cache after this step
     query_start_loc: torch.Tensor  # [num_seqs + 1] int32 on the device
-    plan: Any = None  # the backend's bookkeeping derived from the above, made once per step (prepare)
+    plan: BackendPlan | None = None  # the backend's bookkeeping from the above, made once per step (prepare)
 
     @staticmethod
     def build(seq_lens: list[int],  # [num_seqs]: tokens in the cache after this step
