@@ -9,12 +9,16 @@
   (triton's own library functions, tl.sum and the like, are decorated by `import triton`;
   tests/kernels/conftest.py deals with those.)
 
-A LazyKernel is launched, never called from another kernel (it is no JITFunction): each
-kernel here is written out in one function.
+Kernels may call helpers that are `jit` functions too (the paged attention kernels share
+their tile load and online-softmax update). A module's global name of a helper is its
+LazyJit, which triton would refuse to call; so when a kernel is built, it is built from a
+copy of its function whose globals hold the helpers' built triton functions instead
+(built the same way, so helpers may call helpers). The module itself is left unchanged.
 """
 
 from __future__ import annotations
 
+import types
 from collections.abc import Callable
 from typing import Any
 
@@ -34,24 +38,44 @@ def require_triton() -> None:
                            "or use the torch attention backend")
 
 
-class LazyKernel:
-    """A @triton.jit kernel, built (compiled or interpreted) when first launched."""
+class LazyJit:
+    """A @triton.jit function, a kernel or a helper kernels call, built (compiled or
+    interpreted) when a kernel that uses it is first launched."""
 
-    def __init__(self, fn: Callable[..., None]) -> None:
+    def __init__(self, fn: Callable[..., Any]) -> None:
         self.fn = fn
         self.__name__ = fn.__name__
         self.__doc__ = fn.__doc__
-        self._kernel: Any = None
+        self._built: Any = None
 
     def __getitem__(self, grid: tuple[int, ...]) -> Callable[..., Any]:
-        if self._kernel is None:
+        return self.built()[grid]
+
+    def built(self) -> Any:
+        """triton's function for this one: a JITFunction, or an InterpretedFunction under
+        TRITON_INTERPRET=1."""
+        if self._built is None:
             require_triton()
-            self._kernel = triton.jit(self.fn)
-        return self._kernel[grid]
+            self._built = triton.jit(self._with_built_helpers())
+        return self._built
+
+    def _with_built_helpers(self) -> Callable[..., Any]:
+        fn = self.fn
+        # co_names: the global (and attribute) names the function's code reads
+        helpers = {name: value.built() for name in fn.__code__.co_names
+                   if isinstance(value := fn.__globals__.get(name), LazyJit)}
+        if not helpers:
+            return fn
+        copy = types.FunctionType(fn.__code__, {**fn.__globals__, **helpers}, fn.__name__, fn.__defaults__,
+                                  fn.__closure__)
+        # what triton reads besides the code: constexpr annotations, names, the docstring
+        copy.__annotations__, copy.__kwdefaults__ = fn.__annotations__, fn.__kwdefaults__
+        copy.__qualname__, copy.__doc__ = fn.__qualname__, fn.__doc__
+        return copy
 
 
-def jit(fn: Callable[..., None]) -> LazyKernel:
-    return LazyKernel(fn)
+def jit(fn: Callable[..., Any]) -> LazyJit:
+    return LazyJit(fn)
 
 
 def cdiv(a: int, b: int) -> int:

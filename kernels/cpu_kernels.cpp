@@ -13,8 +13,9 @@
 //   several, with a parallel region only for batches big enough to pay for one (a decode
 //   step's rows take microseconds).
 // - linear_few_rows_f32: the linear layers of decode batches of a few rows.
-// - model_step_f32: a whole decode step of a Llama-family model with the kernels above and
-//   torch's sgemm, in one call from Python.
+// - model_step_f32: a whole step (decodes, prefill chunks or both) of a Llama-family model
+//   with the kernels above and torch's sgemm, in one call from Python (see its section for
+//   the Python forward it mirrors).
 //
 // Vectors are GCC/clang vector extensions of 16 floats: one AVX-512 register, two AVX2
 // ones, four SSE ones; the compiler picks (-march=native).
@@ -566,6 +567,15 @@ void silu_mul_f32(float* x, int64_t x_stride, int64_t num_tokens, int64_t interm
 // once the matmuls have flushed the caches). Here a step's layers run in one call, with the
 // kernels above and MKL's sgemm (torch's own, whose pointer the caller passes), in the same
 // order and arithmetic as the model's Python forward.
+//
+// It mirrors, op for op, LlamaModel.forward (actors/worker/model.py) on the cpu backend
+// (CpuBackend in actors/worker/attention.py): CpuBackend.rms_norm (rms_norm_cpu), .linear
+// (linear_few_rows_f32 up to few_rows rows, else F.linear), .rotary (rotary_cpu),
+// .attention (store_kv_cpu, then paged_attention_cpu: decodes, then prefill chunks) and
+// .silu_mul (silu_mul_cpu). A change to one side is a change to the other:
+// tests/actors/test_cpu_model_step.py pins this step equal to that forward, bit for bit,
+// on tiny models (Llama 3, Qwen2, Qwen3) for decode-only and mixed decode + prefill steps.
+// The model runner (ModelRunner._forward, via actors/worker/cpu_model_step.py) picks it.
 
 typedef void (*Sgemm)(const char* transa, const char* transb, const int* m, const int* n, const int* k,
                       const float* alpha, const float* a, const int* lda, const float* b, const int* ldb,

@@ -26,8 +26,8 @@ import torch
 import torch.nn.functional as F
 
 from kernels.cpu_kernels import NativeKernels
-from kernels.paged_attention_ref import (PagedAttentionPlan, PrefillChunk, decode_attention, plan_decodes,
-                                         prefill_attention, split_sequences)
+from kernels.paged_attention_ref import (PagedAttentionPlan, PrefillChunk, SequenceSplit, decode_attention,
+                                         plan_decodes, prefill_attention, prefill_chunks)
 from kernels.store_kv import store_kv_ref
 
 
@@ -40,7 +40,7 @@ class CpuAttentionPlan:
     query_start_loc: torch.Tensor  # [num_seqs + 1] int32
     decode_seqs: torch.Tensor  # [num_decodes] int32
     prefill_seqs: torch.Tensor  # [num_prefills] int32: sequences with several query tokens
-    query_starts: list[int]  # query_start_loc on the host
+    host: SequenceSplit  # seq_lens, query_start_loc and the split on the host
     prefills: list[PrefillChunk]
     block_size: int
     reference: PagedAttentionPlan | None = field(default=None)  # made when a decode takes the reference's way
@@ -51,11 +51,13 @@ def plan_paged_attention_cpu(
     seq_lens: torch.Tensor,  # [num_seqs] int32
     query_start_loc: torch.Tensor,  # [num_seqs + 1] int32
     block_size: int,
+    host: SequenceSplit | None = None,  # the same on the host, split; else read off the tensors
 ) -> CpuAttentionPlan:
-    decode_seqs, starts, prefills = split_sequences(block_tables, seq_lens, query_start_loc, block_size)
-    prefill_seqs = [i for i in range(len(starts) - 1) if starts[i + 1] - starts[i] > 1]
-    return CpuAttentionPlan(block_tables, seq_lens, query_start_loc, torch.tensor(decode_seqs, dtype=torch.int32),
-                            torch.tensor(prefill_seqs, dtype=torch.int32), starts, prefills, block_size)
+    if host is None:
+        host = SequenceSplit.from_device(seq_lens, query_start_loc)
+    return CpuAttentionPlan(block_tables, seq_lens, query_start_loc, torch.tensor(host.decode_seqs, dtype=torch.int32),
+                            torch.tensor(host.prefill_seqs, dtype=torch.int32), host,
+                            prefill_chunks(block_tables, host, block_size), block_size)
 
 
 def paged_attention_cpu(
@@ -109,7 +111,6 @@ def _causal_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
 
 def _reference_plan(plan: CpuAttentionPlan, dtype: torch.dtype) -> PagedAttentionPlan:
     if plan.reference is None:
-        decodes = plan_decodes(plan.block_tables, plan.seq_lens, plan.decode_seqs.tolist(), plan.query_starts,
-                               plan.block_size, dtype)
+        decodes = plan_decodes(plan.block_tables, plan.seq_lens, plan.host, plan.block_size, dtype)
         plan.reference = PagedAttentionPlan(prefills=plan.prefills, **decodes)
     return plan.reference

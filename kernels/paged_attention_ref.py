@@ -17,7 +17,8 @@ The bookkeeping from block tables is done once per step (plan_paged_attention) a
 reused by every layer (paged_attention_planned).
 
 The Triton path (kernels/paged_attention.py, the GPU's) has its own per-step bookkeeping
-(paged_attention_launch); this reference is its oracle.
+(paged_attention_launch); this reference is its oracle. All three paths start their
+bookkeeping from the same host numbers (SequenceSplit).
 """
 
 from __future__ import annotations
@@ -52,38 +53,60 @@ class PagedAttentionPlan:
     prefills: list[PrefillChunk]
 
 
+@dataclass(frozen=True)
+class SequenceSplit:
+    """A step's sequence lengths and query offsets on the host, its sequences split into
+    decodes (one query token) and prefill chunks: what every backend's per-step bookkeeping
+    starts from. The model runner has them before it makes the device tensors
+    (actors/worker/attention_metadata.py); a caller with only the tensors reads them off
+    the device (from_device: one copy, one sync)."""
+
+    seq_lens: list[int]  # [num_seqs]: tokens in the cache, this step's included
+    query_start_loc: list[int]  # [num_seqs + 1]: cumulative query lengths
+    decode_seqs: list[int]  # sequences with one query token
+    prefill_seqs: list[int]  # sequences with more
+
+    @staticmethod
+    def of(seq_lens: list[int], query_start_loc: list[int]) -> SequenceSplit:
+        query_lens = [end - start for start, end in zip(query_start_loc, query_start_loc[1:])]
+        return SequenceSplit(seq_lens, query_start_loc,
+                             decode_seqs=[seq for seq, query_len in enumerate(query_lens) if query_len == 1],
+                             prefill_seqs=[seq for seq, query_len in enumerate(query_lens) if query_len > 1])
+
+    @staticmethod
+    def from_device(seq_lens: torch.Tensor, query_start_loc: torch.Tensor) -> SequenceSplit:
+        num_seqs = seq_lens.shape[0]
+        on_host = torch.cat([seq_lens, query_start_loc]).tolist()  # one copy, one sync
+        return SequenceSplit.of(on_host[:num_seqs], on_host[num_seqs:])
+
+
 def plan_paged_attention(
     block_tables: torch.Tensor,  # [num_seqs, max_blocks_per_seq] int32
     seq_lens: torch.Tensor,  # [num_seqs] int32
     query_start_loc: torch.Tensor,  # [num_seqs + 1] int32
     block_size: int,
     dtype: torch.dtype = torch.float32,
+    host: SequenceSplit | None = None,  # the same on the host, split; else read off the device
 ) -> PagedAttentionPlan:
-    decode_seqs, starts, prefills = split_sequences(block_tables, seq_lens, query_start_loc, block_size)
-    return PagedAttentionPlan(prefills=prefills,
-                              **plan_decodes(block_tables, seq_lens, decode_seqs, starts, block_size, dtype))
+    if host is None:
+        host = SequenceSplit.from_device(seq_lens, query_start_loc)
+    return PagedAttentionPlan(prefills=prefill_chunks(block_tables, host, block_size),
+                              **plan_decodes(block_tables, seq_lens, host, block_size, dtype))
 
 
-def split_sequences(block_tables: torch.Tensor, seq_lens: torch.Tensor, query_start_loc: torch.Tensor,
-                    block_size: int) -> tuple[list[int], list[int], list[PrefillChunk]]:
-    """The decodes (sequences of one query token), query_start_loc on the host, and the
-    prefill chunks."""
-    num_seqs = seq_lens.shape[0]
-    on_host = torch.cat([seq_lens, query_start_loc]).tolist()  # one copy, one sync
-    seq_lens_list, starts = on_host[:num_seqs], on_host[num_seqs:]
-    query_lens = [starts[i + 1] - starts[i] for i in range(len(seq_lens_list))]
-    decode_seqs = [i for i, q_len in enumerate(query_lens) if q_len == 1]
-    prefills = []
-    for i, q_len in enumerate(query_lens):
-        if q_len > 1:
-            num_blocks = -(-seq_lens_list[i] // block_size)
-            prefills.append(PrefillChunk(starts[i], q_len, seq_lens_list[i],
-                                         block_tables[i, :num_blocks].long()))
-    return decode_seqs, starts, prefills
+def prefill_chunks(block_tables: torch.Tensor, host: SequenceSplit, block_size: int) -> list[PrefillChunk]:
+    chunks = []
+    starts, seq_lens = host.query_start_loc, host.seq_lens
+    for seq in host.prefill_seqs:
+        num_blocks = -(-seq_lens[seq] // block_size)
+        chunks.append(PrefillChunk(starts[seq], starts[seq + 1] - starts[seq], seq_lens[seq],
+                                   block_tables[seq, :num_blocks].long()))
+    return chunks
 
 
-def plan_decodes(block_tables: torch.Tensor, seq_lens: torch.Tensor, decode_seqs: list[int],
-                  starts: list[int], block_size: int, dtype: torch.dtype) -> dict:
+def plan_decodes(block_tables: torch.Tensor, seq_lens: torch.Tensor, host: SequenceSplit, block_size: int,
+                 dtype: torch.dtype) -> dict:
+    decode_seqs, starts = host.decode_seqs, host.query_start_loc
     num_decodes = len(decode_seqs)
     rows = torch.tensor(decode_seqs, dtype=torch.long)
     lens = seq_lens.long().index_select(0, rows)

@@ -1,51 +1,34 @@
-"""Which kernels a model step runs, and the per-step attention metadata they share.
+"""Which kernels a model step runs.
 
-Three backends, one interface (attention stores the step's keys and values, then attends):
+Three backends, one interface (prepare derives the backend's bookkeeping from the step's
+AttentionMetadata once per step; attention stores the step's keys and values, then attends):
 - torch: each kernel's plain-torch reference, the oracle of the other two; the paged
   attention bookkeeping is planned once per step and reused by every layer.
 - cpu (the CPU's default): the references' results from faster CPU paths: decode and
   prefill attention, KV store, rms_norm, rotary, silu_mul and the linear layers of small
-  decode batches in C++ built on first use (kernels/cpu_kernels.*), and where the model
-  allows, each whole step in one C++ call (model_step, actors/worker/cpu_model_step.py);
-  where no C++ compiler is found, torch's ops.
+  decode batches in C++ built on first use (kernels/cpu_kernels.*); where no C++ compiler
+  is found, torch's ops. (Where the model allows, the model runner runs each whole step
+  of this backend in one C++ call instead: actors/worker/cpu_model_step.py.)
 - triton: the Triton kernels, compiled on CUDA, or under triton's interpreter on the CPU
   (TRITON_INTERPRET=1; slow, for tests)."""
 
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 
 from actors.config import cache_dir
-from actors.worker.cpu_model_step import CpuModelStep
-from kernels.paged_attention import PagedAttentionLaunch, paged_attention, paged_attention_launch
-from kernels.paged_attention_ref import PagedAttentionPlan, paged_attention_planned, plan_paged_attention
+from actors.worker.attention_metadata import AttentionMetadata
 from kernels.cpu_kernels import NativeKernels, load_native_kernels
-from kernels.paged_attention_cpu import (CpuAttentionPlan, paged_attention_cpu, plan_paged_attention_cpu,
-                                         store_kv_cpu)
+from kernels.paged_attention import paged_attention, paged_attention_launch
+from kernels.paged_attention_cpu import paged_attention_cpu, plan_paged_attention_cpu, store_kv_cpu
+from kernels.paged_attention_ref import paged_attention_planned, plan_paged_attention
 from kernels.rms_norm import rms_norm, rms_norm_cpu, rms_norm_ref
 from kernels.rotary import rotary, rotary_cpu, rotary_ref
 from kernels.silu_mul import silu_mul, silu_mul_cpu, silu_mul_ref
 from kernels.store_kv import store_kv, store_kv_ref
-
-if TYPE_CHECKING:
-    from actors.worker.model import LlamaModel
-
-
-@dataclass
-class StepAttention:
-    """Attention inputs of one step, in the flat token order of the batch."""
-
-    slot_mapping: torch.Tensor  # [num_tokens] int64: cache slot of each new token
-    block_tables: torch.Tensor  # [num_seqs, max_blocks_per_seq] int32
-    seq_lens: torch.Tensor  # [num_seqs] int32: tokens in the cache after this step
-    query_start_loc: torch.Tensor  # [num_seqs + 1] int32
-    plan: PagedAttentionPlan | CpuAttentionPlan | None = None  # the torch or cpu backend's bookkeeping
-    launch: PagedAttentionLaunch | None = None  # the Triton backend's grid sizes and sequence lists
 
 
 class TorchBackend:
@@ -57,15 +40,12 @@ class TorchBackend:
     rotary = staticmethod(rotary_ref)
     silu_mul = staticmethod(silu_mul_ref)
 
-    def model_step(self, model: LlamaModel) -> None:
-        return None
-
-    def prepare(self, attention: StepAttention, block_size: int, dtype: torch.dtype) -> None:
-        attention.plan = plan_paged_attention(attention.block_tables, attention.seq_lens,
-                                              attention.query_start_loc, block_size, dtype)
+    def prepare(self, step: AttentionMetadata, dtype: torch.dtype) -> None:
+        step.plan = plan_paged_attention(step.block_tables, step.seq_lens, step.query_start_loc, step.block_size,
+                                         dtype, step.host)
 
     def attention(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
-                  value_cache: torch.Tensor, step: StepAttention, scale: float) -> torch.Tensor:
+                  value_cache: torch.Tensor, step: AttentionMetadata, scale: float) -> torch.Tensor:
         store_kv_ref(key, value, key_cache, value_cache, step.slot_mapping)
         return paged_attention_planned(query, key_cache, value_cache, step.plan, scale)
 
@@ -81,20 +61,12 @@ class CpuBackend:
     # (benchmarks/cpu_linear.py); past it sgemm's compute wins
     few_rows = 16
 
-    # whole steps in one C++ call (actors/worker/cpu_model_step.py); off: op by op
+    # whether the model runner may run whole steps of these kernels in one C++ call
+    # (actors/worker/cpu_model_step.py); off: op by op through this backend
     fused_steps = True
 
     def __init__(self, native: NativeKernels | None) -> None:
         self.native = native
-        self._model_step: tuple[LlamaModel, CpuModelStep | None] | None = None  # built once per model
-
-    def model_step(self, model: LlamaModel) -> CpuModelStep | None:
-        """The model's steps in one call, where the C++ kernels take them."""
-        if not self.fused_steps:
-            return None
-        if self._model_step is None or self._model_step[0] is not model:
-            self._model_step = (model, CpuModelStep.build(model, self))
-        return self._model_step[1]
 
     def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         # decode steps of a few sequences: one read of the weights instead of MKL's several
@@ -113,12 +85,12 @@ class CpuBackend:
                cos_sin_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return rotary_cpu(positions, query, key, cos_sin_cache, self.native)
 
-    def prepare(self, attention: StepAttention, block_size: int, dtype: torch.dtype) -> None:
-        attention.plan = plan_paged_attention_cpu(attention.block_tables, attention.seq_lens,
-                                                  attention.query_start_loc, block_size)
+    def prepare(self, step: AttentionMetadata, dtype: torch.dtype) -> None:
+        step.plan = plan_paged_attention_cpu(step.block_tables, step.seq_lens, step.query_start_loc,
+                                             step.block_size, step.host)
 
     def attention(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
-                  value_cache: torch.Tensor, step: StepAttention, scale: float) -> torch.Tensor:
+                  value_cache: torch.Tensor, step: AttentionMetadata, scale: float) -> torch.Tensor:
         store_kv_cpu(key, value, key_cache, value_cache, step.slot_mapping, self.native)
         return paged_attention_cpu(query, key, value, key_cache, value_cache, step.plan, scale, self.native)
 
@@ -133,18 +105,15 @@ class TritonBackend:
     rotary = staticmethod(rotary)
     silu_mul = staticmethod(silu_mul)
 
-    def model_step(self, model: LlamaModel) -> None:
-        return None
-
-    def prepare(self, attention: StepAttention, block_size: int, dtype: torch.dtype) -> None:
-        # the grid sizes, read off the device once per step rather than once per layer
-        attention.launch = paged_attention_launch(attention.seq_lens, attention.query_start_loc)
+    def prepare(self, step: AttentionMetadata, dtype: torch.dtype) -> None:
+        # the grid sizes and sequence lists, from the host numbers: no read off the device
+        step.plan = paged_attention_launch(step.seq_lens, step.query_start_loc, host=step.host)
 
     def attention(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
-                  value_cache: torch.Tensor, step: StepAttention, scale: float) -> torch.Tensor:
+                  value_cache: torch.Tensor, step: AttentionMetadata, scale: float) -> torch.Tensor:
         store_kv(key, value, key_cache, value_cache, step.slot_mapping)
         return paged_attention(query, key_cache, value_cache, step.block_tables, step.seq_lens,
-                               step.query_start_loc, scale, launch=step.launch)
+                               step.query_start_loc, scale, launch=step.plan)
 
 
 AttentionBackend = TorchBackend | CpuBackend | TritonBackend

@@ -9,7 +9,10 @@ results are the Python forward's, bit for bit.
 
 It takes every step (decodes, prefill chunks, both) on one rank, in fp32, where the
 kernels have code for the shapes; the model's Python forward takes the rest (tensor
-parallelism, other dtypes, head sizes the kernels lack, no C++ compiler)."""
+parallelism, other dtypes, head sizes the kernels lack, no C++ compiler). The model
+runner makes the choice, step by step (ModelRunner._forward): this is an alternative to
+LlamaModel.forward, as a CUDA graph's replay would be, not a part of the model or of
+the attention backend. tests/actors/test_cpu_model_step.py pins the two equal."""
 
 from __future__ import annotations
 
@@ -18,11 +21,12 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from actors.worker.attention import AttentionBackend, CpuBackend
+from actors.worker.attention_metadata import AttentionMetadata
 from kernels.cpu_kernels import DecoderLayer, DecoderShape, NativeKernels, StepBatch, torch_sgemm
 from kernels.paged_attention_cpu import CpuAttentionPlan
 
 if TYPE_CHECKING:
-    from actors.worker.attention import CpuBackend, StepAttention
     from actors.worker.model import LlamaModel
 
 
@@ -43,8 +47,11 @@ class CpuModelStep:
         self._prepared_key: tuple[int, ...] = ()
 
     @staticmethod
-    def build(model: LlamaModel, backend: CpuBackend) -> CpuModelStep | None:
-        """The one-call step of this model, or None where it cannot take the model's steps."""
+    def build(model: LlamaModel, backend: AttentionBackend) -> CpuModelStep | None:
+        """The one-call step of this model, or None where it cannot take the model's steps
+        (another backend than the CPU's, ...)."""
+        if not isinstance(backend, CpuBackend):
+            return None
         native = backend.native
         if native is None or model.dtype != torch.float32 or model.device.type != "cpu" or model.parallel.enabled:
             return None
@@ -59,15 +66,15 @@ class CpuModelStep:
         sgemm = torch_sgemm()
         return CpuModelStep(model, backend, native, sgemm) if sgemm is not None else None
 
-    @staticmethod
-    def takes(attention: StepAttention) -> bool:
-        """Whether the step was planned for the CPU backend's kernels, which this runs."""
-        return isinstance(attention.plan, CpuAttentionPlan)
+    def takes(self, attention: AttentionMetadata) -> bool:
+        """Whether this runs the step: fused steps are on, and the step was planned for the
+        CPU backend's kernels, which this runs."""
+        return self.backend.fused_steps and isinstance(attention.plan, CpuAttentionPlan)
 
     def __call__(self, hidden: torch.Tensor,  # [num_tokens, hidden]: the embeddings, overwritten
                  positions: torch.Tensor,  # [num_tokens] int64
                  kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
-                 attention: StepAttention) -> torch.Tensor:  # [num_tokens, hidden]: after the final norm
+                 attention: AttentionMetadata) -> torch.Tensor:  # [num_tokens, hidden]: after the final norm
         model, plan = self.model, attention.plan
         shape, layers = self._prepared(kv_caches)
         shape.few_rows = self.backend.few_rows  # an attribute benchmarks change between steps

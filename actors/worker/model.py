@@ -13,7 +13,8 @@ from dataclasses import dataclass
 import torch
 
 from actors.config import ModelConfig
-from actors.worker.attention import AttentionBackend, StepAttention
+from actors.worker.attention import AttentionBackend
+from actors.worker.attention_metadata import AttentionMetadata
 from actors.worker.parallel import TensorParallel
 from kernels.rotary import build_cos_sin_cache
 
@@ -141,17 +142,19 @@ class LlamaModel:
 
     # -- forward ---------------------------------------------------------------------------
 
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:  # [num_tokens] int64 -> [num_tokens, hidden]
+        return self.parallel.embed(input_ids, self.embed_tokens, self.config.vocab_size)
+
     def forward(self, input_ids: torch.Tensor,  # [num_tokens] int64
                 positions: torch.Tensor,  # [num_tokens] int64
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]],  # per layer (key, value)
-                attention: StepAttention) -> torch.Tensor:  # [num_tokens, hidden]
+                attention: AttentionMetadata) -> torch.Tensor:  # [num_tokens, hidden]
+        """The step op by op through the backend's kernels (the model runner may run it
+        another way: actors/worker/cpu_model_step.py mirrors this function)."""
         ops = self.backend
         eps = self.config.rms_norm_eps
         num_tokens = input_ids.shape[0]
-        hidden = self.parallel.embed(input_ids, self.embed_tokens, self.config.vocab_size)
-        model_step = ops.model_step(self)  # the backend's whole step in one call, if it has one
-        if model_step is not None and model_step.takes(attention):
-            return model_step(hidden, positions, kv_caches, attention)
+        hidden = self.embed(input_ids)
         residual = None
         for layer, (key_cache, value_cache) in zip(self.layers, kv_caches):
             # 1. attention block: norm (fused with the residual add), qkv, rotary, paged attention

@@ -12,7 +12,9 @@ from dataclasses import dataclass
 import torch
 
 from actors.config import EngineConfig
-from actors.worker.attention import StepAttention, make_backend
+from actors.worker.attention import make_backend
+from actors.worker.attention_metadata import AttentionMetadata
+from actors.worker.cpu_model_step import CpuModelStep
 from actors.worker.cpu_tuning import tune_allocator, tune_few_rows
 from actors.worker.model import LlamaModel
 from actors.worker.parallel import TensorParallel
@@ -116,6 +118,9 @@ class ModelRunner:
         if self.backend.name == "cpu" and self.backend.native is not None and self.dtype == torch.float32:
             # past this many rows sgemm beats the C++ linear, which depends on the CPU's vectors
             self.backend.few_rows = tune_few_rows(self.backend.native, self.model.layers, self.backend.few_rows)
+        # the whole-step fast path where there is one for this model and backend (the C++
+        # one-call step on the CPU); _forward picks it or model.forward step by step
+        self.model_step = CpuModelStep.build(self.model, self.backend)
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.sampler = Sampler(engine.model.eos_token_ids, engine.seed)
         self.requests: dict[str, CachedRequest] = {}
@@ -147,7 +152,7 @@ class ModelRunner:
         request = CachedRequest("profile", [0] * num_tokens, num_tokens, SamplingParams(max_tokens=1),
                                 list(range(blocks_needed)), 0)
         input_ids, positions, attention = self._prepare_inputs([(request, num_tokens)])
-        hidden = self.model.forward(input_ids, positions, self.kv_caches, attention)
+        hidden = self._forward(input_ids, positions, attention)
         rows = torch.arange(min(scheduler.max_num_seqs, num_tokens), device=self.device)
         self.model.compute_logits(hidden[rows])
         torch.cuda.synchronize(self.device)
@@ -190,7 +195,7 @@ class ModelRunner:
         input_ids, positions, attention = self._prepare_inputs(batch)
         # 3. rows that need logits: each sampling request's last token, prompt-logprob positions
         sample_rows, samplers, prompt_rows = self._logit_rows(batch)
-        hidden = self.model.forward(input_ids, positions, self.kv_caches, attention)
+        hidden = self._forward(input_ids, positions, attention)
         rows = sample_rows + [row for _, rows_of_request, _ in prompt_rows for row in rows_of_request]
         # (a collective under tensor parallelism: the logits end up on rank 0 only)
         logits = self.model.compute_logits(hidden[torch.tensor(rows, dtype=torch.long)]) if rows else None
@@ -209,15 +214,25 @@ class ModelRunner:
         return StepResult(step_id=plan.step_id, request_ids=[r.request_id for r in samplers],
                           sampled_token_ids=tokens, logprobs=logprobs, prompt_logprobs=prompt_logprobs)
 
+    def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                 attention: AttentionMetadata) -> torch.Tensor:  # [num_tokens, hidden]
+        if self.model_step is not None and self.model_step.takes(attention):
+            return self.model_step(self.model.embed(input_ids), positions, self.kv_caches, attention)
+        return self.model.forward(input_ids, positions, self.kv_caches, attention)
+
     def _prepare_inputs(self, batch: list[tuple[CachedRequest, int]]
-                        ) -> tuple[torch.Tensor, torch.Tensor, StepAttention]:
+                        ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+        """Flat inputs, and the step's attention metadata (built once, with the backend's
+        plan; every layer reads it). The batch is ordered decodes first."""
         block_size = self.block_size
         input_ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
         seq_lens: list[int] = []
         query_start_loc = [0]
+        num_decodes = 0
         for request, num_tokens in batch:
+            num_decodes += num_tokens == 1
             start, end = request.num_computed_tokens, request.num_computed_tokens + num_tokens
             input_ids += request.token_ids[start:end]
             span = range(start, end)
@@ -229,12 +244,9 @@ class ModelRunner:
         max_blocks = max(len(request.block_ids) for request, _ in batch)
         # one tensor from padded lists: a tensor per row costs more than the copy
         block_tables = [request.block_ids + [0] * (max_blocks - len(request.block_ids)) for request, _ in batch]
-        attention = StepAttention(
-            slot_mapping=torch.tensor(slots, dtype=torch.long, device=self.device),
-            block_tables=torch.tensor(block_tables, dtype=torch.int32, device=self.device),
-            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=self.device),
-            query_start_loc=torch.tensor(query_start_loc, dtype=torch.int32, device=self.device))
-        self.backend.prepare(attention, block_size, self.dtype)
+        attention = AttentionMetadata.build(seq_lens, query_start_loc, block_tables, slots, num_decodes,
+                                            block_size, self.device)
+        self.backend.prepare(attention, self.dtype)
         return (torch.tensor(input_ids, dtype=torch.long, device=self.device),
                 torch.tensor(positions, dtype=torch.long, device=self.device), attention)
 

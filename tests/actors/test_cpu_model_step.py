@@ -6,9 +6,11 @@ from __future__ import annotations
 import random
 
 import pytest
+import torch
 
 from actors import LLM, SamplingParams
 from actors.worker.cpu_model_step import CpuModelStep
+from actors.worker.model_runner import CachedRequest
 
 
 @pytest.fixture
@@ -67,3 +69,38 @@ def test_steps_mixing_prefill_chunks_and_decodes_give_the_op_by_op_results(tiny_
     fused = generate(tiny_llama_dir, True, prompts, params, step_sizes, **engine)
     assert 16 in step_sizes and 4 in step_sizes  # full chunked steps, and decodes of all four
     assert_same_outputs(fused, generate(tiny_llama_dir, False, prompts, params, step_sizes, **engine))
+
+
+def test_one_call_step_equals_the_op_by_op_forward_on_one_mixed_step(tiny_qwen3_dir):
+    """One step straight through both forwards, as the model runner would choose between
+    them: three decodes over cached keys (random ones, as a real cache holds), a whole
+    prompt and a chunk after a cached prefix, over 4-token blocks."""
+    llm = LLM(tiny_qwen3_dir, kv_cache_memory="16MiB", block_size=4)
+    runner = llm.engine.runner
+    assert runner.model_step is not None  # fp32 on one rank, the C++ kernels built
+    generator = torch.Generator().manual_seed(0)
+    params = SamplingParams(max_tokens=1)
+    # (tokens in the cache before the step, tokens this step): decodes first, as the runner orders them
+    shapes = [(9, 1), (16, 1), (3, 1), (0, 11), (7, 6)]
+    batch, next_block = [], 1
+    for index, (num_cached, num_new) in enumerate(shapes):
+        seq_len = num_cached + num_new
+        num_blocks = -(-seq_len // 4)
+        token_ids = torch.randint(3, 200, (seq_len,), generator=generator).tolist()
+        request = CachedRequest(f"r{index}", token_ids, seq_len, params,
+                                list(range(next_block + num_blocks - 1, next_block - 1, -1)), num_cached)
+        batch.append((request, num_new))
+        next_block += num_blocks
+    input_ids, positions, attention = runner._prepare_inputs(batch)
+    assert (attention.num_decodes, attention.num_prefills, attention.max_query_len) == (3, 2, 11)
+    caches = [(torch.randn(k.shape, generator=generator), torch.randn(v.shape, generator=generator))
+              for k, v in runner.kv_caches]
+    op_by_op_caches = [(k.clone(), v.clone()) for k, v in caches]
+    with torch.inference_mode():
+        one_call = runner.model_step(runner.model.embed(input_ids), positions, caches, attention)
+        op_by_op = runner.model.forward(input_ids, positions, op_by_op_caches, attention)
+        torch.testing.assert_close(one_call, op_by_op, rtol=1e-5, atol=1e-5)
+        for (k, v), (k_ref, v_ref) in zip(caches, op_by_op_caches):
+            assert torch.equal(k, k_ref) and torch.equal(v, v_ref)  # the same keys and values stored
+        greedy = runner.model.compute_logits(one_call).argmax(-1)
+        assert torch.equal(greedy, runner.model.compute_logits(op_by_op).argmax(-1))

@@ -1,0 +1,64 @@
+"""The attention inputs of one step, built once by the model runner and read by every
+layer of whichever forward runs the step (the model's op by op, or a whole-step fast path).
+
+The runner knows each sequence's lengths as Python numbers before it makes any tensor, so
+the host copies are kept beside the device tensors: a backend derives its bookkeeping
+(grid sizes, the CPU kernels' plan) from the host numbers, and never reads a device
+tensor back (a sync on CUDA). On the CPU the "device" tensors are the host tensors.
+
+The batch is ordered decodes first (sequences with one query token), then prefill
+chunks, so the decodes' tokens are the first num_decode_tokens of the flat batch."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kernels.paged_attention import PagedAttentionLaunch
+from kernels.paged_attention_cpu import CpuAttentionPlan
+from kernels.paged_attention_ref import PagedAttentionPlan, SequenceSplit
+
+# what each backend's prepare() derives: torch's plan, the cpu backend's, Triton's launch
+BackendPlan = PagedAttentionPlan | CpuAttentionPlan | PagedAttentionLaunch
+
+
+@dataclass
+class AttentionMetadata:
+    """Attention inputs of one step, in the flat token order of the batch."""
+
+    num_decodes: int  # the first num_decodes sequences have one query token each
+    num_prefills: int  # the rest: prefill chunks of several
+    num_decode_tokens: int  # == num_decodes: the decodes' tokens lead the batch
+    max_query_len: int  # longest query of the step (1 when it only decodes)
+    max_seq_len: int  # longest sequence, this step's tokens included
+    block_size: int  # tokens per KV cache block
+    host: SequenceSplit  # seq_lens and query_start_loc on the host, and the split
+    slot_mapping: torch.Tensor  # [num_tokens] int64 on the device: cache slot of each new token
+    block_tables: torch.Tensor  # [num_seqs, max_blocks_per_seq] int32 on the device, padded with 0
+    seq_lens: torch.Tensor  # [num_seqs] int32 on the device: tokens in the cache after this step
+    query_start_loc: torch.Tensor  # [num_seqs + 1] int32 on the device
+    plan: BackendPlan | None = None  # the backend's bookkeeping from the above, made once per step (prepare)
+
+    @staticmethod
+    def build(seq_lens: list[int],  # [num_seqs]: tokens in the cache after this step
+              query_start_loc: list[int],  # [num_seqs + 1]: cumulative query lengths
+              block_tables: list[list[int]],  # [num_seqs][max_blocks_per_seq], already padded
+              slot_mapping: list[int],  # [num_tokens]
+              num_decodes: int,  # the leading sequences with one query token
+              block_size: int, device: torch.device) -> AttentionMetadata:
+        num_seqs = len(seq_lens)
+        host = SequenceSplit(seq_lens, query_start_loc, decode_seqs=list(range(num_decodes)),
+                             prefill_seqs=list(range(num_decodes, num_seqs)))
+
+        def on_device(values: list, dtype: torch.dtype) -> torch.Tensor:
+            return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)
+
+        return AttentionMetadata(
+            num_decodes=num_decodes, num_prefills=num_seqs - num_decodes, num_decode_tokens=num_decodes,
+            # the longest query is a prefill chunk's, when there is one
+            max_query_len=max((query_start_loc[seq + 1] - query_start_loc[seq] for seq in host.prefill_seqs),
+                              default=1),
+            max_seq_len=max(seq_lens), block_size=block_size, host=host,
+            slot_mapping=on_device(slot_mapping, torch.long), block_tables=on_device(block_tables, torch.int32),
+            seq_lens=on_device(seq_lens, torch.int32), query_start_loc=on_device(query_start_loc, torch.int32))
