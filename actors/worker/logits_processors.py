@@ -189,6 +189,9 @@ class LogitBias(RequestProcessor):
     def add(self, slot, params, prompt_ids, output_ids) -> None:
         self.bias[slot] = (list(params.logit_bias), list(params.logit_bias.values()))
 
+    def remove(self, slot: int) -> None:
+        del self.bias[slot]
+
     def apply(self, logits: torch.Tensor, rows: StepRows) -> None:
         row_numbers = rows.where(self.flags).tolist()
         token_ids = [self.bias[s][0] for s in rows.slots[row_numbers].tolist()]
@@ -241,10 +244,12 @@ class MinTokens(RequestProcessor):
         return params.min_tokens > 0 and bool(params.stop_token_ids or not params.ignore_eos)
 
     def add(self, slot, params, prompt_ids, output_ids) -> None:
-        if slot >= len(self.min_tokens):
-            self.min_tokens = np.concatenate([self.min_tokens, np.zeros(len(self.flags) - len(self.min_tokens), np.int64)])
+        self.min_tokens = _fit(self.min_tokens, len(self.flags), 0)
         self.min_tokens[slot] = params.min_tokens
         self.blocked[slot] = list(params.stop_token_ids or []) + ([] if params.ignore_eos else self.eos_token_ids)
+
+    def remove(self, slot: int) -> None:
+        del self.blocked[slot]
 
     def _blocked_rows(self, rows: StepRows) -> list[int]:
         concerned = self.flags[rows.slots]
@@ -273,6 +278,9 @@ class BadWords(RequestProcessor):
     def add(self, slot, params, prompt_ids, output_ids) -> None:
         self.words[slot] = (params.bad_words_token_ids, output_ids)
 
+    def remove(self, slot: int) -> None:
+        del self.words[slot]
+
     def apply(self, logits: torch.Tensor, rows: StepRows) -> None:
         row_numbers = rows.where(self.flags).tolist()
         endings = [bad_word_endings(*self.words[s]) for s in rows.slots[row_numbers].tolist()]
@@ -298,6 +306,9 @@ class CustomProcessors(RequestProcessor):
     def add(self, slot, params, prompt_ids, output_ids) -> None:
         functions = [pickle.loads(f) if isinstance(f, bytes) else f for f in params.logits_processors]
         self.functions[slot] = ([(f, _takes_prompt(f)) for f in functions], list(prompt_ids), output_ids)
+
+    def remove(self, slot: int) -> None:
+        del self.functions[slot]
 
     def apply(self, logits: torch.Tensor, rows: StepRows) -> None:
         for row in rows.where(self.flags).tolist():

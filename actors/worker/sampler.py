@@ -15,7 +15,7 @@ on nothing else in the batch, and survive preemption and recompute unchanged."""
 
 from __future__ import annotations
 
-from collections.abc import Hashable
+from collections.abc import Hashable, Sequence
 from typing import Protocol
 
 import numpy as np
@@ -51,7 +51,7 @@ class Sampler:
         self._generators: dict[torch.device, torch.Generator] = {}  # for unseeded requests, per device
 
     def add_request(self, key: Hashable, params: SamplingParams, prompt_ids: list[int],
-                    output_ids: list[int] = ()) -> None:
+                    output_ids: Sequence[int] = ()) -> None:
         """A request joins (again, after preemption, with the output it had)."""
         self.remove_request(key)
         slot = self.batch.add(key, params, output_ids)

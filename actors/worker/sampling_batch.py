@@ -12,7 +12,7 @@ with the processors, on the device."""
 
 from __future__ import annotations
 
-from collections.abc import Hashable
+from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -61,7 +61,7 @@ class SamplingBatch:
     def __len__(self) -> int:
         return len(self.slot_of)
 
-    def add(self, key: Hashable, params: SamplingParams, output_ids: list[int]) -> int:
+    def add(self, key: Hashable, params: SamplingParams, output_ids: Sequence[int]) -> int:
         """A joining request's slot (a preempted request comes back with its output so far)."""
         if key in self.slot_of:
             raise ValueError(f"request {key!r} is already in the sampling batch")
