@@ -17,6 +17,7 @@ from actors.worker.logits_processors import RequestProcessor
 from actors.worker.sampler import Sampler
 from messages.common import InvalidRequestError, SamplingParams
 from messages.worker import NewRequest
+from tests.actors.test_llm_matches_hf import PROMPT_LENGTHS, make_prompts
 
 FORCED = 17
 
@@ -31,7 +32,7 @@ def force_token(output_ids: list[int], logits: torch.Tensor) -> torch.Tensor:
 def count_up_from_the_prompt(prompt_ids: list[int], output_ids: list[int], logits: torch.Tensor) -> torch.Tensor:
     """The three-argument form: the last prompt token plus the output length, then +1 each step."""
     logits[:] = float("-inf")
-    logits[prompt_ids[-1] + len(output_ids) + 1] = 0.0
+    logits[(prompt_ids[-1] + len(output_ids) + 1) % logits.shape[0]] = 0.0
     return logits
 
 
@@ -136,3 +137,22 @@ def test_a_new_batch_processor_plugs_into_the_sampler():
     sampler.remove_request(0)
     sampler.remove_request(2)
     assert not sampler.processors[-1].wants(sampler.batch.rows([1, 3], logits.device))
+
+
+def test_processor_state_survives_preemption_in_the_engine(tiny_llama_dir):
+    """Penalties, min_tokens, bad words, seeds and a custom processor read each request's
+    own output: recomputed after preemption (the request leaves the sampler and joins
+    again with its output), they give the tokens of a run with room for everything."""
+    roomy = LLM(tiny_llama_dir, kv_cache_memory="64MiB")
+    prompts = make_prompts(roomy.config.model.vocab_size, PROMPT_LENGTHS, seed=3)
+    kinds = [SamplingParams(temperature=0.0, repetition_penalty=1.4, presence_penalty=0.8, frequency_penalty=0.5),
+             SamplingParams(temperature=1.0, seed=5, frequency_penalty=1.0, min_tokens=10),
+             SamplingParams(temperature=0.8, seed=6, top_p=0.9, bad_words_token_ids=[[7], [8, 9]]),
+             SamplingParams(temperature=0.0, logits_processors=[count_up_from_the_prompt])]
+    params = [msgspec.structs.replace(kinds[i % len(kinds)], max_tokens=30, ignore_eos=True)
+              for i in range(len(prompts))]
+    expected = [o.outputs[0].token_ids for o in roomy.generate(prompts, params, use_tqdm=False)]
+    tight = LLM(tiny_llama_dir, max_num_batched_tokens=16, block_size=4, num_kv_blocks=40)
+    outputs = [o.outputs[0].token_ids for o in tight.generate(prompts, params, use_tqdm=False)]
+    assert tight.scheduler.stats()["num_preemptions"] > 0
+    assert outputs == expected
