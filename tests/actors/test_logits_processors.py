@@ -156,3 +156,14 @@ def test_processor_state_survives_preemption_in_the_engine(tiny_llama_dir):
     outputs = [o.outputs[0].token_ids for o in tight.generate(prompts, params, use_tqdm=False)]
     assert tight.scheduler.stats()["num_preemptions"] > 0
     assert outputs == expected
+
+
+def test_processors_reach_the_workers_of_a_tensor_parallel_engine(tiny_llama_dir):
+    with LLM(tiny_llama_dir, kv_cache_memory="64MiB", tensor_parallel_size=2) as llm:
+        greedy = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+        forced, counted = llm.generate([[5, 6, 7], [9, 10]], [msgspec.structs.replace(greedy, logits_processors=[Ban(3)]),
+                                                              greedy], use_tqdm=False,
+                                       logits_processors=[count_up_from_the_prompt])
+        assert forced.outputs[0].token_ids == [8, 9, 10, 11] and counted.outputs[0].token_ids == [11, 12, 13, 14]
+        with pytest.raises(InvalidRequestError, match="logits_processors"):
+            llm.generate([[5, 6]], greedy, use_tqdm=False, logits_processors=[lambda output, row: row])
