@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import itertools
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
+import msgspec
 from tqdm import tqdm
 
 from actors.beam_search import BeamPrompt, BeamSearchBatch, BeamSearchOutput, BeamSearchParams
@@ -65,18 +66,25 @@ class LLM:
 
     def generate(self, prompts: PromptInput | Sequence[PromptInput],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 use_tqdm: bool = True, priority: Sequence[int] | None = None) -> list[RequestOutput]:
+                 use_tqdm: bool = True, priority: Sequence[int] | None = None,
+                 logits_processors: Sequence[Callable] | None = None) -> list[RequestOutput]:
         """prompts: a string, a list of token ids, a vLLM prompt dict ({"prompt": ...} or
         {"prompt_token_ids": ...}, optionally with "cache_salt"), or a list of these.
-        sampling_params and priority may be one per prompt. Outputs come back in prompt
-        order. Any invalid prompt or parameter raises InvalidRequestError (a ValueError)
-        before any request is added, so the engine keeps its other work."""
+        sampling_params and priority may be one per prompt; logits_processors (see
+        SamplingParams.logits_processors) apply to every prompt, after each one's own.
+        Outputs come back in prompt order. Any invalid prompt or parameter raises
+        InvalidRequestError (a ValueError) before any request is added, so the engine
+        keeps its other work."""
         split = [split_prompt(prompt) for prompt in prompt_list(prompts)]
         params_list = broadcast_params(sampling_params, len(split))
+        if logits_processors:
+            params_list = [msgspec.structs.replace(p, logits_processors=[*(p.logits_processors or []),
+                                                                         *logits_processors]) for p in params_list]
         priorities = per_prompt(priority, len(split), "priority", 0)
         processed = [self.inputs.process(prompt, params, priority=prio, cache_salt=salt)
                      for (prompt, salt), params, prio in zip(split, params_list, priorities)]
         if self._remote is not None:
+            params_list = [p.with_pickled_processors() for p in params_list]
             tokens_prompts = [{"prompt_token_ids": ids, **({"cache_salt": salt} if salt else {})}
                               for (_, ids), (_, salt) in zip(processed, split)]
             outputs = self._remote.generate_batch(tokens_prompts, params_list, use_tqdm)

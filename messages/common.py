@@ -3,6 +3,10 @@ they get back (RequestOutput). No torch, no tokenizer imports here."""
 
 from __future__ import annotations
 
+import pickle
+import pickletools
+from typing import Any
+
 import msgspec
 
 # The most top logprobs a request may ask for, per token: vLLM's default max_logprobs
@@ -44,6 +48,11 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     # bad_words as token-id sequences, filled in by the input processor (with and without a
     # leading space, as vLLM): what the sampler reads
     bad_words_token_ids: list[list[int]] | None = None
+    # vLLM V0's per-request logits processors, run by the worker on each step's logits row:
+    # fn(output_ids, logits_row) -> logits_row or fn(prompt_ids, output_ids, logits_row) ->
+    # logits_row. Callables in this process; pickled (with_pickled_processors) to travel to
+    # a worker process, where they arrive as bytes. Not an HTTP field.
+    logits_processors: list[Any] | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -57,6 +66,13 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     @property
     def is_greedy(self) -> bool:
         return self.temperature == 0.0 or self.top_k == 1
+
+    def with_pickled_processors(self) -> SamplingParams:
+        """These parameters with their logits processors pickled, to cross to a worker process."""
+        if not self.logits_processors or all(isinstance(f, bytes) for f in self.logits_processors):
+            return self
+        return msgspec.structs.replace(self, logits_processors=[
+            f if isinstance(f, bytes) else _pickle_processor(f) for f in self.logits_processors])
 
     def validate(self) -> None:
         _check(self.n >= 1, "n", f"must be at least 1, got {self.n}")
@@ -97,6 +113,9 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
                 _check(token_id >= 0, "allowed_token_ids", f"must be non-negative token ids, got {token_id}")
         for word in self.bad_words or []:
             _check(isinstance(word, str) and word.strip() != "", "bad_words", f"must be non-empty words, got {word!r}")
+        for function in self.logits_processors or []:
+            _check(isinstance(function, bytes) or callable(function), "logits_processors",
+                   f"must be callables, got {function!r}")
         if self.truncate_prompt_tokens is not None:
             _check(self.truncate_prompt_tokens == -1 or self.truncate_prompt_tokens >= 1, "truncate_prompt_tokens",
                    f"must be -1 (the model's limit) or at least 1, got {self.truncate_prompt_tokens}")
@@ -109,6 +128,21 @@ class InvalidRequestError(ValueError):
     def __init__(self, message: str, param: str | None = None) -> None:
         super().__init__(message)
         self.param = param
+
+
+def _pickle_processor(function: object) -> bytes:
+    """A logits processor as the worker process will load it: pickled by reference, so
+    it must be importable there by module and name (no lambda, no local function, nothing
+    defined in the __main__ script, which the worker does not run)."""
+    try:
+        data = pickle.dumps(function)
+    except (pickle.PicklingError, AttributeError, TypeError) as error:
+        raise InvalidRequestError(f"logits_processors: {function!r} cannot be sent to the worker process ({error}); "
+                                  "define it at the top level of an importable module", "logits_processors") from error
+    _check(not any(arg == "__main__" for _, arg, _ in pickletools.genops(data)), "logits_processors",
+           f"{function!r} is defined in the __main__ script, which the worker process cannot import; "
+           "move it to an importable module")
+    return data
 
 
 def _check(ok: bool, field: str, message: str) -> None:

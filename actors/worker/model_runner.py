@@ -174,10 +174,13 @@ class ModelRunner:
     def update_states(self, plan: StepPlan) -> None:
         for request_id in plan.finished_request_ids:
             self.requests.pop(request_id, None)
+            self.sampler.remove_request(request_id)
         for new in plan.new_requests:
             self.requests[new.request_id] = CachedRequest(
                 new.request_id, list(new.token_ids), new.num_prompt_tokens, new.params,
                 list(new.block_ids), new.num_computed_tokens)
+            self.sampler.add_request(new.request_id, new.params, new.token_ids[: new.num_prompt_tokens],
+                                     new.token_ids[new.num_prompt_tokens:])
         for continuing in plan.continuing_requests:
             request = self.requests[continuing.request_id]
             request.block_ids.extend(continuing.new_block_ids)
@@ -204,7 +207,7 @@ class ModelRunner:
         tokens, logprobs, prompt_logprobs = [], None, {}
         if logits is not None:
             if samplers:
-                tokens, logprobs = self.sampler(logits[: len(sample_rows)], samplers)
+                tokens, logprobs = self.sampler.sample(logits[: len(sample_rows)], [r.request_id for r in samplers])
             prompt_logprobs = self._prompt_logprobs(logits, len(sample_rows), prompt_rows)
         tokens = self.parallel.broadcast_tokens(tokens, len(samplers), self.device)
         for request, num_tokens in batch:

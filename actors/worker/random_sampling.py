@@ -23,7 +23,7 @@ _TOP_P_CANDIDATES = 1024
 
 def sample_random(logits: torch.Tensor,  # [rows, vocab] float, temperature not yet applied
                   temperature: list[float], top_k: list[int], top_p: list[float], min_p: list[float],
-                  uniforms: torch.Tensor  # [rows] float64 in [0, 1), on the CPU
+                  uniforms: torch.Tensor  # [rows] float64 in [0, 1), best on logits' device
                   ) -> torch.Tensor:  # [rows] int64 token ids, on logits' device
     device, vocab = logits.device, logits.shape[-1]
     scaled = logits.float()

@@ -1,25 +1,35 @@
-"""Turns a step's logits into tokens: penalties, logit bias, allowed token ids, bad
-words, min_tokens, temperature, top-k, top-p, min-p, greedy or random choice, and the
-logprobs a request asked for.
+"""Turns a step's logits into tokens: the logits processors (logits_processors.py: custom
+per-request ones, penalties, logit bias, allowed token ids, min_tokens, bad words), then
+temperature, top-k, top-p, min-p and a greedy or random choice, and the logprobs a
+request asked for.
+
+The sampler keeps the live requests' state between steps (sampling_batch.py): the model
+runner adds a request when it joins and removes it when it leaves, so a step gathers
+its rows' parameters by slot instead of rebuilding them. Every tensor is made on the
+logits' device.
 
 Random choice (random_sampling.py) looks one uniform number a row up in the row's
-cumulative distribution. A seeded request draws its number from a generator seeded by
-(seed, number of tokens generated so far): its samples depend on nothing else in the
-batch, and survive preemption and recompute unchanged."""
+cumulative distribution. A seeded request draws its number from a generator (on the
+logits' device) seeded by (seed, number of tokens generated so far): its samples depend
+on nothing else in the batch, and survive preemption and recompute unchanged."""
 
 from __future__ import annotations
 
+from collections.abc import Hashable, Sequence
 from typing import Protocol
 
+import numpy as np
 import torch
 
+from actors.worker.logits_processors import LogitsProcessor, default_processors
 from actors.worker.random_sampling import sample_random
+from actors.worker.sampling_batch import SamplingBatch, StepRows
 from messages.common import SamplingParams
 from messages.scheduler import TokenLogprobs
 
 
 class SamplingState(Protocol):
-    """What the sampler reads of a request (the model runner's per-request state)."""
+    """What the sampler reads of a request passed to __call__ (a one-step batch)."""
 
     params: SamplingParams
     token_ids: list[int]  # prompt, then output
@@ -27,81 +37,101 @@ class SamplingState(Protocol):
 
 
 class Sampler:
-    def __init__(self, eos_token_ids: tuple[int, ...], seed: int) -> None:
+    """Holds the live requests' sampling state (SamplingBatch, and the processors' own)
+    between steps: the model runner adds a request when it joins and removes it when it
+    leaves, and each step samples rows named by request key. Every tensor it makes is on
+    the logits' device."""
+
+    def __init__(self, eos_token_ids: tuple[int, ...], seed: int,
+                 processors: list[LogitsProcessor] | None = None) -> None:
         self.eos_token_ids = list(eos_token_ids)
-        self.generator = torch.Generator().manual_seed(seed)  # for unseeded requests
+        self.seed = seed
+        self.batch = SamplingBatch()
+        self.processors = default_processors(self.eos_token_ids) if processors is None else processors
+        self._generators: dict[torch.device, torch.Generator] = {}  # for unseeded requests, per device
+
+    def add_request(self, key: Hashable, params: SamplingParams, prompt_ids: list[int],
+                    output_ids: Sequence[int] = ()) -> None:
+        """A request joins (again, after preemption, with the output it had)."""
+        self.remove_request(key)
+        slot = self.batch.add(key, params, output_ids)
+        live_output = self.batch.output_ids[slot]
+        for processor in self.processors:
+            processor.add_request(slot, params, prompt_ids, live_output)
+
+    def remove_request(self, key: Hashable) -> None:
+        slot = self.batch.remove(key)
+        if slot is not None:
+            for processor in self.processors:
+                processor.remove_request(slot)
 
     def __call__(self, logits: torch.Tensor,  # [num_requests, vocab] fp32
                  requests: list[SamplingState]) -> tuple[list[int], list[TokenLogprobs] | None]:
-        want_logprobs = any(r.params.logprobs is not None for r in requests)
+        """One step for requests the sampler may not hold: those it does not hold join
+        for this step only."""
+        joined = [r for r in requests if id(r) not in self.batch.slot_of]
+        for r in joined:
+            self.add_request(id(r), r.params, r.token_ids[: r.num_prompt_tokens], r.token_ids[r.num_prompt_tokens:])
+        try:
+            return self.sample(logits, [id(r) for r in requests])
+        finally:
+            for r in joined:
+                self.remove_request(id(r))
+
+    def sample(self, logits: torch.Tensor,  # [num_requests, vocab] fp32, a row per key
+               keys: list[Hashable]) -> tuple[list[int], list[TokenLogprobs] | None]:
+        """The next token of each request (appended to its output here), and its logprobs
+        where the request asked for them."""
+        assert logits.shape[0] == len(keys), f"{logits.shape[0]} logits rows for {len(keys)} requests"
+        rows = self.batch.rows(keys, logits.device)
+        num_logprobs = self.batch.num_logprobs[rows.slots]
         # logprobs are reported from the model's own distribution, before any processing
-        raw_logprobs = logits.log_softmax(-1) if want_logprobs else None
-        logits = self._process_logits(logits, requests)
-        greedy = [r.params.is_greedy for r in requests]
-        if all(greedy):
-            sampled = _argmax(logits)
-        else:
-            sampled = self._sample_random(logits, requests, greedy)
+        raw_logprobs = logits.log_softmax(-1) if bool((num_logprobs >= 0).any()) else None
+        active = [p for p in self.processors if p.wants(rows)]
+        if active:
+            logits = logits.clone()
+            for processor in active:
+                processor.apply(logits, rows)
+        greedy = self.batch.greedy[rows.slots]
+        sampled = _argmax(logits) if greedy.all() else self._sample_random(logits, rows, greedy)
+        for processor in active:
+            processor.on_sampled(rows, sampled)
         tokens = sampled.tolist()
+        self.batch.append_tokens(rows, tokens)
         if raw_logprobs is None:
             return tokens, None
-        return tokens, [_token_logprobs(raw_logprobs[i], tokens[i], r.params.logprobs or 0)
-                        for i, r in enumerate(requests)]
+        return tokens, [_token_logprobs(raw_logprobs[i], tokens[i], max(top, 0))
+                        for i, top in enumerate(num_logprobs.tolist())]
 
-    def _process_logits(self, logits: torch.Tensor,
-                                        requests: list[SamplingState]) -> torch.Tensor:
-        copied = False
-        for row, request in enumerate(requests):
-            params = request.params
-            num_output = len(request.token_ids) - request.num_prompt_tokens
-            blocked = _blocked_until_min_tokens(params, num_output, self.eos_token_ids)
-            penalized = (params.repetition_penalty != 1.0 or params.presence_penalty != 0.0
-                         or params.frequency_penalty != 0.0)
-            if not (blocked or penalized or params.logit_bias or params.allowed_token_ids
-                    or params.bad_words_token_ids):
-                continue
-            if not copied:
-                logits, copied = logits.clone(), True
-            if penalized:
-                _apply_penalties(logits[row], request)
-            if params.logit_bias:
-                ids = torch.tensor(list(params.logit_bias), dtype=torch.long, device=logits.device)
-                bias = torch.tensor(list(params.logit_bias.values()), dtype=logits.dtype, device=logits.device)
-                logits[row, ids] += bias
-            if params.allowed_token_ids:
-                allowed = torch.tensor(params.allowed_token_ids, dtype=torch.long, device=logits.device)
-                kept = logits[row, allowed]
-                logits[row] = float("-inf")
-                logits[row, allowed] = kept
-            if params.bad_words_token_ids:
-                blocked = blocked + _bad_word_endings(params.bad_words_token_ids,
-                                                      request.token_ids[request.num_prompt_tokens:])
-            if blocked:
-                logits[row, blocked] = float("-inf")
-        return logits
-
-    def _sample_random(self, logits: torch.Tensor, requests: list[SamplingState],
-                       greedy: list[bool]) -> torch.Tensor:
-        rows = [i for i, g in enumerate(greedy) if not g]
-        params = [requests[i].params for i in rows]
+    def _sample_random(self, logits: torch.Tensor, rows: StepRows, greedy: np.ndarray) -> torch.Tensor:
+        device = logits.device
+        random_rows = np.flatnonzero(~greedy)
+        slots = rows.slots[random_rows]
+        batch = self.batch
         # one uniform number a row; a seeded request's from its own (seed, position) stream
-        uniforms = torch.rand(len(rows), generator=self.generator, dtype=torch.float64)
-        for position, row in enumerate(rows):
-            request = requests[row]
-            if request.params.seed is not None:
-                generator = torch.Generator().manual_seed(
-                    _mix(request.params.seed, len(request.token_ids) - request.num_prompt_tokens))
-                uniforms[position] = torch.rand(1, generator=generator, dtype=torch.float64)
-        every_row = len(rows) == len(requests)
-        index = None if every_row else torch.tensor(rows, device=logits.device)
+        uniforms = torch.rand(len(random_rows), generator=self._generator(device), dtype=torch.float64, device=device)
+        seeded = np.flatnonzero(batch.seeded[slots])
+        if seeded.size:
+            draws = [torch.rand(1, generator=torch.Generator(device).manual_seed(_mix(seed, position)),
+                                dtype=torch.float64, device=device)
+                     for seed, position in zip(batch.seed[slots[seeded]].tolist(),
+                                               rows.num_output[random_rows[seeded]].tolist())]
+            uniforms.index_copy_(0, torch.tensor(seeded, dtype=torch.long, device=device), torch.cat(draws))
+        every_row = len(random_rows) == len(greedy)
+        index = None if every_row else torch.tensor(random_rows, dtype=torch.long, device=device)
         chosen = sample_random(logits if every_row else logits.index_select(0, index),
-                               [p.temperature for p in params], [p.top_k for p in params],
-                               [p.top_p for p in params], [p.min_p for p in params], uniforms)
+                               batch.temperature[slots].tolist(), batch.top_k[slots].tolist(),
+                               batch.top_p[slots].tolist(), batch.min_p[slots].tolist(), uniforms)
         if every_row:
             return chosen
         sampled = _argmax(logits)
         sampled[index] = chosen
         return sampled
+
+    def _generator(self, device: torch.device) -> torch.Generator:
+        if device not in self._generators:
+            self._generators[device] = torch.Generator(device).manual_seed(self.seed)
+        return self._generators[device]
 
 
 def _argmax(logits: torch.Tensor) -> torch.Tensor:  # [num_requests, vocab] -> [num_requests] int64
@@ -110,47 +140,6 @@ def _argmax(logits: torch.Tensor) -> torch.Tensor:  # [num_requests, vocab] -> [
     if logits.device.type == "cpu":
         return torch.from_numpy(logits.numpy().argmax(-1))
     return logits.argmax(-1)
-
-
-def _blocked_until_min_tokens(params: SamplingParams, num_output: int,
-                              eos_token_ids: list[int]) -> list[int]:
-    if num_output >= params.min_tokens:
-        return []
-    blocked = list(params.stop_token_ids or [])
-    if not params.ignore_eos:
-        blocked += eos_token_ids
-    return blocked
-
-
-def _bad_word_endings(bad_words: list[list[int]], output: list[int]) -> list[int]:
-    """The tokens that would complete a bad word now: its last token, when the output
-    ends with the rest of it (a one-token word is always banned). As vLLM, only the
-    output counts, not the prompt."""
-    endings = []
-    for word in bad_words:
-        prefix = word[:-1]
-        if not prefix or (len(output) >= len(prefix) and output[len(output) - len(prefix):] == prefix):
-            endings.append(word[-1])
-    return endings
-
-
-def _apply_penalties(logits: torch.Tensor, request: SamplingState) -> None:
-    """In place on one row. Repetition penalty looks at prompt and output (as in vLLM and
-    Hugging Face); presence and frequency penalties at the output only (as in OpenAI)."""
-    params = request.params
-    vocab = logits.shape[0]
-    output = torch.tensor(request.token_ids[request.num_prompt_tokens:], dtype=torch.long,
-                          device=logits.device)
-    output = output[output < vocab]
-    if params.repetition_penalty != 1.0:
-        seen = torch.tensor(sorted(set(request.token_ids)), dtype=torch.long, device=logits.device)
-        seen = seen[seen < vocab]
-        values = logits[seen]
-        logits[seen] = torch.where(values > 0, values / params.repetition_penalty,
-                                   values * params.repetition_penalty)
-    if output.numel() and (params.frequency_penalty or params.presence_penalty):
-        counts = torch.bincount(output, minlength=vocab).to(logits.dtype)
-        logits -= params.frequency_penalty * counts + params.presence_penalty * (counts > 0).to(logits.dtype)
 
 
 def _token_logprobs(logprobs: torch.Tensor, token: int, top: int) -> TokenLogprobs:
