@@ -207,7 +207,8 @@ class AsyncClient(AsyncBeamSearch):
         the stream is first iterated (or awaited, which gives the whole output); leaving
         the stream early aborts it. prompt: text, token ids, or vLLM's dict prompt
         ({"prompt": text} or {"prompt_token_ids": ids}, with an optional "cache_salt")."""
-        params = check_params(sampling_params)
+        # the worker is another process: logits processors travel pickled by reference
+        params = check_params(sampling_params).with_pickled_processors()
         prompt, cache_salt = split_prompt(prompt)
         request = AddRequest(request_id=self._new_id(request_id), prompt=prompt, params=params,
                              arrival_time=time.time(), add_special_tokens=add_special_tokens, priority=priority,
@@ -221,7 +222,8 @@ class AsyncClient(AsyncBeamSearch):
              add_special_tokens: bool = False, priority: int = 0, cache_salt: str | None = None) -> RequestStream:
         """generate() for a conversation, rendered with the chat template (chat_template,
         else the model's) with vLLM's options."""
-        params = check_params(sampling_params)
+        # the worker is another process: logits processors travel pickled by reference
+        params = check_params(sampling_params).with_pickled_processors()
         if not isinstance(messages, list):
             raise InvalidRequestError("messages must be a list of {'role', 'content'} objects", param="messages")
         chat = ChatOptions(add_generation_prompt=add_generation_prompt, continue_final_message=continue_final_message,

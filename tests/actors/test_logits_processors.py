@@ -5,6 +5,7 @@ batch-level seam a new processor (a grammar's bitmask) plugs into."""
 
 from __future__ import annotations
 
+import asyncio
 import sys
 
 import msgspec
@@ -12,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 
-from actors import LLM
+from actors import LLM, AsyncClient
 from actors.worker.logits_processors import RequestProcessor
 from actors.worker.sampler import Sampler
 from messages.common import InvalidRequestError, SamplingParams
@@ -167,3 +168,15 @@ def test_processors_reach_the_workers_of_a_tensor_parallel_engine(tiny_llama_dir
         assert forced.outputs[0].token_ids == [8, 9, 10, 11] and counted.outputs[0].token_ids == [11, 12, 13, 14]
         with pytest.raises(InvalidRequestError, match="logits_processors"):
             llm.generate([[5, 6]], greedy, use_tqdm=False, logits_processors=[lambda output, row: row])
+
+
+@pytest.mark.asyncio
+async def test_async_client_sends_processors_to_its_worker_process(tiny_llama_dir):
+    async with AsyncClient(tiny_llama_dir, kv_cache_memory="64MiB") as client:
+        greedy = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
+        output = await asyncio.wait_for(
+            client.generate([5, 6, 7], msgspec.structs.replace(greedy, logits_processors=[force_token])), 60)
+        assert output.outputs[0].token_ids == [FORCED] * 3
+        with pytest.raises(InvalidRequestError, match="logits_processors"):
+            await client.generate([5, 6], msgspec.structs.replace(greedy, logits_processors=[lambda output, row: row]))
+        assert client.num_unfinished_requests == 0
