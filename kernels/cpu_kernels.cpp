@@ -310,7 +310,28 @@ struct PrefillTileFor {
     static constexpr PrefillTile fn = prefill_tile<V>;
 };
 
+// The linear's register tile: MR rows of x by kWeightRows weight rows of accumulators,
+// each a vector of kLinearLanes floats. AVX-512 has 32 registers of 16 floats: 4 x 4
+// accumulators fit. AVX2 has 16 registers of 8 floats, where that tile (32 registers'
+// worth) spilled to the stack and ran 1.2x-2.9x slower than sgemm at 4 to 16 rows on a
+// Zen 3 EPYC (benchmarks/RESULTS.md); there the tile is 4 x 2 accumulators of 8 floats,
+// plus 2 weight vectors and 1 of x: 11 registers.
+#if defined(__AVX512F__)
 constexpr int kWeightRows = 4;  // weight rows a linear tile takes at once
+constexpr int kLinearLanes = 16;
+typedef vf lvf;
+inline float linear_sum(lvf v) { return sum_of(v); }
+#else
+constexpr int kWeightRows = 2;
+constexpr int kLinearLanes = 8;
+typedef float lvf __attribute__((vector_size(32)));
+inline float linear_sum(lvf v) {
+    v += __builtin_shufflevector(v, v, 4, 5, 6, 7, 0, 1, 2, 3);
+    v += __builtin_shufflevector(v, v, 2, 3, 0, 1, 6, 7, 4, 5);
+    return v[0] + v[1];
+}
+#endif
+inline lvf linear_load(const float* p) { lvf v; memcpy(&v, p, sizeof v); return v; }
 
 // Columns [first, first + rows) of y for MR rows of x: MR x kWeightRows accumulators in
 // registers, so each load feeds several multiply-adds. next: the weight rows of the
@@ -319,22 +340,22 @@ constexpr int kWeightRows = 4;  // weight rows a linear tile takes at once
 template <int MR>
 inline void linear_tile(const float* x, int64_t x_stride, const float* const* w, int rows, int64_t in_features,
                         const float* bias, int64_t first, float* y, int64_t y_stride, const float* const* next) {
-    const int64_t vector_end = in_features - in_features % kLanes;
-    vf acc[MR][kWeightRows] = {};
-    for (int64_t k = 0; k < vector_end; k += kLanes) {
-        vf wv[kWeightRows];
-        for (int r = 0; r < kWeightRows; r++) wv[r] = load(w[r] + k);
-        if (next != nullptr)
+    const int64_t vector_end = in_features - in_features % kLinearLanes;
+    lvf acc[MR][kWeightRows] = {};
+    for (int64_t k = 0; k < vector_end; k += kLinearLanes) {
+        lvf wv[kWeightRows];
+        for (int r = 0; r < kWeightRows; r++) wv[r] = linear_load(w[r] + k);
+        if (next != nullptr && k % 16 == 0)  // a 64-byte cache line a fetch
             for (int r = 0; r < kWeightRows; r++) __builtin_prefetch(next[r] + k);
         for (int m = 0; m < MR; m++) {
-            const vf xv = load(x + m * x_stride + k);
+            const lvf xv = linear_load(x + m * x_stride + k);
             for (int r = 0; r < kWeightRows; r++) acc[m][r] += xv * wv[r];
         }
     }
     for (int m = 0; m < MR; m++) {
         const float* xm = x + m * x_stride;
         for (int r = 0; r < rows; r++) {
-            float sum = sum_of(acc[m][r]);
+            float sum = linear_sum(acc[m][r]);
             for (int64_t k = vector_end; k < in_features; k++) sum += xm[k] * w[r][k];
             y[m * y_stride + first + r] = bias != nullptr ? sum + bias[first + r] : sum;
         }

@@ -57,8 +57,9 @@ class CpuBackend:
     Triton's does)."""
 
     name = "cpu"
-    # up to this many rows the C++ linear beats MKL's sgemm on decode shapes
-    # (benchmarks/cpu_linear.py); past it sgemm's compute wins
+    # up to this many rows the C++ linear takes a linear; the model runner sets it at
+    # start-up to where the C++ linear is timed faster than MKL's sgemm (cpu_tuning.py:
+    # 16 rows on an AVX-512 Xeon, 32 to 64 on an AVX2 EPYC; benchmarks/cpu_linear.py)
     few_rows = 16
 
     # whether the model runner may run whole steps of these kernels in one C++ call

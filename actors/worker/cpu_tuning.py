@@ -35,19 +35,23 @@ def tune_allocator() -> None:
 # actors starting, could say otherwise by chance.
 _ALWAYS_FEW_ROWS = 2
 # Row counts timed above that, smallest first (the first loss ends the search).
-_FEW_ROW_COUNTS = (3, 4, 6, 8, 12, 16)
-_TUNING_LAYERS = 8  # layers whose weights are timed: more than the caches hold, as in a step
+_FEW_ROW_COUNTS = (3, 4, 6, 8, 16, 32, 64)
+# The most rows the start-up timing tries: past 64 sgemm won everywhere measured.
+MAX_FEW_ROWS = 64
+_TUNING_LAYERS = 4  # layers whose weights are timed (56 MB for SmolLM2): more than the caches hold, as in a step
 
 
 def tune_few_rows(native, layers: list, limit: int = 16) -> int:
     """The largest row count (up to limit) at which the C++ linear (linear_few_rows) still
     beats F.linear on these decoder layers' weights, timed here (at least 2, see below).
 
-    The kernel keeps a tile of rows x weight rows in vector registers: on AVX-512 (32
-    registers) it read the weights once for up to 16 rows and beat MKL up to 16; on a
-    2-core AVX2 EPYC (16 registers) the tile spills, and 4 rows took 109 ms against
-    sgemm's 89, 16 rows 335 against 115 (benchmarks/cpu_linear.py). Medians of three
-    passes over several layers' weights, so that they stream from memory as in a step."""
+    The kernel reads each weight row once for all rows of x, with a register tile sized for
+    the machine's vectors (kernels/cpu_kernels.cpp): where it wins depends on the CPU. On an
+    AVX-512 Xeon it beat MKL up to 16 rows; on a 2-core AVX2 EPYC, after its tile was
+    made to fit AVX2's 16 registers, up to 64 (171 ms against sgemm's 189 for SmolLM2's
+    linears; 31 against 100 at 4 rows: benchmarks/cpu_linear.py). Medians of three passes
+    over several layers' weights, so that they stream from memory as in a step; the
+    search stops at the first row count where sgemm wins."""
     import statistics
     import time
 

@@ -15,7 +15,7 @@ from actors.config import EngineConfig
 from actors.worker.attention import make_backend
 from actors.worker.attention_metadata import AttentionMetadata
 from actors.worker.cpu_model_step import CpuModelStep
-from actors.worker.cpu_tuning import tune_allocator, tune_few_rows
+from actors.worker.cpu_tuning import MAX_FEW_ROWS, tune_allocator, tune_few_rows
 from actors.worker.model import LlamaModel
 from actors.worker.parallel import TensorParallel
 from actors.worker.sampler import Sampler, prompt_token_logprobs
@@ -117,7 +117,7 @@ class ModelRunner:
         self.engine = engine
         if self.backend.name == "cpu" and self.backend.native is not None and self.dtype == torch.float32:
             # past this many rows sgemm beats the C++ linear, which depends on the CPU's vectors
-            self.backend.few_rows = tune_few_rows(self.backend.native, self.model.layers, self.backend.few_rows)
+            self.backend.few_rows = tune_few_rows(self.backend.native, self.model.layers, MAX_FEW_ROWS)
         # the whole-step fast path where there is one for this model and backend (the C++
         # one-call step on the CPU); _forward picks it or model.forward step by step
         self.model_step = CpuModelStep.build(self.model, self.backend)
