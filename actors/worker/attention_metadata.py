@@ -45,17 +45,15 @@ class AttentionMetadata:
               query_start_loc: list[int],  # [num_seqs + 1]: cumulative query lengths
               block_tables: list[list[int]],  # [num_seqs][max_blocks_per_seq], already padded
               slot_mapping: list[int],  # [num_tokens]
-              num_decodes: int,  # the leading sequences with one query token
               block_size: int, device: torch.device) -> AttentionMetadata:
-        num_seqs = len(seq_lens)
-        host = SequenceSplit(seq_lens, query_start_loc, decode_seqs=list(range(num_decodes)),
-                             prefill_seqs=list(range(num_decodes, num_seqs)))
+        host = SequenceSplit.of(seq_lens, query_start_loc)
+        num_decodes = len(host.decode_seqs)
 
         def on_device(values: list, dtype: torch.dtype) -> torch.Tensor:
             return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)
 
         return AttentionMetadata(
-            num_decodes=num_decodes, num_prefills=num_seqs - num_decodes, num_decode_tokens=num_decodes,
+            num_decodes=num_decodes, num_prefills=len(host.prefill_seqs), num_decode_tokens=num_decodes,
             # the longest query is a prefill chunk's, when there is one
             max_query_len=max((query_start_loc[seq + 1] - query_start_loc[seq] for seq in host.prefill_seqs),
                               default=1),

@@ -233,9 +233,7 @@ class ModelRunner:
         slots: list[int] = []
         seq_lens: list[int] = []
         query_start_loc = [0]
-        num_decodes = 0
         for request, num_tokens in batch:
-            num_decodes += num_tokens == 1
             start, end = request.num_computed_tokens, request.num_computed_tokens + num_tokens
             input_ids += request.token_ids[start:end]
             span = range(start, end)
@@ -247,8 +245,7 @@ class ModelRunner:
         max_blocks = max(len(request.block_ids) for request, _ in batch)
         # one tensor from padded lists: a tensor per row costs more than the copy
         block_tables = [request.block_ids + [0] * (max_blocks - len(request.block_ids)) for request, _ in batch]
-        attention = AttentionMetadata.build(seq_lens, query_start_loc, block_tables, slots, num_decodes,
-                                            block_size, self.device)
+        attention = AttentionMetadata.build(seq_lens, query_start_loc, block_tables, slots, block_size, self.device)
         self.backend.prepare(attention, self.dtype)
         return (torch.tensor(input_ids, dtype=torch.long, device=self.device),
                 torch.tensor(positions, dtype=torch.long, device=self.device), attention)
