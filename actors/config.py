@@ -112,6 +112,15 @@ def check_tensor_parallel_size(model: ModelConfig, tp_size: int) -> None:
 
 
 @dataclass(frozen=True)
+class LoRAConfig:
+    """Multi-LoRA serving (enable_lora): how many adapters a step may mix and how large."""
+
+    max_loras: int = 1  # adapters resident in a worker's slots at once, so distinct adapters in a step
+    max_lora_rank: int = 16  # the largest rank an adapter may have (slots are this wide)
+    max_cpu_loras: int = 1  # adapters kept loaded in host memory (least recently used evicted), >= max_loras
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     model: ModelConfig
     cache: CacheConfig
@@ -126,6 +135,7 @@ class EngineConfig:
     max_logprobs: int = 20  # the most logprobs / prompt_logprobs a request may ask for (vLLM's default)
     structured_outputs_backend: str = "auto"  # "auto" (xgrammar) | "xgrammar" | "guidance"
     reasoning_parser: str | None = None  # "deepseek_r1" | "qwen3": output starts with <think>...</think>
+    lora: LoRAConfig | None = None  # None: LoRA adapters off (enable_lora=False)
     extra: dict = field(default_factory=dict)
 
 

@@ -22,7 +22,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from actors.config import (CacheConfig, EngineConfig, ParallelConfig, SchedulerConfig, check_tensor_parallel_size,
+from actors.config import (CacheConfig, EngineConfig, LoRAConfig, ParallelConfig, SchedulerConfig, check_tensor_parallel_size,
                            parse_size)
 from actors.worker.loader import load_model_config, resolve_model
 
@@ -34,6 +34,8 @@ LOAD_FORMATS = ("auto", "dummy")
 STRUCTURED_OUTPUTS_BACKENDS = ("auto", "xgrammar", "guidance")
 # how a reasoning model marks its thinking: <think>...</think> for both
 REASONING_PARSERS = ("deepseek_r1", "qwen3")
+# the adapter ranks a LoRA slot may be sized for (vLLM's list)
+LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 
 # The server's step size when max_num_batched_tokens is not given. On the CPU a step's
 # time grows with its tokens from a few dozen on (compute-bound), so a 2048-token prefill
@@ -52,6 +54,8 @@ SERVER_DEVICE = "auto"
 CLI_GROUPS = {
     "model": ("model", None),
     "engine": ("engine", None),
+    "lora": ("LoRA adapters", "Serve fine-tunes of the model (PEFT adapters) beside it: a request names one "
+                              "(the API's model field, LLM.generate's lora_request)."),
     "nodes": ("several machines",
               "Node 0 serves HTTP and runs the first tensor-parallel ranks; every other node runs its share of the "
               "ranks only, started with the same flags and its own --node-rank. They meet at --master-addr: "
@@ -133,6 +137,14 @@ class EngineArgs:
         None, "the model thinks between <think> and </think> first: the API splits that into reasoning_content, "
               "and a request's structured output constrains only what follows", choices=REASONING_PARSERS)
 
+    enable_lora: bool = _arg(False, "serve LoRA adapters", group="lora")
+    max_loras: int = _arg(1, "adapters a step may mix (each worker holds this many in its slots)", group="lora",
+                          metavar="N")
+    max_lora_rank: int = _arg(16, "the largest adapter rank (slots are this wide)", group="lora",
+                              choices=LORA_RANKS, parse=int)
+    max_cpu_loras: int | None = _arg(None, "adapters kept loaded in host memory, least recently used evicted "
+                                           "(default: --max-loras)", group="lora", metavar="N", parse=int)
+
     # several machines (see ParallelConfig): node 0 runs the engine, the others only ranks
     nnodes: int = _arg(1, "machines", group="nodes", metavar="N")
     node_rank: int = _arg(0, "this machine", group="nodes", metavar="I")
@@ -178,10 +190,16 @@ class EngineArgs:
         the launcher runs them on its flags before it starts anything."""
         for name in ("max_num_seqs", "block_size", "tensor_parallel_size", "nnodes"):
             _check_int(name, getattr(self, name), minimum=1)
-        for name in ("max_num_batched_tokens", "num_kv_blocks"):
+        for name in ("max_num_batched_tokens", "num_kv_blocks", "max_cpu_loras"):
             if getattr(self, name) is not None:
                 _check_int(name, getattr(self, name), minimum=1)
         _check_int("max_logprobs", self.max_logprobs, minimum=0)
+        _check_int("max_loras", self.max_loras, minimum=1)
+        if self.max_lora_rank not in LORA_RANKS:
+            raise ValueError(f"max_lora_rank must be one of {', '.join(map(str, LORA_RANKS))}, got "
+                             f"{self.max_lora_rank!r}")
+        if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
+            raise ValueError(f"max_cpu_loras ({self.max_cpu_loras}) must be at least max_loras ({self.max_loras})")
         for name, allowed in (("dtype", DTYPES), ("device", DEVICES), ("attention_backend", ATTENTION_BACKENDS),
                               ("load_format", LOAD_FORMATS),
                               ("structured_outputs_backend", STRUCTURED_OUTPUTS_BACKENDS),
@@ -227,7 +245,14 @@ class EngineArgs:
                                     master_port=args.master_port),
             dtype=args.dtype, device=args.device, seed=args.seed, tokenizer_path=model_dir,
             attention_backend=args.attention_backend, load_format=args.load_format, max_logprobs=args.max_logprobs,
-            structured_outputs_backend=args.structured_outputs_backend, reasoning_parser=args.reasoning_parser)
+            structured_outputs_backend=args.structured_outputs_backend, reasoning_parser=args.reasoning_parser,
+            lora=args._lora_config())
+
+    def _lora_config(self) -> LoRAConfig | None:
+        if not self.enable_lora:
+            return None
+        return LoRAConfig(max_loras=self.max_loras, max_lora_rank=self.max_lora_rank,
+                          max_cpu_loras=self.max_cpu_loras or self.max_loras)
 
     def _resolve_unset(self, entry_point: Literal["server", "python"]) -> EngineArgs:
         """The one place where a field left None gets its value (see the module docstring)."""

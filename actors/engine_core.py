@@ -11,6 +11,7 @@ from actors.detokenizer import OutputProcessor, merge_delta
 from actors.scheduler.scheduler import Scheduler
 from actors.worker.model_runner import build_model_runner, resolve_device
 from messages.common import RequestOutput, SamplingParams
+from messages.lora import LoRARequest
 
 logger = logging.getLogger(__name__)
 
@@ -20,14 +21,17 @@ class EngineCore:
         engine = resolve_device(engine)
         self.config = engine
         self.runner, self.num_blocks = build_model_runner(engine)
-        self.scheduler = Scheduler(engine.scheduler, engine.cache, self.num_blocks, engine.model.eos_token_ids)
+        self.scheduler = Scheduler(engine.scheduler, engine.cache, self.num_blocks, engine.model.eos_token_ids,
+                                   max_loras=engine.lora.max_loras if engine.lora else 0)
         self.outputs = OutputProcessor(tokenizer)
         self._accumulated: dict[str, RequestOutput] = {}  # request_id -> its output so far
         logger.info("KV cache: %d blocks of %d tokens", self.num_blocks, engine.cache.block_size)
 
     def add_request(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
-                    params: SamplingParams, cache_salt: str | None = None) -> None:
-        self.scheduler.add_request(request_id, prompt_token_ids, params, cache_salt=cache_salt)
+                    params: SamplingParams, cache_salt: str | None = None,
+                    lora_request: LoRARequest | None = None) -> None:
+        self.scheduler.add_request(request_id, prompt_token_ids, params, cache_salt=cache_salt,
+                                   lora_request=lora_request)
         self.outputs.add_request(request_id, prompt, prompt_token_ids, params)
 
     def abort_request(self, request_id: str) -> RequestOutput | None:

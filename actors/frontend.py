@@ -29,6 +29,7 @@ from actors.beam_search import AsyncBeamSearch
 from actors.config import EngineConfig
 from actors.detokenizer import merge_delta
 from actors.engine_args import EngineArgs, takes_engine_args
+from actors.lora.client import LoRAClientMixin
 from actors.errors import EngineDeadError, InvalidRequestError
 from actors.prompts import PromptInput, per_prompt, split_prompt
 from actors.request_stream import LiveRequest, RequestStream, broadcast_params, check_params, rejection_error
@@ -37,15 +38,17 @@ from messages.common import CompletionOutput, Ping, RequestOutput, SamplingParam
 from messages.frontend import (ActorFailed, FrontendInbox, HistogramSnapshot, Pong, RequestOutputs, RequestRejected,
                                Stats)
 from messages.input_processor import AddRequest, ChatOptions
+from messages.lora import LoRARequest
 from messages.scheduler import AbortRequest, GetStats
 from messages.transport import Namespace, Sockets
 
 logger = logging.getLogger(__name__)
 
 Prompt = str | list[int]
-class AsyncClient(AsyncBeamSearch):
+class AsyncClient(AsyncBeamSearch, LoRAClientMixin):
     """Starts and supervises a troupe engine; generate() streams RequestOutput deltas;
-    beam_search() (actors/beam_search.py) returns a prompt's finished beams."""
+    beam_search() (actors/beam_search.py) returns a prompt's finished beams; add_lora()
+    and the rest (actors/lora/client.py) manage LoRA adapters."""
 
     @takes_engine_args
     def __init__(self, model: str | None = None, *, num_input_processors: int = 1, startup_timeout: float = 600.0,
@@ -200,19 +203,20 @@ class AsyncClient(AsyncBeamSearch):
     # ---- requests ----
 
     def generate(self, prompt: PromptInput, sampling_params: SamplingParams | None = None,
-                 request_id: str | None = None, *, priority: int = 0,
-                 add_special_tokens: bool | None = None) -> RequestStream:
+                 request_id: str | None = None, *, priority: int = 0, add_special_tokens: bool | None = None,
+                 lora_request: LoRARequest | None = None) -> RequestStream:
         """Streams the request's RequestOutput deltas: each holds the text and tokens that
         are new since the last one; the last has finished=True. The request starts when
         the stream is first iterated (or awaited, which gives the whole output); leaving
         the stream early aborts it. prompt: text, token ids, or vLLM's dict prompt
-        ({"prompt": text} or {"prompt_token_ids": ids}, with an optional "cache_salt")."""
+        ({"prompt": text} or {"prompt_token_ids": ids}, with an optional "cache_salt"); lora_request: the
+        adapter to run with (None: the base model)."""
         # the worker is another process: logits processors travel pickled by reference
         params = check_params(sampling_params).with_pickled_processors()
         prompt, cache_salt = split_prompt(prompt)
         request = AddRequest(request_id=self._new_id(request_id), prompt=prompt, params=params,
                              arrival_time=time.time(), add_special_tokens=add_special_tokens, priority=priority,
-                             cache_salt=cache_salt)
+                             cache_salt=cache_salt, lora_request=lora_request)
         return RequestStream(self._run(request, prompt if isinstance(prompt, str) else None))
 
     def chat(self, messages: list[dict[str, Any]], sampling_params: SamplingParams | None = None,
@@ -220,7 +224,7 @@ class AsyncClient(AsyncBeamSearch):
              continue_final_message: bool = False, chat_template: str | None = None,
              chat_template_kwargs: dict[str, Any] | None = None, documents: list[dict[str, Any]] | None = None,
              add_special_tokens: bool = False, priority: int = 0, cache_salt: str | None = None,
-             tools: list[dict[str, Any]] | None = None) -> RequestStream:
+             tools: list[dict[str, Any]] | None = None, lora_request: LoRARequest | None = None) -> RequestStream:
         """generate() for a conversation, rendered with the chat template (chat_template,
         else the model's) with vLLM's options."""
         # the worker is another process: logits processors travel pickled by reference
@@ -232,32 +236,36 @@ class AsyncClient(AsyncBeamSearch):
                            documents=documents, tools=tools)
         request = AddRequest(request_id=self._new_id(request_id), messages=messages, chat=chat, params=params,
                              arrival_time=time.time(), add_special_tokens=add_special_tokens, priority=priority,
-                             cache_salt=cache_salt)
+                             cache_salt=cache_salt, lora_request=lora_request)
         return RequestStream(self._run(request, None))
 
     async def generate_batch(self, prompts: Sequence[PromptInput],
                              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-                             use_tqdm: bool = True, priority: Sequence[int] | None = None) -> list[RequestOutput]:
-        """Every prompt at once; the whole outputs, in prompt order. sampling_params and
-        priority may be one per prompt."""
+                             use_tqdm: bool = True, priority: Sequence[int] | None = None,
+                             lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None
+                             ) -> list[RequestOutput]:
+        """Every prompt at once; the whole outputs, in prompt order. sampling_params,
+        priority and lora_request may be one per prompt."""
         from tqdm import tqdm
 
         params_list = broadcast_params(sampling_params, len(prompts))
         priorities = per_prompt(priority, len(prompts), "priority", 0)
+        loras = per_prompt(lora_request, len(prompts), "lora_request", None)
         progress = tqdm(total=len(prompts), desc="Generating", unit="req", disable=not use_tqdm)
         start, num_output_tokens = time.perf_counter(), 0
 
-        async def run_one(prompt: PromptInput, params: SamplingParams, priority: int) -> RequestOutput:
+        async def run_one(prompt: PromptInput, params: SamplingParams, priority: int,
+                          lora: LoRARequest | None) -> RequestOutput:
             nonlocal num_output_tokens
             whole = None
-            async for delta in self.generate(prompt, params, priority=priority):
+            async for delta in self.generate(prompt, params, priority=priority, lora_request=lora):
                 whole = merge_delta(whole, delta)
                 num_output_tokens += sum(len(c.token_ids) for c in delta.outputs)
             progress.update(1)
             progress.set_postfix_str(f"{num_output_tokens / max(time.perf_counter() - start, 1e-9):.1f} tok/s out")
             return whole
 
-        tasks = [asyncio.ensure_future(run_one(p, sp, pr)) for p, sp, pr in zip(prompts, params_list, priorities)]
+        tasks = [asyncio.ensure_future(run_one(*args)) for args in zip(prompts, params_list, priorities, loras)]
         try:
             return list(await asyncio.gather(*tasks))
         finally:

@@ -12,11 +12,13 @@ import logging
 
 from actors.actor import Actor, ActorSpec
 from actors.chat_template import render_chat_text
+from actors.lora.checker import LoRAChecker
 from actors.structured_output import check_constraint
 from actors.structured_output.reasoning import reasoning_marker_ids
 from messages.common import MAX_LOGPROBS, InvalidRequestError, SamplingParams
 from messages.frontend import RequestRejected
 from messages.input_processor import AddRequest, ChatOptions, InputProcessorInbox
+from messages.lora import LoRARequest
 from messages.scheduler import TokenizedRequest
 from messages.transport import Sockets
 
@@ -31,21 +33,25 @@ class InputProcessor:
     checked here against the model (vocabulary, context length, max_logprobs)."""
 
     def __init__(self, tokenizer, vocab_size: int, max_model_len: int, max_logprobs: int = MAX_LOGPROBS,
-                 structured_outputs_backend: str = "auto") -> None:
+                 structured_outputs_backend: str = "auto", lora: LoRAChecker | None = None) -> None:
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
         self.max_logprobs = max_logprobs
         self.structured_outputs_backend = structured_outputs_backend
+        self.lora = lora  # None: the engine runs no adapters
 
     def process(self, prompt: Prompt | None, params: SamplingParams, *, messages: list[dict] | None = None,
                 chat: ChatOptions | None = None, add_special_tokens: bool | None = None, priority: int = 0,
-                cache_salt: str | None = None) -> tuple[str | None, list[int]]:
+                cache_salt: str | None = None, lora_request: LoRARequest | None = None
+                ) -> tuple[str | None, list[int]]:
         """Returns (prompt text or None, prompt token ids) after validating both and the
-        parameters; fills in params.bad_words_token_ids. Raises InvalidRequestError."""
+        parameters (and the LoRA adapter: LoRAAdapterError); fills in
+        params.bad_words_token_ids. Raises InvalidRequestError."""
         params.validate()
         self.check_params(params)
         check_request_options(priority, cache_salt)
+        self.check_lora(lora_request)
         if messages is not None:
             text = None
             token_ids = self.render_chat(messages, chat or ChatOptions(), bool(add_special_tokens))
@@ -59,6 +65,10 @@ class InputProcessor:
         token_ids = self._truncate(token_ids, params.truncate_prompt_tokens)
         self.check_prompt_tokens(token_ids)
         return text, token_ids
+
+    def check_lora(self, lora_request: LoRARequest | None) -> None:
+        if lora_request is not None:
+            (self.lora or LoRAChecker(None, None)).check(lora_request)  # without one: "LoRA is off"
 
     def check_params(self, params: SamplingParams) -> None:
         """The checks that need the model: token ids in the vocabulary, logprobs within
@@ -174,7 +184,8 @@ class InputProcessorActor(Actor):
         tokenizer = load_tokenizer(engine.tokenizer_path)
         check_reasoning_markers(tokenizer, engine.reasoning_parser)
         processor = InputProcessor(tokenizer, engine.model.vocab_size, engine.scheduler.max_model_len,
-                                   engine.max_logprobs, engine.structured_outputs_backend)
+                                   engine.max_logprobs, engine.structured_outputs_backend,
+                                   LoRAChecker(engine.model, engine.lora))
         return cls(spec.name, spec.addresses, sockets, processor)
 
     def handle(self, message: AddRequest) -> None:
@@ -189,14 +200,15 @@ class InputProcessorActor(Actor):
             return
         self.to_scheduler.send(TokenizedRequest(request_id=message.request_id, prompt_token_ids=token_ids,
                                                 params=message.params, arrival_time=message.arrival_time,
-                                                cache_salt=message.cache_salt, priority=message.priority))
+                                                cache_salt=message.cache_salt, priority=message.priority,
+                                                lora_request=message.lora_request))
 
     def _tokenize(self, message: AddRequest) -> list[int]:
         if message.prompt is None and message.messages is None:
             raise InvalidRequestError("a request needs a prompt or messages", param="prompt")
         return self.processor.process(message.prompt, message.params, messages=message.messages, chat=message.chat,
                                       add_special_tokens=message.add_special_tokens, priority=message.priority,
-                                      cache_salt=message.cache_salt)[1]
+                                      cache_salt=message.cache_salt, lora_request=message.lora_request)[1]
 
     def _reject(self, request_id: str, text: str, error_type: str, param: str | None) -> None:
         self.to_frontend.send(RequestRejected(request_id=request_id, message=text, error_type=error_type,

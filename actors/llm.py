@@ -14,11 +14,13 @@ from actors.beam_search import BeamPrompt, BeamSearchBatch, BeamSearchOutput, Be
 from actors.engine_args import EngineArgs, takes_engine_args
 from actors.engine_core import EngineCore
 from actors.input_processor import InputProcessor, check_reasoning_markers
+from actors.lora.checker import LoRAChecker
 from actors.prompts import PromptInput, per_prompt, prompt_list, split_prompt
 from actors.request_stream import broadcast_params
 from actors.worker.loader import load_tokenizer
 from messages.common import RequestOutput, SamplingParams
 from messages.input_processor import ChatOptions
+from messages.lora import LoRARequest
 
 
 class LLM:
@@ -42,7 +44,8 @@ class LLM:
         check_reasoning_markers(self.tokenizer, self.config.reasoning_parser)
         self.inputs = InputProcessor(self.tokenizer, self.config.model.vocab_size,
                                      self.config.scheduler.max_model_len, self.config.max_logprobs,
-                                     self.config.structured_outputs_backend)
+                                     self.config.structured_outputs_backend,
+                                     LoRAChecker(self.config.model, self.config.lora))
         self._request_counter = itertools.count()
 
     def get_tokenizer(self):
@@ -69,10 +72,12 @@ class LLM:
     def generate(self, prompts: PromptInput | Sequence[PromptInput],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
                  use_tqdm: bool = True, priority: Sequence[int] | None = None,
-                 logits_processors: Sequence[Callable] | None = None) -> list[RequestOutput]:
+                 logits_processors: Sequence[Callable] | None = None,
+                 lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None) -> list[RequestOutput]:
         """prompts: a string, a list of token ids, a vLLM prompt dict ({"prompt": ...} or
         {"prompt_token_ids": ...}, optionally with "cache_salt"), or a list of these.
-        sampling_params and priority may be one per prompt; logits_processors (see
+        sampling_params, priority and lora_request (the adapter each prompt runs with;
+        None: the base model) may be one per prompt; logits_processors (see
         SamplingParams.logits_processors) apply to every prompt, after each one's own.
         Outputs come back in prompt order. Any invalid prompt or parameter raises
         InvalidRequestError (a ValueError) before any request is added, so the engine
@@ -83,21 +88,22 @@ class LLM:
             params_list = [msgspec.structs.replace(p, logits_processors=[*(p.logits_processors or []),
                                                                          *logits_processors]) for p in params_list]
         priorities = per_prompt(priority, len(split), "priority", 0)
-        processed = [self.inputs.process(prompt, params, priority=prio, cache_salt=salt)
-                     for (prompt, salt), params, prio in zip(split, params_list, priorities)]
+        loras = per_prompt(lora_request, len(split), "lora_request", None)
+        processed = [self.inputs.process(prompt, params, priority=prio, cache_salt=salt, lora_request=lora)
+                     for (prompt, salt), params, prio, lora in zip(split, params_list, priorities, loras)]
         if self._remote is not None:
             params_list = [p.with_pickled_processors() for p in params_list]
             tokens_prompts = [{"prompt_token_ids": ids, **({"cache_salt": salt} if salt else {})}
                               for (_, ids), (_, salt) in zip(processed, split)]
-            outputs = self._remote.generate_batch(tokens_prompts, params_list, use_tqdm)
+            outputs = self._remote.generate_batch(tokens_prompts, params_list, use_tqdm, loras)
             for output, (text, _) in zip(outputs, processed):
                 output.prompt = text
             return outputs
         request_ids: list[str] = []
         try:
-            for (text, token_ids), params, (_, salt) in zip(processed, params_list, split):
+            for (text, token_ids), params, (_, salt), lora in zip(processed, params_list, split, loras):
                 request_id = str(next(self._request_counter))
-                self.engine.add_request(request_id, text, token_ids, params, cache_salt=salt)
+                self.engine.add_request(request_id, text, token_ids, params, cache_salt=salt, lora_request=lora)
                 request_ids.append(request_id)
         except ValueError:
             for request_id in request_ids:
@@ -109,7 +115,8 @@ class LLM:
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
              use_tqdm: bool = True, chat_template: str | None = None, add_generation_prompt: bool = True,
              continue_final_message: bool = False, chat_template_kwargs: dict | None = None,
-             documents: list[dict] | None = None, tools: list[dict] | None = None) -> list[RequestOutput]:
+             documents: list[dict] | None = None, tools: list[dict] | None = None,
+             lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None) -> list[RequestOutput]:
         """One conversation (a list of messages) or a list of conversations, rendered with
         chat_template (else the model's) and vLLM's chat options."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
@@ -117,7 +124,7 @@ class LLM:
                               continue_final_message=continue_final_message, chat_template=chat_template,
                               chat_template_kwargs=chat_template_kwargs, documents=documents, tools=tools)
         prompts = [self.inputs.render_chat(c, options) for c in conversations]
-        return self.generate(prompts, sampling_params, use_tqdm)
+        return self.generate(prompts, sampling_params, use_tqdm, lora_request=lora_request)
 
     def beam_search(self, prompts: BeamPrompt | Sequence[BeamPrompt], params: BeamSearchParams,
                     use_tqdm: bool = False) -> list[BeamSearchOutput]:
@@ -174,9 +181,9 @@ class ThreadedClient:
 
         return asyncio.run_coroutine_threadsafe(coroutine, self._loop).result()
 
-    def generate_batch(self, prompts: list[list[int]], params: list[SamplingParams],
-                       use_tqdm: bool) -> list[RequestOutput]:
-        return self._call(self.client.generate_batch(prompts, params, use_tqdm=use_tqdm))
+    def generate_batch(self, prompts: list[list[int]], params: list[SamplingParams], use_tqdm: bool,
+                       loras: list[LoRARequest | None]) -> list[RequestOutput]:
+        return self._call(self.client.generate_batch(prompts, params, use_tqdm=use_tqdm, lora_request=loras))
 
     def close(self) -> None:
         if self._loop.is_running():

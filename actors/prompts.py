@@ -43,7 +43,7 @@ def per_prompt(values: Sequence | None, num_prompts: int, name: str, default: An
     """A per-prompt list argument as one value per prompt (None: the default for all)."""
     if values is None:
         return [default] * num_prompts
-    if isinstance(values, (int, str)):
+    if isinstance(values, (int, str)) or not isinstance(values, Sequence):  # one value (a LoRARequest...) for all
         return [values] * num_prompts
     values = list(values)
     if len(values) != num_prompts:

@@ -628,7 +628,49 @@ struct StepBatch {  // the flat batch: each sequence's tokens at query_start_loc
     float* hidden;  // [num_tokens, hidden_size]: the embeddings, then scratch
     float* workspace;  // model_step_workspace_floats(shape, num_tokens) floats
     float* out;  // [num_tokens, hidden_size]: the final norm's output
+    const struct LoraStep* lora;  // the step's LoRA adapters, or null
 };
+
+// A step's LoRA adapters (actors/lora/: slots.py's layout, batch.py's segments): per layer and
+// group of projections sharing an input (0 q/k/v, 1 o, 2 gate/up, 3 down), each slot's A
+// matrices stacked [modules * max_rank, in] and B matrices [group out, max_rank] (scaled).
+struct LoraStep {
+    int64_t num_slots, max_rank, num_segments;
+    const float* const* a;  // [num_layers * 4]: [num_slots, modules * max_rank, in]
+    const float* const* b;  // [num_layers * 4]: [num_slots, group out, max_rank]
+    const int32_t* rows;  // [num_layers, 4, num_slots]: A rows in use
+    const int32_t* col_offset;  // [num_layers, 4, 3, num_slots]: a module's first A row
+    const int32_t* rank;  // [num_layers, 4, 3, num_slots]: a module's rank, 0 where not adapted
+    const int32_t *seg_start, *seg_len, *seg_slot;  // [num_segments]: runs of rows with one adapter
+    float* scratch;  // [num_tokens, 3 * max_rank]
+};
+
+// y[segment rows, group columns] += x·Aᵀ·Bᵀ of each segment's adapter: kernels/lora_ref.py's shrink
+// (one sgemm for the group's modules together) and expand (one per adapted module), as the
+// Python forward runs them (LoRABatch.add).
+static void lora_add(const LoraStep* lora, int64_t layer, int group, int num_modules, const int64_t* out_offsets,
+                     const int64_t* out_sizes, const float* x, int64_t x_stride, int64_t in_features, float* y,
+                     int64_t y_stride, int64_t group_out, Sgemm sgemm) {
+    if (lora == nullptr) return;
+    const int64_t num_slots = lora->num_slots, max_rank = lora->max_rank, g = layer * 4 + group;
+    const float alpha = 1.0f, zero = 0.0f, one = 1.0f;
+    const int in = (int)in_features, x_ld = (int)x_stride, y_ld = (int)y_stride, b_ld = (int)max_rank;
+    for (int64_t i = 0; i < lora->num_segments; i++) {
+        const int64_t slot = lora->seg_slot[i], start = lora->seg_start[i];
+        const int rows = lora->rows[g * num_slots + slot], n = lora->seg_len[i];
+        if (rows == 0 || n == 0) continue;
+        const float* a = lora->a[g] + slot * num_modules * max_rank * in_features;
+        sgemm("T", "N", &rows, &n, &in, &alpha, a, &in, x + start * x_stride, &x_ld, &zero, lora->scratch, &rows);
+        for (int m = 0; m < num_modules; m++) {
+            const int64_t meta = (g * 3 + m) * num_slots + slot;
+            const int rank = lora->rank[meta], out = (int)out_sizes[m];
+            if (rank == 0) continue;
+            const float* b = lora->b[g] + (slot * group_out + out_offsets[m]) * max_rank;
+            sgemm("T", "N", &out, &n, &rank, &alpha, b, &b_ld, lora->scratch + lora->col_offset[meta], &rows, &one,
+                  y + start * y_stride + out_offsets[m], &y_ld);
+        }
+    }
+}
 
 static void decoder_linear(const DecoderShape& shape, Sgemm sgemm, const float* x, int64_t x_stride, int64_t rows,
                            const float* weight, int64_t in_features, int64_t out_features, const float* bias,
@@ -672,6 +714,10 @@ int model_step_f32(const DecoderShape* shape_, const DecoderLayer* layers, const
     float* qkv = x + tokens * hidden_size;
     float* attn = qkv + tokens * qkv_size;
     float* gate_up = attn + tokens * q_size;
+    // each LoRA group's modules' columns of its output
+    const int64_t qkv_offsets[] = {0, q_size, q_size + kv_size}, qkv_sizes[] = {q_size, kv_size, kv_size};
+    const int64_t gate_up_offsets[] = {0, intermediate}, gate_up_sizes[] = {intermediate, intermediate};
+    const int64_t whole[] = {0};
     for (int64_t l = 0; l < shape.num_layers; l++) {
         const DecoderLayer& layer = layers[l];
         // 1. attention block
@@ -679,6 +725,8 @@ int model_step_f32(const DecoderShape* shape_, const DecoderLayer* layers, const
                      hidden_size, tokens, (int)hidden_size, shape.eps, num_threads);
         decoder_linear(shape, sgemm, x, hidden_size, tokens, layer.qkv_proj, hidden_size, qkv_size, layer.qkv_bias,
                        qkv, num_threads);
+        lora_add(batch.lora, l, 0, 3, qkv_offsets, qkv_sizes, x, hidden_size, hidden_size, qkv, qkv_size, qkv_size,
+                 sgemm);
         if (layer.q_norm != nullptr)  // Qwen3: each head normed as a row
             for (int64_t t = 0; t < tokens; t++) {
                 float* row = qkv + t * qkv_size;
@@ -710,14 +758,20 @@ int model_step_f32(const DecoderShape* shape_, const DecoderLayer* layers, const
         }
         decoder_linear(shape, sgemm, attn, q_size, tokens, layer.o_proj, q_size, hidden_size, nullptr, projection,
                        num_threads);
+        lora_add(batch.lora, l, 1, 1, whole, &hidden_size, attn, q_size, q_size, projection, hidden_size, hidden_size,
+                 sgemm);
         // 2. MLP block
         rms_norm_f32(projection, hidden_size, hidden, hidden_size, layer.post_attention_norm, x, hidden_size, tokens,
                      (int)hidden_size, shape.eps, num_threads);
         decoder_linear(shape, sgemm, x, hidden_size, tokens, layer.gate_up_proj, hidden_size, 2 * intermediate,
                        nullptr, gate_up, num_threads);
+        lora_add(batch.lora, l, 2, 2, gate_up_offsets, gate_up_sizes, x, hidden_size, hidden_size, gate_up,
+                 2 * intermediate, 2 * intermediate, sgemm);
         silu_mul_f32(gate_up, 2 * intermediate, tokens, intermediate, num_threads);
         decoder_linear(shape, sgemm, gate_up, 2 * intermediate, tokens, layer.down_proj, intermediate, hidden_size,
                        nullptr, hidden, num_threads);
+        lora_add(batch.lora, l, 3, 1, whole, &hidden_size, gate_up, 2 * intermediate, intermediate, hidden,
+                 hidden_size, hidden_size, sgemm);
     }
     rms_norm_f32(hidden, hidden_size, projection, hidden_size, final_norm, batch.out, hidden_size, tokens,
                  (int)hidden_size, shape.eps, num_threads);

@@ -196,7 +196,15 @@ class StepBatch(ctypes.Structure):
     _fields_ = [("num_tokens", _i64), ("positions", _ptr), ("cos_sin_cache", _ptr), ("cos_sin_stride", _i64),
                 ("slot_mapping", _ptr), ("block_tables", _ptr), ("seq_lens", _ptr), ("query_start_loc", _ptr),
                 ("decode_seqs", _ptr), ("prefill_seqs", _ptr), ("num_decodes", _i64), ("num_prefills", _i64),
-                ("block_table_stride", _i64), ("hidden", _ptr), ("workspace", _ptr), ("out", _ptr)]
+                ("block_table_stride", _i64), ("hidden", _ptr), ("workspace", _ptr), ("out", _ptr), ("lora", _ptr)]
+
+
+class LoraStep(ctypes.Structure):
+    """cpu_kernels.cpp's LoraStep: a step's LoRA adapters (actors/lora/slots.py's layout)."""
+
+    _fields_ = [("num_slots", _i64), ("max_rank", _i64), ("num_segments", _i64), ("a", _ptr), ("b", _ptr),
+                ("rows", _ptr), ("col_offset", _ptr), ("rank", _ptr), ("seg_start", _ptr), ("seg_len", _ptr),
+                ("seg_slot", _ptr), ("scratch", _ptr)]
 
 
 def torch_sgemm() -> int | None:

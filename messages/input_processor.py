@@ -7,6 +7,7 @@ from typing import Any
 import msgspec
 
 from messages.common import Ping, SamplingParams, Shutdown
+from messages.lora import LoRARequest
 
 
 class ChatOptions(msgspec.Struct, array_like=True, frozen=True, kw_only=True):
@@ -36,6 +37,7 @@ class AddRequest(msgspec.Struct, array_like=True, frozen=True, kw_only=True, tag
     add_special_tokens: bool | None = None
     priority: int = 0  # lower runs first under priority scheduling (vLLM's meaning)
     cache_salt: str | None = None  # prefix-cache entries are shared only between equal salts
+    lora_request: LoRARequest | None = None  # the adapter to run with; None: the base model
 
 
 InputProcessorInbox = AddRequest | Ping | Shutdown

@@ -6,6 +6,7 @@ from __future__ import annotations
 import msgspec
 
 from messages.common import Ping, SamplingParams, Shutdown
+from messages.lora import LoRARequest
 
 
 class TokenLogprobs(msgspec.Struct, array_like=True, frozen=True, gc=False):
@@ -39,6 +40,7 @@ class TokenizedRequest(msgspec.Struct, array_like=True, frozen=True, kw_only=Tru
     arrival_time: float = 0.0
     cache_salt: str | None = None  # prefix-cache entries are shared only between equal salts
     priority: int = 0
+    lora_request: LoRARequest | None = None  # checked against the model by the input processor
 
 
 class AbortRequest(msgspec.Struct, array_like=True, frozen=True, tag="abort"):

@@ -12,6 +12,7 @@ from __future__ import annotations
 import msgspec
 
 from messages.common import Ping, SamplingParams, Shutdown
+from messages.lora import LoRARequest
 
 
 class NewRequest(msgspec.Struct, array_like=True, frozen=True, gc=False):
@@ -24,6 +25,7 @@ class NewRequest(msgspec.Struct, array_like=True, frozen=True, gc=False):
     params: SamplingParams
     block_ids: list[int]  # the request's block table so far
     num_computed_tokens: int  # leading tokens whose KV is already cached (prefix hit)
+    lora_request: LoRARequest | None = None  # the adapter it runs with (loaded on first use)
 
 
 class ContinuingRequest(msgspec.Struct, array_like=True, frozen=True, gc=False):

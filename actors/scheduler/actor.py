@@ -52,7 +52,7 @@ class SchedulerActor(Actor):
     def from_spec(cls, spec: ActorSpec, sockets: Sockets) -> SchedulerActor:
         engine = spec.engine
         scheduler = Scheduler(engine.scheduler, engine.cache, spec.options["num_kv_blocks"],
-                              engine.model.eos_token_ids)
+                              engine.model.eos_token_ids, max_loras=engine.lora.max_loras if engine.lora else 0)
         executor = Executor(sockets, spec.addresses, engine.parallel.tensor_parallel_size)
         return cls(spec.name, spec.addresses, sockets, scheduler, engine.scheduler, executor)
 
@@ -89,7 +89,7 @@ class SchedulerActor(Actor):
             return  # aborted while it was being tokenized
         try:
             self.scheduler.add_request(request.request_id, request.prompt_token_ids, request.params,
-                                       cache_salt=request.cache_salt)
+                                       cache_salt=request.cache_salt, lora_request=request.lora_request)
         except ValueError as error:
             self.to_frontend.send(RequestRejected(request_id=request.request_id, message=str(error),
                                                   param=getattr(error, "param", None)))

@@ -16,6 +16,7 @@ import msgspec
 
 from actors.scheduler.block_pool import BlockHash
 from messages.common import SamplingParams
+from messages.lora import LoRARequest
 from messages.scheduler import TokenLogprobs
 
 
@@ -65,6 +66,8 @@ class Sequence:
         self.num_cached_blocks = 0  # leading blocks already offered to the prefix cache
         self.block_hashes: list[BlockHash] = []  # keys of its leading full blocks, grown lazily
         self.extra_hash_keys = extra_hash_keys  # None: its KV depends on its tokens alone
+        self.lora_request: LoRARequest | None = None  # the adapter it runs with
+        self.times_overtaken = 0  # later sequences admitted while max_loras held it back
         self.sent_to_worker = False  # the worker holds state for seq_id
         self.num_cached_tokens = 0  # prompt tokens served from the prefix cache at first admission
         self.was_admitted = False

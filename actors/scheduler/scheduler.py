@@ -24,11 +24,13 @@ from dataclasses import dataclass
 
 from actors.config import CacheConfig, SchedulerConfig
 from actors.scheduler.kv_cache_manager import KVCacheManager
+from actors.scheduler.lora_admission import AdapterAdmission
 from actors.scheduler.request import ExtraHashKeys, Sequence, SequenceStatus, make_sequences
 from actors.scheduler.stats import ITERATION_TOKENS_BOUNDS, CountHistogram
 from messages.common import SamplingParams
 from messages.detokenizer import NewTokens
 from messages.frontend import HistogramSnapshot
+from messages.lora import LoRARequest
 from messages.scheduler import StepResult, TokenLogprobs
 from messages.worker import ContinuingRequest, NewRequest, StepPlan
 
@@ -48,8 +50,9 @@ class Scheduler:
     """Owns every live sequence and the KV-cache manager; builds StepPlans, applies StepResults."""
 
     def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig, num_blocks: int,
-                 eos_token_ids: tuple[int, ...]) -> None:
+                 eos_token_ids: tuple[int, ...], max_loras: int = 0) -> None:
         self.max_num_seqs = scheduler_config.max_num_seqs
+        self.max_loras = max_loras  # distinct LoRA adapters among running sequences (0: LoRA off)
         self.max_num_batched_tokens = scheduler_config.max_num_batched_tokens
         self.max_model_len = scheduler_config.max_model_len
         self.eos_token_ids = tuple(eos_token_ids)
@@ -79,10 +82,11 @@ class Scheduler:
     # ---- requests in and out ----
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                    cache_salt: str | None = None) -> None:
+                    cache_salt: str | None = None, lora_request: LoRARequest | None = None) -> None:
         """Queues a request; params.n > 1 makes n sequences that share the prompt's blocks.
         A cache_salt keeps its prefix-cache entries apart from those of other salts (or
-        none). Raises ValueError when the request can never run."""
+        none), as a LoRA adapter does from other adapters' and the base model's. Raises
+        ValueError when the request can never run."""
         num_prompt_tokens = len(prompt_token_ids)
         if request_id in self._request_id_to_seq_ids:
             raise ValueError(f"request_id {request_id!r} is already in use by a live request")
@@ -96,9 +100,15 @@ class Scheduler:
             raise ValueError(f"prompt has {num_prompt_tokens} tokens, which leaves no room for output in "
                              f"the KV cache: it holds {kv_cache.max_num_tokens} tokens "
                              f"({kv_cache.num_blocks} blocks of {kv_cache.block_size})")
-        extra_hash_keys = ExtraHashKeys(cache_salt=cache_salt) if cache_salt is not None else None
+        if lora_request is not None and not self.max_loras:
+            raise ValueError("LoRA adapters are off in this engine (enable_lora)")
+        adapter_id = lora_request.cache_key if lora_request is not None else None
+        extra_hash_keys = ExtraHashKeys(adapter_id=adapter_id, cache_salt=cache_salt) \
+            if cache_salt is not None or adapter_id is not None else None
         sequences = make_sequences(request_id, prompt_token_ids, params, self.max_seq_len,
                                    kv_cache.enable_prefix_caching, extra_hash_keys)
+        for seq in sequences:
+            seq.lora_request = lora_request
         for seq in sequences:
             if seq.seq_id in self.sequences:
                 raise ValueError(f"request_id {request_id!r}: sequence id {seq.seq_id!r} is already live")
@@ -199,9 +209,10 @@ class Scheduler:
         #    After a preemption the pool is short: admitting now would just thrash.
         if self.num_preemptions == num_preemptions_before:
             held_back: list[Sequence] = []
+            adapters = AdapterAdmission(self.running, self.max_loras, self.max_num_seqs) if self.max_loras else None
             while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
                 seq = self.waiting[0]
-                if self._must_wait(seq):
+                if self._must_wait(seq) or (adapters is not None and adapters.holds_back(seq)):
                     held_back.append(self.waiting.popleft())
                     continue
                 num_new_tokens = self._admit(seq, budget)
@@ -209,10 +220,13 @@ class Scheduler:
                     break  # the head does not fit; later ones must not overtake it
                 self.waiting.popleft()
                 self.running.append(seq)
+                if adapters is not None:
+                    adapters.admitted(seq)
                 new_requests.append(NewRequest(
                     request_id=seq.seq_id, token_ids=list(seq.token_ids),
                     num_prompt_tokens=seq.num_prompt_tokens, params=seq.params,
-                    block_ids=list(seq.block_ids), num_computed_tokens=seq.num_computed_tokens))
+                    block_ids=list(seq.block_ids), num_computed_tokens=seq.num_computed_tokens,
+                    lora_request=seq.lora_request))
                 seq.sent_to_worker = True
                 scheduled[seq.seq_id] = self._advance(seq, num_new_tokens)
                 num_scheduled_tokens[seq.seq_id] = num_new_tokens
@@ -369,3 +383,4 @@ class Scheduler:
                          finish_reason=seq.finish_reason, stop_reason=seq.stop_reason,
                          num_prompt_tokens=seq.num_prompt_tokens, num_cached_tokens=seq.num_cached_tokens,
                          first_scheduled_time=seq.first_scheduled_time if is_first_token else None)
+

@@ -23,10 +23,12 @@ import torch
 
 from actors.worker.attention import AttentionBackend, CpuBackend
 from actors.worker.attention_metadata import AttentionMetadata
-from kernels.cpu_kernels import DecoderLayer, DecoderShape, NativeKernels, StepBatch, torch_sgemm
+from kernels.cpu_kernels import DecoderLayer, DecoderShape, LoraStep, NativeKernels, StepBatch, torch_sgemm
 from kernels.paged_attention_cpu import CpuAttentionPlan
 
 if TYPE_CHECKING:
+    from actors.lora.batch import LoRABatch
+    from actors.lora.slots import LoRASlots
     from actors.worker.model import LlamaModel
 
 
@@ -45,6 +47,7 @@ class CpuModelStep:
         self.sgemm = sgemm
         self._prepared_for: tuple[DecoderShape, ctypes.Array] | None = None
         self._prepared_key: tuple[int, ...] = ()
+        self._lora_pointers: tuple[LoRASlots, ctypes.Array, ctypes.Array] | None = None
 
     @staticmethod
     def build(model: LlamaModel, backend: AttentionBackend) -> CpuModelStep | None:
@@ -74,7 +77,8 @@ class CpuModelStep:
     def __call__(self, hidden: torch.Tensor,  # [num_tokens, hidden]: the embeddings, overwritten
                  positions: torch.Tensor,  # [num_tokens] int64
                  kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
-                 attention: AttentionMetadata) -> torch.Tensor:  # [num_tokens, hidden]: after the final norm
+                 attention: AttentionMetadata,
+                 lora: LoRABatch | None = None) -> torch.Tensor:  # [num_tokens, hidden]: after the final norm
         model, plan = self.model, attention.plan
         shape, layers = self._prepared(kv_caches)
         shape.few_rows = self.backend.few_rows  # an attribute benchmarks change between steps
@@ -92,10 +96,31 @@ class CpuModelStep:
             prefill_seqs=plan.prefill_seqs.data_ptr(), num_decodes=plan.decode_seqs.numel(),
             num_prefills=plan.prefill_seqs.numel(), block_table_stride=block_tables.stride(0),
             hidden=hidden.data_ptr(), workspace=workspace.data_ptr(), out=out.data_ptr())
+        if lora is not None:
+            # the LoraStep and its scratch live until the call returns
+            lora_step, scratch = self._lora_step(lora, num_tokens)
+            batch.lora = ctypes.addressof(lora_step)
         status = self.native.model_step_f32(ctypes.byref(shape), layers, ctypes.byref(batch), self.sgemm,
                                             model.final_norm.data_ptr(), torch.get_num_threads())
         assert status == 0
         return out
+
+    def _lora_step(self, lora: LoRABatch, num_tokens: int) -> tuple[LoraStep, torch.Tensor]:
+        slots = lora.slots
+        assert slots.dtype == torch.float32 and slots.device.type == "cpu"
+        if self._lora_pointers is None or self._lora_pointers[0] is not slots:
+            pointer_array = ctypes.c_void_p * (len(slots.a) * len(slots.a[0]))
+            a = pointer_array(*[t.data_ptr() for layer in slots.a for t in layer])
+            b = pointer_array(*[t.data_ptr() for layer in slots.b for t in layer])
+            self._lora_pointers = (slots, a, b)
+        _, a, b = self._lora_pointers
+        scratch = torch.empty(num_tokens, 3 * slots.max_rank)
+        step = LoraStep(num_slots=slots.num_slots, max_rank=slots.max_rank, num_segments=len(lora.segments),
+                        a=ctypes.addressof(a), b=ctypes.addressof(b), rows=slots.rows.ctypes.data,
+                        col_offset=slots.col_offset.ctypes.data, rank=slots.rank.ctypes.data,
+                        seg_start=lora.seg_start.data_ptr(), seg_len=lora.seg_len.data_ptr(),
+                        seg_slot=lora.seg_slot.data_ptr(), scratch=scratch.data_ptr())
+        return step, scratch
 
     def _prepared(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[DecoderShape, ctypes.Array]:
         """The model's shape and its layers' pointers, packed again only when the weights or

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -17,6 +18,12 @@ from actors.worker.attention import AttentionBackend
 from actors.worker.attention_metadata import AttentionMetadata
 from actors.worker.parallel import TensorParallel
 from kernels.rotary import build_cos_sin_cache
+
+if TYPE_CHECKING:
+    from actors.lora.batch import LoRABatch
+
+# the groups of projections a LoRA batch adds to (actors/lora/slots.py's GROUPS)
+_QKV, _O, _GATE_UP, _DOWN = range(4)
 
 
 @dataclass
@@ -148,15 +155,18 @@ class LlamaModel:
     def forward(self, input_ids: torch.Tensor,  # [num_tokens] int64
                 positions: torch.Tensor,  # [num_tokens] int64
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]],  # per layer (key, value)
-                attention: AttentionMetadata) -> torch.Tensor:  # [num_tokens, hidden]
+                attention: AttentionMetadata,
+                lora: LoRABatch | None = None) -> torch.Tensor:  # [num_tokens, hidden]
         """The step op by op through the backend's kernels (the model runner may run it
-        another way: actors/worker/cpu_model_step.py mirrors this function)."""
+        another way: actors/worker/cpu_model_step.py mirrors this function). lora: the
+        step's adapters, whose deltas each projection's output gets (before the all-reduce
+        of a row-parallel one: the partial deltas sum as the partial outputs do)."""
         ops = self.backend
         eps = self.config.rms_norm_eps
         num_tokens = input_ids.shape[0]
         hidden = self.embed(input_ids)
         residual = None
-        for layer, (key_cache, value_cache) in zip(self.layers, kv_caches):
+        for index, (layer, (key_cache, value_cache)) in enumerate(zip(self.layers, kv_caches)):
             # 1. attention block: norm (fused with the residual add), qkv, rotary, paged attention
             if residual is None:
                 residual = hidden
@@ -164,6 +174,8 @@ class LlamaModel:
             else:
                 x, residual = ops.rms_norm(hidden, layer.input_norm, eps, residual)
             qkv = ops.linear(x, layer.qkv_proj, layer.qkv_bias)
+            if lora is not None:
+                lora.add(index, _QKV, x, qkv)
             q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
             q = q.view(num_tokens, self.num_heads, self.head_dim)
             k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
@@ -173,10 +185,20 @@ class LlamaModel:
                 k = ops.rms_norm(k.reshape(-1, self.head_dim), layer.k_norm, eps).view_as(k)
             q, k = ops.rotary(positions, q, k, self.cos_sin_cache)
             attn = ops.attention(q, k, v, key_cache, value_cache, attention, self.scale)
-            hidden = self.parallel.all_reduce(ops.linear(attn.view(num_tokens, self.q_size), layer.o_proj))
+            attn = attn.view(num_tokens, self.q_size)
+            hidden = ops.linear(attn, layer.o_proj)
+            if lora is not None:
+                lora.add(index, _O, attn, hidden)
+            hidden = self.parallel.all_reduce(hidden)
             # 2. MLP block
             x, residual = ops.rms_norm(hidden, layer.post_attention_norm, eps, residual)
-            hidden = ops.linear(ops.silu_mul(ops.linear(x, layer.gate_up_proj)), layer.down_proj)
+            gate_up = ops.linear(x, layer.gate_up_proj)
+            if lora is not None:
+                lora.add(index, _GATE_UP, x, gate_up)
+            x = ops.silu_mul(gate_up)
+            hidden = ops.linear(x, layer.down_proj)
+            if lora is not None:
+                lora.add(index, _DOWN, x, hidden)
             hidden = self.parallel.all_reduce(hidden)
         if residual is None:
             return ops.rms_norm(hidden, self.final_norm, eps)

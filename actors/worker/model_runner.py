@@ -13,6 +13,8 @@ import torch
 
 from actors.config import EngineConfig
 from actors.worker.attention import make_backend
+from actors.lora.batch import LoRABatch, segments_of
+from actors.lora.slots import LoRASlots
 from actors.worker.attention_metadata import AttentionMetadata
 from actors.worker.cpu_model_step import CpuModelStep
 from actors.worker.cpu_tuning import MAX_FEW_ROWS, tune_allocator, tune_few_rows
@@ -22,6 +24,7 @@ from actors.worker.model import LlamaModel
 from actors.worker.parallel import TensorParallel
 from actors.worker.sampler import Sampler, prompt_token_logprobs
 from messages.common import SamplingParams
+from messages.lora import LoRARequest
 from messages.scheduler import StepResult, TokenLogprobs
 from messages.worker import StepPlan
 
@@ -38,6 +41,7 @@ class CachedRequest:
     params: SamplingParams
     block_ids: list[int]  # the block table
     num_computed_tokens: int
+    lora: LoRARequest | None = None  # the adapter it runs with
 
 
 def kv_block_bytes(engine: EngineConfig, parallel: TensorParallel = TensorParallel()) -> int:
@@ -137,6 +141,10 @@ class ModelRunner:
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.sampler = Sampler(engine.model.eos_token_ids, engine.seed, sampling_processors(engine, parallel))
         self.requests: dict[str, CachedRequest] = {}
+        # the adapters' slots (engine.lora): allocated before the KV cache, so a GPU's
+        # profile counts them
+        self.lora_slots = LoRASlots(engine.lora, engine.model, self.dtype, self.device, parallel) \
+            if engine.lora is not None else None
         if num_blocks is not None:
             self.allocate_kv_cache(num_blocks)
 
@@ -191,7 +199,7 @@ class ModelRunner:
         for new in plan.new_requests:
             self.requests[new.request_id] = CachedRequest(
                 new.request_id, list(new.token_ids), new.num_prompt_tokens, new.params,
-                list(new.block_ids), new.num_computed_tokens)
+                list(new.block_ids), new.num_computed_tokens, new.lora_request)
             self.sampler.add_request(new.request_id, new.params, new.token_ids[: new.num_prompt_tokens],
                                      new.token_ids[new.num_prompt_tokens:])
         for continuing in plan.continuing_requests:
@@ -204,14 +212,14 @@ class ModelRunner:
         self.update_states(plan)
         if not plan.num_scheduled_tokens:
             return StepResult(step_id=plan.step_id, request_ids=[], sampled_token_ids=[])
-        # 1. order the batch: decodes first, then prefill chunks
-        scheduled = sorted(plan.num_scheduled_tokens.items(), key=lambda item: item[1] != 1)
-        batch = [(self.requests[request_id], num_tokens) for request_id, num_tokens in scheduled]
+        # 1. order the batch: decodes first, then prefill chunks (each by LoRA adapter)
+        batch = [(self.requests[request_id], num_tokens) for request_id, num_tokens in plan.num_scheduled_tokens.items()]
+        batch, lora = self._order_batch(batch)
         # 2. flat inputs and attention metadata
         input_ids, positions, attention = self._prepare_inputs(batch)
         # 3. rows that need logits: each sampling request's last token, prompt-logprob positions
         sample_rows, samplers, prompt_rows = self._logit_rows(batch)
-        hidden = self._forward(input_ids, positions, attention)
+        hidden = self._forward(input_ids, positions, attention, lora)
         rows = sample_rows + [row for _, rows_of_request, _ in prompt_rows for row in rows_of_request]
         # (a collective under tensor parallelism: the logits end up on rank 0 only)
         logits = self.model.compute_logits(hidden[torch.tensor(rows, dtype=torch.long)]) if rows else None
@@ -230,11 +238,26 @@ class ModelRunner:
         return StepResult(step_id=plan.step_id, request_ids=[r.request_id for r in samplers],
                           sampled_token_ids=tokens, logprobs=logprobs, prompt_logprobs=prompt_logprobs)
 
-    def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                 attention: AttentionMetadata) -> torch.Tensor:  # [num_tokens, hidden]
+    def _order_batch(self, batch: list[tuple[CachedRequest, int]]
+                     ) -> tuple[list[tuple[CachedRequest, int]], LoRABatch | None]:
+        """Decodes first, then prefill chunks; with LoRA adapters in the step, each kind
+        grouped by adapter slot, and the step's LoRABatch."""
+        loras = [request.lora for request, _ in batch if request.lora is not None]
+        if not loras:
+            return sorted(batch, key=lambda item: item[1] != 1), None
+        slot_of = self.lora_slots.slots_for(loras)
+
+        def slot(request: CachedRequest) -> int:
+            return -1 if request.lora is None else slot_of[(request.lora.lora_int_id, request.lora.lora_path)]
+
+        batch = sorted(batch, key=lambda item: (item[1] != 1, slot(item[0])))
+        return batch, LoRABatch(self.lora_slots, segments_of([(slot(request), n) for request, n in batch]))
+
+    def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attention: AttentionMetadata,
+                 lora: LoRABatch | None = None) -> torch.Tensor:  # [num_tokens, hidden]
         if self.model_step is not None and self.model_step.takes(attention):
-            return self.model_step(self.model.embed(input_ids), positions, self.kv_caches, attention)
-        return self.model.forward(input_ids, positions, self.kv_caches, attention)
+            return self.model_step(self.model.embed(input_ids), positions, self.kv_caches, attention, lora)
+        return self.model.forward(input_ids, positions, self.kv_caches, attention, lora)
 
     def _prepare_inputs(self, batch: list[tuple[CachedRequest, int]]
                         ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
