@@ -38,7 +38,7 @@ from messages.common import CompletionOutput, Ping, RequestOutput, SamplingParam
 from messages.frontend import (ActorFailed, FrontendInbox, HistogramSnapshot, Pong, RequestOutputs, RequestRejected,
                                Stats)
 from messages.input_processor import AddRequest, ChatOptions
-from messages.lora import LoRARequest
+from messages.lora import LoRARequest, check_lora_request
 from messages.scheduler import AbortRequest, GetStats
 from messages.transport import Namespace, Sockets
 
@@ -216,7 +216,7 @@ class AsyncClient(AsyncBeamSearch, LoRAClientMixin):
         prompt, cache_salt = split_prompt(prompt)
         request = AddRequest(request_id=self._new_id(request_id), prompt=prompt, params=params,
                              arrival_time=time.time(), add_special_tokens=add_special_tokens, priority=priority,
-                             cache_salt=cache_salt, lora_request=lora_request)
+                             cache_salt=cache_salt, lora_request=check_lora_request(lora_request))
         return RequestStream(self._run(request, prompt if isinstance(prompt, str) else None))
 
     def chat(self, messages: list[dict[str, Any]], sampling_params: SamplingParams | None = None,
@@ -236,7 +236,7 @@ class AsyncClient(AsyncBeamSearch, LoRAClientMixin):
                            documents=documents, tools=tools)
         request = AddRequest(request_id=self._new_id(request_id), messages=messages, chat=chat, params=params,
                              arrival_time=time.time(), add_special_tokens=add_special_tokens, priority=priority,
-                             cache_salt=cache_salt, lora_request=lora_request)
+                             cache_salt=cache_salt, lora_request=check_lora_request(lora_request))
         return RequestStream(self._run(request, None))
 
     async def generate_batch(self, prompts: Sequence[PromptInput],

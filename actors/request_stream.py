@@ -10,6 +10,7 @@ from actors.detokenizer import merge_delta
 from actors.errors import InvalidRequestError
 from messages.common import RequestOutput, SamplingParams
 from messages.frontend import RequestRejected
+from messages.lora import LoRAAdapterError
 
 
 class LiveRequest:
@@ -49,6 +50,8 @@ class RequestStream:
 
 def rejection_error(rejection: RequestRejected) -> Exception:
     if rejection.error_type == "invalid_request":
+        if rejection.param == "lora_request":  # the adapter's own type, as LLM raises it
+            return LoRAAdapterError(rejection.message)
         return InvalidRequestError(rejection.message, param=rejection.param)
     return RuntimeError(rejection.message)
 

@@ -50,3 +50,10 @@ class LoRARequest(msgspec.Struct, frozen=True, omit_defaults=True, array_like=Tr
     def cache_key(self) -> str:
         """What keeps its prefix-cache blocks apart from every other adapter's and the base's."""
         return f"{self.lora_int_id}:{self.lora_path}"
+
+
+def check_lora_request(value: object) -> LoRARequest | None:
+    """A request's lora_request argument: None or a LoRARequest (LoRAAdapterError otherwise)."""
+    if value is not None and not isinstance(value, LoRARequest):
+        raise LoRAAdapterError(f"lora_request must be a LoRARequest or None, got {type(value).__name__}")
+    return value

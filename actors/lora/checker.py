@@ -9,7 +9,7 @@ import os
 
 from actors.config import LoRAConfig, ModelConfig
 from actors.lora.adapter_files import CONFIG_FILE, WEIGHTS_FILE, AdapterSpec, read_adapter
-from messages.lora import LoRAAdapterError, LoRARequest
+from messages.lora import LoRAAdapterError, LoRARequest, check_lora_request
 
 _MAX_REMEMBERED = 1024
 
@@ -23,10 +23,8 @@ class LoRAChecker:
 
     def check(self, lora: LoRARequest | None) -> AdapterSpec | None:
         """The adapter's spec (None for the base model), or LoRAAdapterError."""
-        if lora is None:
+        if check_lora_request(lora) is None:
             return None
-        if not isinstance(lora, LoRARequest):
-            raise LoRAAdapterError(f"lora_request must be a LoRARequest, got {type(lora).__name__}")
         if self.config is None:
             raise LoRAAdapterError(f"the request asks for LoRA adapter {lora.lora_name!r}, and this engine was "
                                    "started without LoRA support (enable_lora=True, --enable-lora)")
