@@ -113,6 +113,12 @@ class _EngineStatsCollector:
         if isinstance(iteration_tokens, HistogramSnapshot):
             yield self._histogram("vllm:iteration_tokens_total", "Histogram of number of tokens per engine_step.",
                                   iteration_tokens)
+        if "running_lora_adapters" in self.stats:
+            # vLLM's: a gauge of the scrape's time whose labels carry the adapters in use
+            names = ["max_lora", "waiting_lora_adapters", "running_lora_adapters"]
+            family = GaugeMetricFamily("vllm:lora_requests_info", "Running stats on lora requests.", labels=names)
+            family.add_metric([str(self.stats[name]) for name in names], time.time())
+            yield family
         if self.num_gpu_blocks is not None:
             info = cache_config_labels(self.config, self.num_gpu_blocks)
             # an info metric as vLLM makes one: a gauge of 1 whose labels carry the values

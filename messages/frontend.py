@@ -56,7 +56,7 @@ class Stats(msgspec.Struct, array_like=True, frozen=True, kw_only=True, tag="sta
     """scheduler → frontend: the answer to a GetStats query."""
 
     query_id: int
-    stats: dict[str, int | float | HistogramSnapshot]
+    stats: dict[str, int | float | str | HistogramSnapshot]
 
 
 class Pong(msgspec.Struct, array_like=True, frozen=True, tag="pong"):

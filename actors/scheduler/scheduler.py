@@ -157,8 +157,8 @@ class Scheduler:
     def num_waiting(self) -> int:
         return len(self.waiting)
 
-    def stats(self) -> dict[str, float | int | HistogramSnapshot]:
-        return {
+    def stats(self) -> dict[str, float | int | str | HistogramSnapshot]:
+        stats = {
             "num_running": self.num_running,
             "num_waiting": self.num_waiting,
             **self.kv_cache_manager.stats(),
@@ -166,6 +166,11 @@ class Scheduler:
             "num_preemptions": self.num_preemptions,
             "iteration_tokens": self.iteration_tokens.snapshot(),
         }
+        if self.max_loras:  # vLLM's lora_requests_info: the adapters' names, comma-separated
+            stats["max_lora"] = self.max_loras
+            for name, queue in (("running_lora_adapters", self.running), ("waiting_lora_adapters", self.waiting)):
+                stats[name] = ",".join(sorted({seq.lora_request.lora_name for seq in queue if seq.lora_request}))
+        return stats
 
     # ---- one step ----
 

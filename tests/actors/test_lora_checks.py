@@ -11,14 +11,16 @@ import msgspec
 import pytest
 
 from actors import LLM, LoRAAdapterError, LoRARequest, SamplingParams
-from actors.config import CacheConfig, SchedulerConfig
+from actors.config import CacheConfig, EngineConfig, SchedulerConfig
 from actors.lora.adapter_files import WEIGHTS_FILE
 from actors.scheduler import Scheduler
+from api.metrics import ServerMetrics
 from messages.scheduler import TokenizedRequest
 from tests.actors.test_scheduler import FakeWorker, make_params
 from tests.lora_adapters import build_lora_adapter
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+LLM_CONFIG = EngineConfig(model=None, cache=CacheConfig(), scheduler=SchedulerConfig())
 
 
 @pytest.fixture(scope="module")
@@ -129,6 +131,12 @@ def test_scheduler_mixes_at_most_max_loras_adapters_in_a_step():
                               lora_request=lora(adapter) if adapter else None)
     plan = scheduler.schedule()
     assert admitted_loras(plan) == [1, 2, None, 1, 2]  # 3 waits: two adapters are running
+    stats = scheduler.stats()
+    assert (stats["max_lora"], stats["running_lora_adapters"], stats["waiting_lora_adapters"]) == \
+        (2, "adapter1,adapter2", "adapter3")
+    metrics = ServerMetrics("tiny", LLM_CONFIG).render(stats).decode()
+    assert ('vllm:lora_requests_info{max_lora="2",running_lora_adapters="adapter1,adapter2",'
+            'waiting_lora_adapters="adapter3"}') in metrics
     worker = FakeWorker(4, 256)
     seen = []
     while scheduler.has_unfinished():
