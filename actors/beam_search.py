@@ -50,6 +50,7 @@ from messages.input_processor import ChatOptions
 if TYPE_CHECKING:
     from actors.frontend import AsyncClient
     from actors.input_processor import InputProcessor
+    from messages.lora import LoRARequest
 
 # A prompt as LLM.generate takes it, or vLLM's dict prompts.
 BeamPrompt = str | list[int] | dict[str, Any]
@@ -265,6 +266,10 @@ class BeamSearchBatch:
         self._num_requests_per_search = [len(requests) for requests in per_search]
         return [tokens for requests in per_search for tokens in requests]
 
+    def per_request(self, per_search: Sequence[Any]) -> list[Any]:
+        """One value per search (a prompt's LoRA adapter...) as one per request of the last requests()."""
+        return [value for value, count in zip(per_search, self._num_requests_per_search) for _ in range(count)]
+
     def advance(self, outputs: Sequence[RequestOutput]) -> None:
         """outputs: the engine's answers to the last requests(), in order."""
         start = 0
@@ -281,23 +286,24 @@ class AsyncBeamSearch:
     Cancelling the call aborts the step's requests."""
 
     async def beam_search(self: AsyncClient, prompt: BeamPrompt, params: BeamSearchParams,
-                          request_id: str | None = None) -> RequestOutput:
+                          request_id: str | None = None, lora_request: LoRARequest | None = None) -> RequestOutput:
         """The finished beams of one prompt (a string, token ids or a vLLM dict prompt) as one
         finished RequestOutput: outputs[i] is beam i, best first, with its text (no EOS text
         unless include_stop_str_in_output), token_ids (the output, its EOS included),
         cumulative_logprob, logprobs and finish_reason ("stop" on EOS, else "length").
         Raises InvalidRequestError for a bad prompt or parameter, EngineDeadError when the
-        engine is dead."""
+        engine is dead. lora_request: the adapter every beam runs with."""
         inputs = await self._beam_search_inputs()
         batch = BeamSearchBatch.from_prompts([prompt], params, inputs, self.config.model.eos_token_ids)
-        return await self._run_beam_search(batch, request_id, inputs.tokenizer)
+        return await self._run_beam_search(batch, request_id, inputs.tokenizer, lora_request)
 
     async def beam_search_chat(self: AsyncClient, messages: list[dict[str, Any]], params: BeamSearchParams,
                                request_id: str | None = None, add_generation_prompt: bool = True, *,
                                continue_final_message: bool = False, chat_template: str | None = None,
                                chat_template_kwargs: dict[str, Any] | None = None,
                                documents: list[dict[str, Any]] | None = None,
-                               tools: list[dict[str, Any]] | None = None) -> RequestOutput:
+                               tools: list[dict[str, Any]] | None = None,
+                               lora_request: LoRARequest | None = None) -> RequestOutput:
         """beam_search() for a conversation, rendered with the chat template (chat_template,
         else the model's) and chat()'s options."""
         inputs = await self._beam_search_inputs()
@@ -306,7 +312,7 @@ class AsyncBeamSearch:
                               documents=documents, tools=tools)
         token_ids = inputs.render_chat(messages, options)
         batch = BeamSearchBatch.from_prompts([token_ids], params, inputs, self.config.model.eos_token_ids)
-        return await self._run_beam_search(batch, request_id, inputs.tokenizer)
+        return await self._run_beam_search(batch, request_id, inputs.tokenizer, lora_request)
 
     async def _beam_search_inputs(self: AsyncClient) -> InputProcessor:
         from actors.input_processor import InputProcessor
@@ -317,10 +323,11 @@ class AsyncBeamSearch:
                               self.config.max_logprobs)
 
     async def _run_beam_search(self: AsyncClient, batch: BeamSearchBatch, request_id: str | None,
-                               tokenizer) -> RequestOutput:
+                               tokenizer, lora_request: LoRARequest | None) -> RequestOutput:
         request_id = self._new_id(request_id)
         while not batch.done:
-            batch.advance(await self.generate_batch(batch.requests(), batch.step_params, use_tqdm=False))
+            batch.advance(await self.generate_batch(batch.requests(), batch.step_params, use_tqdm=False,
+                                                    lora_request=lora_request))
         return batch.searches[0].request_output(request_id, tokenizer)
 
 

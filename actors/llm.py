@@ -127,15 +127,20 @@ class LLM:
         return self.generate(prompts, sampling_params, use_tqdm, lora_request=lora_request)
 
     def beam_search(self, prompts: BeamPrompt | Sequence[BeamPrompt], params: BeamSearchParams,
+                    lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
                     use_tqdm: bool = False) -> list[BeamSearchOutput]:
         """vLLM's LLM.beam_search: prompts are strings, token id lists or vLLM's dict prompts
         ({"prompt": ...} / {"prompt_token_ids": [...]}), one or a list. Each step runs every
         live beam of every prompt as one batch; see actors/beam_search.py. Returns one
-        BeamSearchOutput per prompt, in prompt order, its sequences best first."""
+        BeamSearchOutput per prompt, in prompt order, its sequences best first. lora_request:
+        the adapter of each prompt's beams (one for all, or one per prompt), as vLLM's."""
         batch = BeamSearchBatch.from_prompts(prompt_list(prompts), params, self.inputs, self.config.model.eos_token_ids)
+        loras = per_prompt(lora_request, len(batch.searches), "lora_request", None)
         with tqdm(total=params.max_tokens, desc="Beam search", unit="step", disable=not use_tqdm) as progress:
             while not batch.done:
-                batch.advance(self.generate(batch.requests(), batch.step_params, use_tqdm=False))
+                requests = batch.requests()
+                batch.advance(self.generate(requests, batch.step_params, use_tqdm=False,
+                                            lora_request=batch.per_request(loras)))
                 progress.update(1)
         return [search.output(self.tokenizer) for search in batch.searches]
 

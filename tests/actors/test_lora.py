@@ -145,3 +145,21 @@ async def test_async_client_checks_adds_and_forgets_adapters(tiny_llama_dir, ada
             assert output.outputs[0].token_ids == expected[index]
             assert await client.remove_lora(lora.lora_int_id) and not await client.remove_lora(lora.lora_int_id)
             assert await client.list_loras() == set()
+
+
+def test_beam_search_with_adapters_equals_peft_beams(tiny_llama_dir, adapters):
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from actors import BeamSearchParams
+    from tests.actors.test_beam_search import assert_same_beams, hf_beams, troupe_beams
+
+    prompts = make_prompts(2, seed=11)
+    loras = [adapters["all8"], adapters["ogateup12rs"]]
+    params = BeamSearchParams(beam_width=3, max_tokens=6, ignore_eos=True)
+    llm = LLM(tiny_llama_dir, enable_lora=True, max_loras=2, kv_cache_memory="16MiB")
+    outputs = llm.beam_search(prompts, params, lora_request=loras)  # one adapter per prompt
+    for prompt, lora, output in zip(prompts, loras, outputs):
+        base = AutoModelForCausalLM.from_pretrained(tiny_llama_dir, dtype="float32")
+        peft_model = PeftModel.from_pretrained(base, lora.lora_path).eval()
+        assert_same_beams(troupe_beams(output, prompt, params), hf_beams(peft_model, prompt, params))
