@@ -1,7 +1,7 @@
 """troupe's actors, and the two Python entry points.
 
-`from actors import AsyncClient, LLM, SamplingParams, StructuredOutputsParams, BeamSearchParams, LoRARequest`. AsyncClient and LLM
-are imported on first use, so importing a light module such as actors.config does not load
+`from actors import AsyncClient, LLM, SamplingParams, StructuredOutputsParams, BeamSearchParams,
+LoRARequest`. AsyncClient and LLM are imported on first use, so importing a light module such as actors.config does not load
 torch."""
 
 from actors.beam_search import BeamSearchOutput, BeamSearchParams, BeamSearchSequence

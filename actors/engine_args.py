@@ -22,8 +22,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from actors.config import (CacheConfig, EngineConfig, LoRAConfig, ParallelConfig, SchedulerConfig, check_tensor_parallel_size,
-                           parse_size)
+from actors.config import (CacheConfig, EngineConfig, LoRAConfig, ParallelConfig, SchedulerConfig,
+                           check_tensor_parallel_size, parse_size)
 from actors.worker.loader import load_model_config, resolve_model
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")

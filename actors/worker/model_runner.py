@@ -12,9 +12,9 @@ from dataclasses import dataclass
 import torch
 
 from actors.config import EngineConfig
-from actors.worker.attention import make_backend
 from actors.lora.batch import LoRABatch, segments_of
 from actors.lora.slots import LoRASlots
+from actors.worker.attention import make_backend
 from actors.worker.attention_metadata import AttentionMetadata
 from actors.worker.cpu_model_step import CpuModelStep
 from actors.worker.cpu_tuning import MAX_FEW_ROWS, tune_allocator, tune_few_rows
@@ -213,8 +213,8 @@ class ModelRunner:
         if not plan.num_scheduled_tokens:
             return StepResult(step_id=plan.step_id, request_ids=[], sampled_token_ids=[])
         # 1. order the batch: decodes first, then prefill chunks (each by LoRA adapter)
-        batch = [(self.requests[request_id], num_tokens) for request_id, num_tokens in plan.num_scheduled_tokens.items()]
-        batch, lora = self._order_batch(batch)
+        batch, lora = self._order_batch([(self.requests[request_id], num_tokens)
+                                          for request_id, num_tokens in plan.num_scheduled_tokens.items()])
         # 2. flat inputs and attention metadata
         input_ids, positions, attention = self._prepare_inputs(batch)
         # 3. rows that need logits: each sampling request's last token, prompt-logprob positions
