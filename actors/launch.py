@@ -33,9 +33,10 @@ import uvloop
 from actors.engine_args import EngineArgs, parse_size_flag
 from actors.errors import EngineStartupError
 from actors.frontend import AsyncClient
-from actors.launch_args import (add_openai_api_flags, add_openai_server_flags, bind_unix_socket, check_openai_server_flags,
-                                openai_server_settings)
+from actors.launch_args import (add_lora_server_flags, add_openai_api_flags, add_openai_server_flags, bind_unix_socket,
+                                check_openai_server_flags, openai_server_settings)
 from api.app import build_app
+from api.errors import APIError
 from api.serving import DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_WAITING_REQUESTS, ServerSettings, ServingContext
 
 logger = logging.getLogger("actors.launch")
@@ -58,6 +59,7 @@ def build_parser() -> argparse.ArgumentParser:
     groups = EngineArgs.add_cli_args(parser)
     groups["model"].add_argument("--served-model-name", nargs="+", metavar="NAME",
                                  help="the name(s) clients use in the 'model' field (default: --model as given)")
+    add_lora_server_flags(groups["lora"])
     groups["engine"].add_argument("--num-input-processors", type=int, default=1, metavar="N",
                                   help="processes that tokenize requests side by side (default: %(default)s)")
 
@@ -201,6 +203,18 @@ class Launcher:
         await client.get_tokenizer()  # loaded now, not by the first request that needs it
         return not self.stop_requested.is_set()
 
+    async def _load_lora_modules(self, settings: ServerSettings) -> bool:
+        """Checks and serves the --lora-modules adapters; False (logged, naming the adapter)
+        when the engine cannot run one: a server must not start without an adapter it was given."""
+        for module in settings.lora_modules:
+            try:
+                await self.serving.models.load_adapter(module.name, module.path, module.base_model_name)
+            except APIError as error:
+                logger.error("--lora-modules: the adapter %r at %s cannot be served: %s", module.name, module.path,
+                             error)
+                return False
+        return True
+
     async def _serve(self, client: AsyncClient) -> int:
         args = self.args
         names = args.served_model_name or [args.model or DEFAULT_MODEL_NAME]
@@ -210,6 +224,8 @@ class Launcher:
                                   **openai_server_settings(args))
         app = build_app(client, settings)
         self.serving = app.state.serving
+        if not await self._load_lora_modules(settings):
+            return 1
         # a backstop: by then abort_all() has ended every response (uvicorn would cancel them)
         config = uvicorn.Config(app, lifespan="off", log_config=None, access_log=False, root_path=args.root_path,
                                 timeout_graceful_shutdown=args.shutdown_timeout + _ABORT_GRACE_S)
