@@ -37,6 +37,7 @@ from actors.launch_args import (add_lora_server_flags, add_openai_api_flags, add
                                 check_openai_server_flags, openai_server_settings)
 from api.app import build_app
 from api.errors import APIError
+from api.lora_models import LoRAModulePath, ServedModels
 from api.serving import DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_WAITING_REQUESTS, ServerSettings, ServingContext
 
 logger = logging.getLogger("actors.launch")
@@ -203,12 +204,13 @@ class Launcher:
         await client.get_tokenizer()  # loaded now, not by the first request that needs it
         return not self.stop_requested.is_set()
 
-    async def _load_lora_modules(self, settings: ServerSettings) -> bool:
-        """Checks and serves the --lora-modules adapters; False (logged, naming the adapter)
+    @staticmethod
+    async def _load_lora_modules(models: ServedModels, modules: list[LoRAModulePath]) -> bool:
+        """Checks and adds the --lora-modules adapters; False (logged, naming the adapter)
         when the engine cannot run one: a server must not start without an adapter it was given."""
-        for module in settings.lora_modules:
+        for module in modules:
             try:
-                await self.serving.models.load_adapter(module.name, module.path, module.base_model_name)
+                await models.load_adapter(module.name, module.path, module.base_model_name)
             except APIError as error:
                 logger.error("--lora-modules: the adapter %r at %s cannot be served: %s", module.name, module.path,
                              error)
@@ -222,10 +224,12 @@ class Launcher:
                                   max_waiting_requests=args.max_waiting_requests,
                                   max_body_bytes=args.max_request_size, model_root=client.config.model.model_path,
                                   **openai_server_settings(args))
-        app = build_app(client, settings)
-        self.serving = app.state.serving
-        if not await self._load_lora_modules(settings):
+        # every adapter given is served before the app exists, so no route ever sees a half-loaded list
+        models = ServedModels(names, client)
+        if not await self._load_lora_modules(models, args.lora_modules):
             return 1
+        app = build_app(client, settings, models)
+        self.serving = app.state.serving
         # a backstop: by then abort_all() has ended every response (uvicorn would cancel them)
         config = uvicorn.Config(app, lifespan="off", log_config=None, access_log=False, root_path=args.root_path,
                                 timeout_graceful_shutdown=args.shutdown_timeout + _ABORT_GRACE_S)

@@ -170,7 +170,6 @@ def openai_server_settings(args: argparse.Namespace) -> dict:
                 enable_prompt_tokens_details=args.enable_prompt_tokens_details,
                 enable_auto_tool_choice=args.enable_auto_tool_choice, tool_call_parser=args.tool_call_parser,
                 exclude_tools_when_tool_choice_none=args.exclude_tools_when_tool_choice_none,
-                lora_modules=args.lora_modules,
                 allow_runtime_lora_updating=args.allow_runtime_lora_updating or runtime_lora_updating_allowed())
 
 

@@ -29,6 +29,7 @@ from starlette.types import Message, Receive
 from actors.errors import EngineDeadError, InvalidRequestError
 from actors.frontend import AsyncClient
 from api.errors import APIError, bad_request, handle_api_error, handle_http_exception, internal_error
+from api.lora_models import ServedModels
 from api.metrics import CONTENT_TYPE
 from api.middleware import APIKeyMiddleware, RequestLogMiddleware, ServerLoadMiddleware, XRequestIdMiddleware
 from api.responses import VersionResponse
@@ -146,9 +147,9 @@ async def _unexpected(request: Request, error: Exception) -> Response:
 _GENERATION_PATHS = {"/v1/completions", "/v1/chat/completions", "/v1/responses", "/invocations"}
 
 
-def build_app(client: AsyncClient, settings: ServerSettings) -> Starlette:
-    """The OpenAI-compatible app serving a started client."""
-    serving = ServingContext(client, settings)
+def build_app(client: AsyncClient, settings: ServerSettings, models: ServedModels | None = None) -> Starlette:
+    """The OpenAI-compatible app serving a started client (and the LoRA adapters in models)."""
+    serving = ServingContext(client, settings, models)
     routes = list(ROUTES)
     if settings.enable_tokenizer_info_endpoint:  # off by default, as vLLM: it shows the server's tokenizer files
         routes.append(Route("/tokenizer_info", _with_context(tokenizer_info), methods=["GET"]))

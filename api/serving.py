@@ -27,7 +27,7 @@ from actors.input_processor import InputProcessor
 from api.engine_requests import EngineRequests, RequestGate
 from api import structured_fields
 from api.fields import check_extra_fields
-from api.lora_models import LoRAModulePath, ServedModels
+from api.lora_models import ServedModels
 from api.errors import APIError, engine_unavailable, from_decode_error, from_exception
 from api.metrics import ServerMetrics
 from api.responses import PromptTokensDetails, Usage
@@ -65,9 +65,7 @@ class ServerSettings:
     allowed_methods: list[str] = field(default_factory=lambda: ["*"])
     allowed_headers: list[str] = field(default_factory=lambda: ["*"])
     allow_credentials: bool = False
-    # LoRA adapters (vLLM's flags; the engine needs enable_lora): served by name from the start,
-    # and POST /v1/load_lora_adapter, /v1/unload_lora_adapter when runtime updating is allowed
-    lora_modules: list[LoRAModulePath] = field(default_factory=list)
+    # POST /v1/load_lora_adapter and /v1/unload_lora_adapter exist (the engine needs enable_lora)
     allow_runtime_lora_updating: bool = False
 
 
@@ -78,12 +76,14 @@ class ClientGone(Exception):
 class ServingContext:
     """The engine and the server-wide state every endpoint uses."""
 
-    def __init__(self, client: AsyncClient, settings: ServerSettings) -> None:
+    def __init__(self, client: AsyncClient, settings: ServerSettings, models: ServedModels | None = None) -> None:
+        """models: the served names and LoRA adapters already loaded (the launcher's
+        --lora-modules); by default the served names alone."""
         assert client.config is not None, "start the AsyncClient before serving it"
         self.client = client
         self.settings = settings
         self.model_name = settings.served_model_names[0]
-        self.models = ServedModels(settings.served_model_names, client)  # the base names, then LoRA adapters
+        self.models = models or ServedModels(settings.served_model_names, client)  # base names, then adapters
         self.max_model_len = client.config.scheduler.max_model_len
         self.metrics = ServerMetrics(self.model_name, client.config)
         self.gate = RequestGate(client.config.scheduler.max_num_seqs, settings.max_waiting_requests)

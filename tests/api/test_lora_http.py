@@ -209,12 +209,13 @@ def test_without_runtime_updating_the_routes_are_absent(tiny_llama_dir, adapter_
         assert process.stop() == 0, process.log()
 
 
-def test_a_bad_lora_module_stops_the_launch_naming_it(tiny_llama_dir, adapter_dirs, tmp_path):
+def test_a_bad_lora_module_path_stops_the_launch_naming_it(tiny_llama_dir, adapter_dirs, tmp_path):
+    missing = str(tmp_path / "no-such-adapter")
     with pytest.raises(RuntimeError, match="exited with 1") as error:
         ServerProcess(tiny_llama_dir, tmp_path / "server.log", *LORA_FLAGS,
-                      "--lora-modules", f"sql={adapter_dirs['sql']}", f"wide={adapter_dirs['rank32']}")
-    assert "--lora-modules: the adapter 'wide'" in str(error.value)
-    assert "over the engine's max_lora_rank of 16" in str(error.value)
+                      "--lora-modules", f"sql={adapter_dirs['sql']}", f"missing={missing}")
+    assert f"--lora-modules: the adapter 'missing' at {missing} cannot be served" in str(error.value)
+    assert "no such directory" in str(error.value)
 
 
 def test_lora_modules_take_vllms_two_forms():
