@@ -142,3 +142,9 @@ class EngineConfig:
 def cache_dir() -> str:
     """Where converted models are kept (TROUPE_CACHE, else ~/.cache/troupe)."""
     return os.environ.get("TROUPE_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "troupe")
+
+
+def runtime_lora_updating_allowed() -> bool:
+    """vLLM's VLLM_ALLOW_RUNTIME_LORA_UPDATING ("true" or "1"): the server may load and unload
+    LoRA adapters on request (POST /v1/load_lora_adapter, /v1/unload_lora_adapter)."""
+    return os.environ.get("VLLM_ALLOW_RUNTIME_LORA_UPDATING", "").strip().lower() in ("1", "true")

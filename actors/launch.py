@@ -33,9 +33,11 @@ import uvloop
 from actors.engine_args import EngineArgs, parse_size_flag
 from actors.errors import EngineStartupError
 from actors.frontend import AsyncClient
-from actors.launch_args import (add_openai_api_flags, add_openai_server_flags, bind_unix_socket, check_openai_server_flags,
-                                openai_server_settings)
+from actors.launch_args import (add_lora_server_flags, add_openai_api_flags, add_openai_server_flags, bind_unix_socket,
+                                check_openai_server_flags, openai_server_settings)
 from api.app import build_app
+from api.errors import APIError
+from api.lora_models import LoRAModulePath, ServedModels
 from api.serving import DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_WAITING_REQUESTS, ServerSettings, ServingContext
 
 logger = logging.getLogger("actors.launch")
@@ -58,6 +60,7 @@ def build_parser() -> argparse.ArgumentParser:
     groups = EngineArgs.add_cli_args(parser)
     groups["model"].add_argument("--served-model-name", nargs="+", metavar="NAME",
                                  help="the name(s) clients use in the 'model' field (default: --model as given)")
+    add_lora_server_flags(groups["lora"])
     groups["engine"].add_argument("--num-input-processors", type=int, default=1, metavar="N",
                                   help="processes that tokenize requests side by side (default: %(default)s)")
 
@@ -201,6 +204,19 @@ class Launcher:
         await client.get_tokenizer()  # loaded now, not by the first request that needs it
         return not self.stop_requested.is_set()
 
+    @staticmethod
+    async def _load_lora_modules(models: ServedModels, modules: list[LoRAModulePath]) -> bool:
+        """Checks and adds the --lora-modules adapters; False (logged, naming the adapter)
+        when the engine cannot run one: a server must not start without an adapter it was given."""
+        for module in modules:
+            try:
+                await models.load_adapter(module.name, module.path, module.base_model_name)
+            except APIError as error:
+                logger.error("--lora-modules: the adapter %r at %s cannot be served: %s", module.name, module.path,
+                             error)
+                return False
+        return True
+
     async def _serve(self, client: AsyncClient) -> int:
         args = self.args
         names = args.served_model_name or [args.model or DEFAULT_MODEL_NAME]
@@ -208,7 +224,11 @@ class Launcher:
                                   max_waiting_requests=args.max_waiting_requests,
                                   max_body_bytes=args.max_request_size, model_root=client.config.model.model_path,
                                   **openai_server_settings(args))
-        app = build_app(client, settings)
+        # every adapter given is served before the app exists, so no route ever sees a half-loaded list
+        models = ServedModels(names, client)
+        if not await self._load_lora_modules(models, args.lora_modules):
+            return 1
+        app = build_app(client, settings, models)
         self.serving = app.state.serving
         # a backstop: by then abort_all() has ended every response (uvicorn would cancel them)
         config = uvicorn.Config(app, lifespan="off", log_config=None, access_log=False, root_path=args.root_path,

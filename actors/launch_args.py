@@ -1,5 +1,6 @@
 """The launcher's flags that vLLM's OpenAI server has under the same names: where to listen
-(--uds, --root-path), CORS, request ids, request logging and the optional routes. launch.py
+(--uds, --root-path), CORS, request ids, request logging, the optional routes and LoRA
+adapters (--lora-modules). launch.py
 adds them to its parser and turns them into ServerSettings fields."""
 
 from __future__ import annotations
@@ -10,6 +11,8 @@ import os
 import socket
 import stat
 
+from actors.config import runtime_lora_updating_allowed
+from api.lora_models import LoRAModulePath
 from api.tool_parsers import TOOL_PARSERS
 
 # CORS: any origin, method and header, as vLLM's defaults
@@ -73,6 +76,42 @@ def add_openai_api_flags(api: argparse._ArgumentGroup) -> None:
                      help="with tool_choice 'none', leave the tools out of the prompt")
 
 
+def parse_lora_module(text: str) -> LoRAModulePath:
+    """One --lora-modules item in vLLM's forms: name=path, or a JSON object
+    {"name": ..., "path": ..., "base_model_name": ...} (base_model_name optional)."""
+    if "=" in text and "," not in text and not text.lstrip().startswith("{"):
+        name, _, path = text.partition("=")
+        if not name or not path:
+            raise argparse.ArgumentTypeError(f"expected name=path, got {text!r}")
+        return LoRAModulePath(name, path)
+    try:
+        fields = json.loads(text)
+    except json.JSONDecodeError:
+        fields = None
+    if not isinstance(fields, dict):
+        raise argparse.ArgumentTypeError(f"expected name=path or a JSON object with name and path, got {text!r}")
+    unknown = set(fields) - {"name", "path", "base_model_name"}
+    if unknown:
+        raise argparse.ArgumentTypeError(f"unknown field(s) {', '.join(sorted(unknown))} in {text!r}; "
+                                         "a module has name, path and base_model_name")
+    if not all(isinstance(fields.get(key), str) and fields[key] for key in ("name", "path")):
+        raise argparse.ArgumentTypeError(f"a module needs a non-empty name and path, got {text!r}")
+    base_model_name = fields.get("base_model_name")
+    if base_model_name is not None and not isinstance(base_model_name, str):
+        raise argparse.ArgumentTypeError(f"base_model_name must be a string, got {text!r}")
+    return LoRAModulePath(fields["name"], fields["path"], base_model_name)
+
+
+def add_lora_server_flags(lora: argparse._ArgumentGroup) -> None:
+    """vLLM's server flags for LoRA adapters, in the engine's "LoRA adapters" group."""
+    lora.add_argument("--lora-modules", type=parse_lora_module, nargs="+", default=[], metavar="MODULE",
+                      help="adapters served from the start, each under its own model name: name=path, or JSON "
+                           "'{\"name\": ..., \"path\": ..., \"base_model_name\": ...}' (needs --enable-lora)")
+    lora.add_argument("--allow-runtime-lora-updating", action="store_true",
+                      help="serve POST /v1/load_lora_adapter and /v1/unload_lora_adapter (as vLLM's "
+                           "VLLM_ALLOW_RUNTIME_LORA_UPDATING=true; needs --enable-lora)")
+
+
 def load_chat_template(value: str) -> str:
     """--chat-template: a file's contents, or the value itself when it is a template
     (vLLM's rule: text with braces or a line break is a template, else a path)."""
@@ -102,6 +141,20 @@ def check_openai_server_flags(parser: argparse.ArgumentParser, args: argparse.Na
                      f"{', '.join(TOOL_PARSERS)}")
     if args.enable_auto_tool_choice and args.tool_call_parser is None:
         parser.error("--enable-auto-tool-choice needs --tool-call-parser")
+    _check_lora_flags(parser, args)
+
+
+def _check_lora_flags(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    for flag in ("lora_modules", "allow_runtime_lora_updating"):
+        if getattr(args, flag) and not args.enable_lora:
+            parser.error(f"--{flag.replace('_', '-')} needs --enable-lora")
+    names = [module.name for module in args.lora_modules]
+    served = args.served_model_name or [args.model]
+    for name in names:
+        if names.count(name) > 1:
+            parser.error(f"--lora-modules: the name {name!r} is given twice")
+        if name in served:
+            parser.error(f"--lora-modules: {name!r} is a served name of the base model; an adapter needs another")
 
 
 def openai_server_settings(args: argparse.Namespace) -> dict:
@@ -116,7 +169,8 @@ def openai_server_settings(args: argparse.Namespace) -> dict:
                 return_tokens_as_token_ids=args.return_tokens_as_token_ids,
                 enable_prompt_tokens_details=args.enable_prompt_tokens_details,
                 enable_auto_tool_choice=args.enable_auto_tool_choice, tool_call_parser=args.tool_call_parser,
-                exclude_tools_when_tool_choice_none=args.exclude_tools_when_tool_choice_none)
+                exclude_tools_when_tool_choice_none=args.exclude_tools_when_tool_choice_none,
+                allow_runtime_lora_updating=args.allow_runtime_lora_updating or runtime_lora_updating_allowed())
 
 
 def bind_unix_socket(path: str) -> socket.socket:

@@ -3,7 +3,8 @@
     app = build_app(client, ServerSettings(served_model_names=["smollm2"]))
 
 The generation routes live in serving_completions.py and serving_chat.py, the tokenizer's
-in serving_tokens.py; the small routes (models, health, metrics, version, load) and
+in serving_tokens.py, the models' (LoRA adapters too) in serving_models.py; the small
+routes (health, metrics, version, load) and
 SageMaker's (/ping, /invocations) are here."""
 
 from __future__ import annotations
@@ -28,13 +29,15 @@ from starlette.types import Message, Receive
 from actors.errors import EngineDeadError, InvalidRequestError
 from actors.frontend import AsyncClient
 from api.errors import APIError, bad_request, handle_api_error, handle_http_exception, internal_error
+from api.lora_models import ServedModels
 from api.metrics import CONTENT_TYPE
 from api.middleware import APIKeyMiddleware, RequestLogMiddleware, ServerLoadMiddleware, XRequestIdMiddleware
-from api.responses import ModelCard, ModelList, VersionResponse
+from api.responses import VersionResponse
 from api.serving import ClientGone, ServerSettings, ServingContext, decode_json, json_response, read_body
 from api.serving_chat import create_chat_completion
 from api.serving_responses import create_response, retrieve_response
 from api.serving_completions import create_completion
+from api.serving_models import list_models, load_lora_adapter, retrieve_model, unload_lora_adapter
 from api.serving_tokens import detokenize, tokenize, tokenizer_info
 
 # How long /metrics waits for the scheduler's counters before answering without them.
@@ -49,22 +52,6 @@ def _with_context(endpoint: Endpoint) -> Callable[[Request], Awaitable[Response]
         return await endpoint(request.app.state.serving, request)
 
     return handle
-
-
-async def list_models(ctx: ServingContext, request: Request) -> Response:
-    return json_response(ModelList(data=[_model_card(ctx, name) for name in ctx.settings.served_model_names]))
-
-
-async def retrieve_model(ctx: ServingContext, request: Request) -> Response:
-    """GET /v1/models/{model}: OpenAI's retrieve; 404 for a model this server does not serve."""
-    name = request.path_params["model"]
-    if name not in ctx.settings.served_model_names:
-        raise APIError(404, f"the model {name!r} does not exist", param="model", code="model_not_found")
-    return json_response(_model_card(ctx, name))
-
-
-def _model_card(ctx: ServingContext, name: str) -> ModelCard:
-    return ModelCard(id=name, root=ctx.settings.model_root, max_model_len=ctx.max_model_len)
 
 
 async def health(ctx: ServingContext, request: Request) -> Response:
@@ -160,12 +147,16 @@ async def _unexpected(request: Request, error: Exception) -> Response:
 _GENERATION_PATHS = {"/v1/completions", "/v1/chat/completions", "/v1/responses", "/invocations"}
 
 
-def build_app(client: AsyncClient, settings: ServerSettings) -> Starlette:
-    """The OpenAI-compatible app serving a started client."""
-    serving = ServingContext(client, settings)
+def build_app(client: AsyncClient, settings: ServerSettings, models: ServedModels | None = None) -> Starlette:
+    """The OpenAI-compatible app serving a started client (and the LoRA adapters in models)."""
+    serving = ServingContext(client, settings, models)
     routes = list(ROUTES)
     if settings.enable_tokenizer_info_endpoint:  # off by default, as vLLM: it shows the server's tokenizer files
         routes.append(Route("/tokenizer_info", _with_context(tokenizer_info), methods=["GET"]))
+    if settings.allow_runtime_lora_updating and client.config.lora is not None:
+        # as vLLM: the routes exist only when allowed, so an open server cannot be given new weights
+        routes.append(Route("/v1/load_lora_adapter", _with_context(load_lora_adapter), methods=["POST"]))
+        routes.append(Route("/v1/unload_lora_adapter", _with_context(unload_lora_adapter), methods=["POST"]))
     # outermost first: CORS answers preflights and adds its headers to every response, errors too
     middleware = [Middleware(CORSMiddleware, allow_origins=settings.allowed_origins,
                              allow_methods=settings.allowed_methods, allow_headers=settings.allowed_headers,

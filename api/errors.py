@@ -22,7 +22,7 @@ class ErrorBody(msgspec.Struct):
     message: str
     type: str
     param: str | None = None
-    code: str | None = None
+    code: str | int | None = None  # troupe's own codes are names; vLLM's errors carry their status
 
 
 class ErrorResponse(msgspec.Struct):
@@ -33,7 +33,7 @@ class APIError(Exception):
     """A request that ends with an error status and an OpenAI-shaped body."""
 
     def __init__(self, status: int, message: str, *, type: str = "invalid_request_error",
-                 param: str | None = None, code: str | None = None,
+                 param: str | None = None, code: str | int | None = None,
                  headers: dict[str, str] | None = None) -> None:
         super().__init__(message)
         self.status = status

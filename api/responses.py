@@ -182,11 +182,12 @@ class ChatCompletionChunk(msgspec.Struct):
 
 class ModelCard(msgspec.Struct):
     id: str
-    root: str  # the model's directory
+    root: str  # the model's directory (an adapter's: the adapter's)
     max_model_len: int
     object: str = "model"
     created: int = msgspec.field(default_factory=lambda: int(time.time()))
     owned_by: str = "troupe"
+    parent: str | None = None  # a LoRA adapter's base model (its served name), as vLLM; None for a base model
 
 
 class ModelList(msgspec.Struct):

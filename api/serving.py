@@ -27,10 +27,12 @@ from actors.input_processor import InputProcessor
 from api.engine_requests import EngineRequests, RequestGate
 from api import structured_fields
 from api.fields import check_extra_fields
-from api.errors import APIError, bad_request, engine_unavailable, from_decode_error, from_exception
+from api.lora_models import ServedModels
+from api.errors import APIError, engine_unavailable, from_decode_error, from_exception
 from api.metrics import ServerMetrics
 from api.responses import PromptTokensDetails, Usage
 from messages.common import RequestOutput, SamplingParams
+from messages.lora import LoRARequest
 
 T = TypeVar("T")
 
@@ -63,6 +65,8 @@ class ServerSettings:
     allowed_methods: list[str] = field(default_factory=lambda: ["*"])
     allowed_headers: list[str] = field(default_factory=lambda: ["*"])
     allow_credentials: bool = False
+    # POST /v1/load_lora_adapter and /v1/unload_lora_adapter exist (the engine needs enable_lora)
+    allow_runtime_lora_updating: bool = False
 
 
 class ClientGone(Exception):
@@ -72,11 +76,14 @@ class ClientGone(Exception):
 class ServingContext:
     """The engine and the server-wide state every endpoint uses."""
 
-    def __init__(self, client: AsyncClient, settings: ServerSettings) -> None:
+    def __init__(self, client: AsyncClient, settings: ServerSettings, models: ServedModels | None = None) -> None:
+        """models: the served names and LoRA adapters already loaded (the launcher's
+        --lora-modules); by default the served names alone."""
         assert client.config is not None, "start the AsyncClient before serving it"
         self.client = client
         self.settings = settings
         self.model_name = settings.served_model_names[0]
+        self.models = models or ServedModels(settings.served_model_names, client)  # base names, then adapters
         self.max_model_len = client.config.scheduler.max_model_len
         self.metrics = ServerMetrics(self.model_name, client.config)
         self.gate = RequestGate(client.config.scheduler.max_num_seqs, settings.max_waiting_requests)
@@ -89,14 +96,10 @@ class ServingContext:
         # generation requests in flight, for GET /load; counted only with enable_server_load_tracking
         self.server_load = 0
 
-    def check_model(self, name: str | None) -> str:
-        """The model name a response carries; 400 for a model this server does not serve.
-        No name (or an empty one) means the first served model, as vLLM."""
-        if not name or name in self.settings.served_model_names:
-            return self.model_name
-        raise bad_request(f"the model {name!r} does not exist; this server serves "
-                          f"{', '.join(map(repr, self.settings.served_model_names))}",
-                          param="model", code="model_not_found")
+    def resolve_model(self, name: str | None) -> tuple[str, LoRARequest | None]:
+        """The model name a response carries and the LoRA adapter the request runs with
+        (None: the base model); 404 for a model this server neither serves nor has loaded."""
+        return self.models.resolve(name)
 
     def request_ids(self, request: Request, body_request_id: str | None, prefix: str,
                     num_requests: int) -> tuple[str, list[str]]:

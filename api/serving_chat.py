@@ -102,7 +102,7 @@ class _Reply:
 
 async def create_chat_completion(ctx: ServingContext, request: Request) -> Response:
     body = await read_json(request, ChatCompletionRequest, ctx.settings.max_body_bytes)
-    model = ctx.check_model(body.model_name)
+    model, lora_request = ctx.resolve_model(body.model_name)
     settings = ctx.settings
     tool_choice = check_tools(body.tools, body.tool_choice,
                               settings.enable_auto_tool_choice and settings.tool_call_parser is not None)
@@ -117,7 +117,7 @@ async def create_chat_completion(ctx: ServingContext, request: Request) -> Respo
     chat_kwargs = dict(add_generation_prompt=options.add_generation_prompt,
                        continue_final_message=options.continue_final_message, chat_template=options.chat_template,
                        chat_template_kwargs=options.chat_template_kwargs, documents=options.documents,
-                       tools=options.tools)
+                       tools=options.tools, lora_request=lora_request)
     parsing = OutputParsing(tool_choice, settings.tool_call_parser, body.parallel_tool_calls,
                             ctx.client.config.reasoning_parser, await reasoning_markers_of(ctx.client))
     reply = _Reply(ctx, body, messages, parsing)

@@ -21,7 +21,7 @@ from messages.common import CompletionOutput, Logprob, RequestOutput
 
 async def create_completion(ctx: ServingContext, request: Request) -> Response:
     body = await read_json(request, CompletionRequest, ctx.settings.max_body_bytes)
-    model = ctx.check_model(body.model_name)
+    model, lora_request = ctx.resolve_model(body.model_name)
     params = None if body.use_beam_search else body.to_sampling_params()
     prompts = body.prompts()
     ctx.check_prompt_tokens(prompts)
@@ -41,7 +41,8 @@ async def create_completion(ctx: ServingContext, request: Request) -> Response:
     if body.use_beam_search:
         beam_params = body.beam_search_params(body.max_tokens, ctx.max_model_len)
         outputs = await run_beam_searches(ctx, request, [
-            lambda prompt=prompt: ctx.client.beam_search(prompt, beam_params) for prompt in prompts])
+            lambda prompt=prompt: ctx.client.beam_search(prompt, beam_params, lora_request=lora_request)
+            for prompt in prompts])
         whole = whole_response(outputs, beam_usage(outputs))
         # streamed, each finished beam is a chunk (the choices are whole already)
         chunks = [CompletionResponse(id=response_id, model=model, created=whole.created, choices=[choice],
@@ -52,7 +53,8 @@ async def create_completion(ctx: ServingContext, request: Request) -> Response:
         return beam_response(body.stream, whole, chunks)
     requests = ctx.open(engine_ids, lambda engine_id, index: ctx.client.generate(
         ctx.engine_prompt(prompts[index], body.cache_salt), params, request_id=engine_id,
-        add_special_tokens=body.add_special_tokens, priority=body.priority), params)
+        add_special_tokens=body.add_special_tokens, priority=body.priority,
+        lora_request=lora_request), params)
     return await respond(request, requests, body.stream,
                          lambda: _chunks(ctx, response_id, model, body, requests, choices),
                          lambda outputs: whole_response(outputs, ctx.usage(requests)))

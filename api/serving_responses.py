@@ -46,7 +46,7 @@ async def retrieve_response(ctx: ServingContext, request: Request) -> Response:
 async def create_response(ctx: ServingContext, request: Request) -> Response:
     body = await read_json(request, ResponsesRequest, ctx.settings.max_body_bytes)
     body.check()
-    model = ctx.check_model(body.model)
+    model, lora_request = ctx.resolve_model(body.model)
     history: list[dict[str, Any]] = []
     if body.previous_response_id is not None:
         entry = _store.get(body.previous_response_id)
@@ -71,7 +71,7 @@ async def create_response(ctx: ServingContext, request: Request) -> Response:
     response_id = new_id("resp")
     _, engine_ids = ctx.request_ids(request, None, "resp", 1)
     requests = ctx.open(engine_ids, lambda engine_id, _: ctx.client.chat(
-        messages, params, request_id=engine_id, tools=tools), params)
+        messages, params, request_id=engine_id, tools=tools, lora_request=lora_request), params)
     template = ResponseObject(
         id=response_id, model=model, status="in_progress", instructions=body.instructions,
         max_output_tokens=body.max_output_tokens, temperature=body.temperature, top_p=body.top_p,

@@ -26,7 +26,7 @@ async def tokenize(ctx: ServingContext, request: Request) -> Response:
     """A prompt's token ids, or a conversation's as the chat template renders it; with
     return_token_strs, each token's string too."""
     body = await read_json(request, TokenizeRequest, ctx.settings.max_body_bytes)
-    ctx.check_model(body.model)
+    ctx.resolve_model(body.model)  # an adapter shares the base model's tokenizer
     if (body.prompt is None) == (body.messages is None):
         raise bad_request("give exactly one of prompt and messages", param="prompt")
     tokenizer = await ctx.client.get_tokenizer()
@@ -52,7 +52,7 @@ async def tokenize(ctx: ServingContext, request: Request) -> Response:
 
 async def detokenize(ctx: ServingContext, request: Request) -> Response:
     body = await read_json(request, DetokenizeRequest, ctx.settings.max_body_bytes)
-    ctx.check_model(body.model)
+    ctx.resolve_model(body.model)
     vocab_size = ctx.client.config.model.vocab_size
     bad = [token for token in body.tokens if not 0 <= token < vocab_size]
     if bad:
