@@ -75,7 +75,7 @@ def test_previous_response_id_continues_the_conversation(client):
 
 def test_text_format_json_schema_validates(client):
     response = client.responses.create(
-        model=MODEL_NAME, input="Answer as JSON.", max_output_tokens=60, temperature=1.0,
+        model=MODEL_NAME, input="Answer as JSON.", max_output_tokens=60, temperature=0.0,
         text={"format": {"type": "json_schema", "name": "answer", "schema": SCHEMA, "strict": True}})
     assert response.status == "completed"
     jsonschema.validate(json.loads(response.output_text), SCHEMA)
