@@ -62,11 +62,9 @@ def read_pooler_config(model_dir: str, task: Task, override: dict[str, object] |
     if task not in ("embed", "classify"):
         raise ValueError(f"task must be 'embed' or 'classify', got {task!r}")
     hf_config = _read_json(os.path.join(model_dir, "config.json"))
-    is_encoder = _is_encoder(hf_config, model_dir)
     matryoshka_dimensions = hf_config.get("matryoshka_dimensions")
     fields: dict[str, object] = {
         "task": task,
-        "pooling_type": "CLS" if is_encoder else "LAST",
         "normalize": task == "embed",
         "activation": None,
         "num_labels": None,
@@ -76,7 +74,11 @@ def read_pooler_config(model_dir: str, task: Task, override: dict[str, object] |
     }
     if task == "embed":
         fields.update(_read_sentence_transformers_modules(model_dir))
-    else:
+    if "pooling_type" not in fields:
+        # the architecture's default only when no Pooling module chose: a sentence-transformers
+        # model of a family we have no default for still says how it pools
+        fields["pooling_type"] = _default_pooling_type(hf_config, model_dir)
+    if task == "classify":
         num_labels = _num_labels(hf_config)
         fields["num_labels"] = num_labels
         fields["activation"] = _classify_activation(hf_config, model_dir, num_labels)
@@ -159,12 +161,12 @@ def _read_json(path: str) -> dict:
         return json.load(json_file)
 
 
-def _is_encoder(hf_config: dict, model_dir: str) -> bool:
+def _default_pooling_type(hf_config: dict, model_dir: str) -> str:
     model_type = hf_config.get("model_type")
     if model_type in ENCODER_MODEL_TYPES:
-        return True
+        return "CLS"  # BERT's [CLS] row, which its pretraining and pooler are built around
     if model_type in DECODER_MODEL_TYPES:
-        return False
+        return "LAST"  # causal attention: only the last row has seen the whole prompt
     raise ValueError(f"{model_dir}/config.json: model_type {model_type!r} has no default pooling "
                      f"(encoders: {', '.join(ENCODER_MODEL_TYPES)}; decoders: {', '.join(DECODER_MODEL_TYPES)})")
 

@@ -101,6 +101,9 @@ def test_classification_activation(tmp_path, hf_config: dict, activation: str | 
 def test_an_unknown_model_type_has_no_default(tmp_path) -> None:
     with pytest.raises(ValueError, match="gpt2"):
         read_pooler_config(write_model_dir(tmp_path, {"model_type": "gpt2"}), "embed")
+    # ... unless its sentence-transformers files say how it pools
+    model_dir = write_model_dir(tmp_path, {"model_type": "gpt2"}, LEGACY_MODULES, {"pooling_mode": "mean"})
+    assert read_pooler_config(model_dir, "embed").pooling_type == "MEAN"
 
 
 def test_matryoshka_keys_of_config_json(tmp_path) -> None:
