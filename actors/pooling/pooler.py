@@ -76,8 +76,9 @@ class Pooler:
             if span.is_first:
                 # a first chunk starts over: a preempted request's earlier rows are stale
                 self.states.pop(span.request_id, None)
-            elif span.request_id not in self.states and span.pooling_type != "LAST":
-                raise AssertionError(f"{span.request_id}: a later chunk came before the prompt's first")
+            else:
+                assert span.pooling_type == "LAST" or span.request_id in self.states, \
+                    f"{span.request_id}: a later chunk came before the prompt's first"
             by_type[span.pooling_type].append(span)
         self._pool_last(hidden, by_type["LAST"], outputs)
         self._pool_cls(hidden, by_type["CLS"], outputs)
