@@ -54,6 +54,10 @@ class PoolerConfig:
     num_labels: int | None  # classification outputs; None for an embedding model
     is_matryoshka: bool  # the model was trained so that a prefix of its embedding is one too
     matryoshka_dimensions: tuple[int, ...] | None  # the prefix lengths it was trained for; None: any
+    # sentence-transformers (6 on) renders a text as a one-message chat with the tokenizer's
+    # template when the model's Transformer module takes "message" input: an embedding
+    # request's text then goes through the template too, so the two embed the same tokens
+    text_as_chat: bool = False
 
 
 def read_pooler_config(model_dir: str, task: Task, override: dict[str, object] | None = None) -> PoolerConfig:
@@ -181,6 +185,8 @@ def _read_sentence_transformers_modules(model_dir: str) -> dict[str, object]:
         class_name = module["type"].rsplit(".", 1)[-1]
         if class_name == "Pooling":
             fields["pooling_type"] = _pooling_type(os.path.join(model_dir, module["path"], "config.json"))
+        elif class_name == "Transformer":
+            fields["text_as_chat"] = _takes_messages(os.path.join(model_dir, module["path"]))
         elif class_name == "Normalize":
             fields["normalize"] = True
         elif class_name == "Dense":
@@ -191,6 +197,12 @@ def _read_sentence_transformers_modules(model_dir: str) -> dict[str, object]:
         elif class_name not in _NEUTRAL_MODULES:
             raise ValueError(f"{modules_path}: module type {module['type']!r} is not supported")
     return fields
+
+
+def _takes_messages(module_dir: str) -> bool:
+    """Whether a saved Transformer module declares the "message" modality (sentence_bert_config.json)."""
+    path = os.path.join(module_dir, "sentence_bert_config.json")
+    return os.path.isfile(path) and "message" in (_read_json(path).get("modality_config") or {})
 
 
 def _pooling_type(pooling_config_path: str) -> str:
