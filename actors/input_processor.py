@@ -28,7 +28,8 @@ logger = logging.getLogger(__name__)
 
 # the PoolingParams.task values a model of each pooling task serves (score: an embedding
 # model's scores are cosines of embeddings, a classifier's its one-label output)
-POOLING_TASKS_OF = {"embed": ("embed", "encode", "score"), "classify": ("classify", "encode", "score")}
+POOLING_TASKS_OF = {"embed": ("embed", "encode", "score", "token_embed"),
+                    "classify": ("classify", "encode", "score", "token_classify", "reward")}
 
 Prompt = str | list[int]
 

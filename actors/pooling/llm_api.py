@@ -30,9 +30,10 @@ class LLMPoolingMixin:
                truncate_prompt_tokens: int | None = None, use_tqdm: bool = True, lora_request: LoRAs = None,
                pooling_task: str | None = None) -> list[PoolingRequestOutput]:
         """Each prompt's pooled output (outputs.data, a float32 tensor), in prompt order.
-        pooling_params and lora_request may be one per prompt."""
-        task = pooling_task or (self.config.pooler.task if self.config.pooler is not None else "encode")
-        return self._pool(prompts, pooling_params, task, truncate_prompt_tokens, use_tqdm, lora_request)
+        pooling_params and lora_request may be one per prompt; pooling_task (else the
+        params' task, else the model's) may ask for per-token rows ("token_embed",
+        "token_classify")."""
+        return self._pool(prompts, pooling_params, pooling_task, truncate_prompt_tokens, use_tqdm, lora_request)
 
     def embed(self: LLM, prompts: PromptInput | Sequence[PromptInput], pooling_params: Params = None, *,
               truncate_prompt_tokens: int | None = None, use_tqdm: bool = True,
@@ -47,6 +48,13 @@ class LLMPoolingMixin:
         """Each prompt's class scores (outputs.probs), after the model's activation."""
         outputs = self._pool(prompts, pooling_params, "classify", truncate_prompt_tokens, use_tqdm, lora_request)
         return [classification_output(output) for output in outputs]
+
+    def reward(self: LLM, prompts: PromptInput | Sequence[PromptInput], pooling_params: Params = None, *,
+               truncate_prompt_tokens: int | None = None, use_tqdm: bool = True,
+               lora_request: LoRAs = None) -> list[PoolingRequestOutput]:
+        """A classifier's scores at every prompt token (outputs.data [num_tokens, num_labels]),
+        as vLLM's LLM.reward runs a reward model."""
+        return self._pool(prompts, pooling_params, "reward", truncate_prompt_tokens, use_tqdm, lora_request)
 
     def score(self: LLM, data_1: str | Sequence[str], data_2: str | Sequence[str], /, *,
               truncate_prompt_tokens: int | None = None, use_tqdm: bool = True,
@@ -77,10 +85,11 @@ class LLMPoolingMixin:
                                      outputs=ScoringOutput(score=float(output.outputs.data[0])),
                                      prompt_token_ids=output.prompt_token_ids) for output in outputs]
 
-    def _pool(self: LLM, prompts: PromptInput | Sequence[PromptInput], pooling_params: Params, task: str,
+    def _pool(self: LLM, prompts: PromptInput | Sequence[PromptInput], pooling_params: Params, task: str | None,
               truncate_prompt_tokens: int | None, use_tqdm: bool, lora_request: LoRAs) -> list[PoolingRequestOutput]:
         split = [split_prompt(prompt) for prompt in prompt_list(prompts)]
-        params_list = [_with_task(params, task, truncate_prompt_tokens)
+        default_task = self.config.pooler.task if self.config.pooler is not None else "encode"
+        params_list = [_with_task(params, task, truncate_prompt_tokens, default_task)
                        for params in per_prompt(pooling_params, len(split), "pooling_params", None)]
         loras = per_prompt(lora_request, len(split), "lora_request", None)
         processed = [self.inputs.process(prompt, POOLING_SAMPLING_PARAMS, cache_salt=salt, lora_request=lora,
@@ -102,7 +111,9 @@ class LLMPoolingMixin:
         return self._run(request_ids, use_tqdm)
 
 
-def _with_task(params: PoolingParams | None, task: str, truncate_prompt_tokens: int | None) -> PoolingParams:
+def _with_task(params: PoolingParams | None, task: str | None, truncate_prompt_tokens: int | None,
+               default_task: str) -> PoolingParams:
+    """params for task (None: their own task, else default_task), truncated as asked."""
     if params is None:
         params = PoolingParams()
     elif not isinstance(params, PoolingParams):
@@ -111,7 +122,7 @@ def _with_task(params: PoolingParams | None, task: str, truncate_prompt_tokens: 
     if truncate_prompt_tokens is not None:
         params = msgspec.structs.replace(params, truncate_prompt_tokens=truncate_prompt_tokens)
         params.validate()
-    return params.with_task(task)
+    return params.with_task(task or params.task or default_task)
 
 
 def _texts(data: str | Sequence[str], name: str) -> list[str]:

@@ -17,7 +17,7 @@ import torch
 from actors.pooling.classifier import ScoreHead
 from actors.pooling.config import PoolerConfig
 from actors.pooling.pooler import Pooler, PoolingSpan, finish_embedding, finish_logits
-from messages.pooling import PooledData, PoolingParams
+from messages.pooling import PER_TOKEN_TASKS, PooledData, PoolingParams
 
 
 class PoolingRunner:
@@ -42,8 +42,10 @@ class PoolingRunner:
 
     def span(self, request_id: str, start_row: int, first_token: int, num_tokens: int,
              num_prompt_tokens: int) -> PoolingSpan:
-        """A request's rows of this step: prompt tokens [first_token, first_token + num_tokens)."""
-        return PoolingSpan(request_id, start_row, num_tokens, self.config.pooling_type, is_first=first_token == 0,
+        """A request's rows of this step: prompt tokens [first_token, first_token + num_tokens).
+        A per-token task (reward, token_embed, token_classify) pools every row (ALL)."""
+        pooling_type = "ALL" if self.params[request_id].task in PER_TOKEN_TASKS else self.config.pooling_type
+        return PoolingSpan(request_id, start_row, num_tokens, pooling_type, is_first=first_token == 0,
                            is_last=first_token + num_tokens == num_prompt_tokens)
 
     def outputs(self, hidden: torch.Tensor, spans: list[PoolingSpan]) -> dict[str, PooledData]:

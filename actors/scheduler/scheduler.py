@@ -31,7 +31,7 @@ from messages.common import SamplingParams
 from messages.detokenizer import NewTokens
 from messages.frontend import HistogramSnapshot, PoolingResult
 from messages.lora import LoRARequest
-from messages.pooling import PoolingParams
+from messages.pooling import PER_TOKEN_TASKS, PoolingParams
 from messages.scheduler import StepResult, TokenLogprobs
 from messages.worker import ContinuingRequest, NewRequest, StepPlan
 
@@ -114,7 +114,8 @@ class Scheduler:
         for seq in sequences:
             seq.lora_request = lora_request
             seq.pooling_params = pooling_params
-            seq.pools_every_token = pooling_params is not None and self.pooling_type != "LAST"
+            seq.pools_every_token = pooling_params is not None and (
+                self.pooling_type != "LAST" or pooling_params.task in PER_TOKEN_TASKS)
         for seq in sequences:
             if seq.seq_id in self.sequences:
                 raise ValueError(f"request_id {request_id!r}: sequence id {seq.seq_id!r} is already live")

@@ -133,3 +133,32 @@ def test_sequence_classification_equals_hugging_face(make_tiny_model, tmp_path, 
     else:
         with pytest.raises(InvalidRequestError):
             llm.score(PROMPTS[0], PROMPTS[1], use_tqdm=False)
+
+
+def test_per_token_tasks_give_a_row_per_prompt_token(tiny_qwen3_dir, make_tiny_model, tmp_path):
+    """reward (a classifier's scores at every token) and token_embed (every token's
+    embedding) against Hugging Face's hidden states, through chunked prefill."""
+    from transformers import AutoModel, AutoModelForSequenceClassification, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_qwen3_dir)
+    prompt = PROMPTS[2]
+    ids = tokenizer(prompt)["input_ids"]
+    embedder = LLM(tiny_qwen3_dir, convert="embed", max_num_batched_tokens=16, kv_cache_memory="64MiB")
+    rows = embedder.encode([prompt], PoolingParams(normalize=False), pooling_task="token_embed",
+                           use_tqdm=False)[0].outputs.data
+    with torch.no_grad():
+        hidden = AutoModel.from_pretrained(tiny_qwen3_dir)(torch.tensor([ids])).last_hidden_state[0]
+    torch.testing.assert_close(rows, hidden, rtol=1e-4, atol=1e-5)
+
+    torch.manual_seed(0)
+    classifier = AutoModelForSequenceClassification.from_pretrained(tiny_qwen3_dir, num_labels=2).eval()
+    classifier.config.pad_token_id = 0
+    classifier.save_pretrained(tmp_path)
+    tokenizer.save_pretrained(tmp_path)
+    llm = LLM(str(tmp_path), max_num_batched_tokens=16, kv_cache_memory="64MiB")
+    scores = llm.reward([prompt], use_tqdm=False)[0].outputs.data
+    with torch.no_grad():
+        states = classifier.model(torch.tensor([ids])).last_hidden_state[0]
+        expected = torch.softmax(classifier.score(states), dim=-1)
+    assert scores.shape == (len(ids), 2)
+    torch.testing.assert_close(scores, expected, rtol=1e-4, atol=1e-5)
