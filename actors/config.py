@@ -7,6 +7,9 @@ import os
 import re
 from dataclasses import dataclass, field
 
+# a field of EngineConfig, which msgspec decodes in every actor process: imported for real (torch-free)
+from actors.pooling.config import PoolerConfig
+
 _SIZE_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
                "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
 
@@ -48,6 +51,17 @@ class ModelConfig:
     qk_norm: bool  # per-head RMSNorm on q and k before rotary (Qwen3)
     eos_token_ids: tuple[int, ...]
     bos_token_id: int | None = None
+    sep_token_id: int | None = None  # an encoder's [SEP] (where a pair's second segment starts)
+
+    @property
+    def can_generate(self) -> bool:
+        """It has a language-model head (a bare ...Model body or a classifier has none)."""
+        return self.architecture.endswith("ForCausalLM")
+
+    @property
+    def is_encoder(self) -> bool:
+        """A BERT-family encoder: bidirectional attention, whole prompts, no KV cache (actors/pooling/encoder.py)."""
+        return self.architecture.startswith("Bert")
 
 
 @dataclass(frozen=True)
@@ -69,6 +83,8 @@ class SchedulerConfig:
     # Build plan N+1 while the worker runs plan N (two plans in flight), so the worker
     # never waits for the scheduler between decode steps.
     async_scheduling: bool = True
+    # Split a long prompt over steps; off for encoders, whose tokens attend to the whole prompt
+    enable_chunked_prefill: bool = True
 
 
 @dataclass(frozen=True)
@@ -136,6 +152,7 @@ class EngineConfig:
     structured_outputs_backend: str = "auto"  # "auto" (xgrammar) | "xgrammar" | "guidance"
     reasoning_parser: str | None = None  # "deepseek_r1" | "qwen3": output starts with <think>...</think>
     lora: LoRAConfig | None = None  # None: LoRA adapters off (enable_lora=False)
+    pooler: PoolerConfig | None = None  # a pooling model (runner "pooling"): how it pools; None: it generates
     extra: dict = field(default_factory=dict)
 
 

@@ -24,6 +24,7 @@ from typing import Any, Literal
 
 from actors.config import (CacheConfig, EngineConfig, LoRAConfig, ParallelConfig, SchedulerConfig,
                            check_tensor_parallel_size, parse_size)
+from actors.pooling.engine import CONVERTS, RUNNERS, TASKS, check_pooling_args, pooler_for
 from actors.worker.loader import load_model_config, resolve_model
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
@@ -56,6 +57,8 @@ CLI_GROUPS = {
     "engine": ("engine", None),
     "lora": ("LoRA adapters", "Serve fine-tunes of the model (PEFT adapters) beside it: a request names one "
                               "(the API's model field, LLM.generate's lora_request)."),
+    "pooling": ("pooling models", "Run the model for embeddings or classification scores (LLM.embed, "
+                                  "LLM.classify, LLM.score, /v1/embeddings...) instead of generating text."),
     "nodes": ("several machines",
               "Node 0 serves HTTP and runs the first tensor-parallel ranks; every other node runs its share of the "
               "ranks only, started with the same flags and its own --node-rank. They meet at --master-addr: "
@@ -145,6 +148,18 @@ class EngineArgs:
     max_cpu_loras: int | None = _arg(None, "adapters kept loaded in host memory, least recently used evicted "
                                            "(default: --max-loras)", group="lora", metavar="N", parse=int)
 
+    runner: str = _arg("auto", "'pooling' runs embedding/classification requests, 'generate' text; 'auto': "
+                               "by the architecture (...ForSequenceClassification and bare ...Model bodies pool)",
+                       group="pooling", choices=RUNNERS)
+    convert: str = _arg("auto", "turn the model into a pooling one: 'embed' or 'classify'", group="pooling",
+                        choices=CONVERTS)
+    task: str = _arg("auto", "vLLM's older selector: 'embed', 'classify' or 'score' mean --runner pooling with that "
+                             "conversion", group="pooling", choices=TASKS)
+    pooler_config: str | dict | None = _arg(
+        None, "JSON overriding the model's pooler, e.g. '{\"pooling_type\": \"MEAN\", \"normalize\": false}' "
+              "(pooling_type LAST, MEAN, CLS or ALL; normalize; activation; is_matryoshka; matryoshka_dimensions)",
+        group="pooling", metavar="JSON")
+
     # several machines (see ParallelConfig): node 0 runs the engine, the others only ranks
     nnodes: int = _arg(1, "machines", group="nodes", metavar="N")
     node_rank: int = _arg(0, "this machine", group="nodes", metavar="I")
@@ -216,6 +231,7 @@ class EngineArgs:
             raise ValueError(f"nnodes ({self.nnodes}) must divide tensor_parallel_size ({self.tensor_parallel_size})")
         if not 0 <= self.node_rank < self.nnodes:
             raise ValueError(f"node_rank must be in [0, {self.nnodes}), got {self.node_rank}")
+        check_pooling_args(self.runner, self.convert, self.task, self.pooler_config)
 
     def build(self) -> EngineConfig:
         """Resolves the model and checks every argument (ValueError naming the field). The
@@ -232,6 +248,11 @@ class EngineArgs:
         elif not 1 < max_model_len <= model_config.max_position_embeddings:
             raise ValueError(f"max_model_len must be in [2, {model_config.max_position_embeddings}] for this "
                              f"model, got {max_model_len}")
+        if model_config.is_encoder:  # whole prompts, one step each; attention both ways shares no prefix
+            if args.tensor_parallel_size != 1:
+                raise ValueError("tensor_parallel_size: an encoder model runs on one device")
+            args = dataclasses.replace(args, enable_prefix_caching=False, max_num_batched_tokens=max(
+                args.max_num_batched_tokens, max_model_len))
         return EngineConfig(
             model=model_config,
             cache=CacheConfig(block_size=args.block_size, kv_cache_memory=parse_size(args.kv_cache_memory),
@@ -239,14 +260,16 @@ class EngineArgs:
                               gpu_memory_utilization=args.gpu_memory_utilization),
             scheduler=SchedulerConfig(max_num_seqs=args.max_num_seqs,
                                       max_num_batched_tokens=args.max_num_batched_tokens,
-                                      max_model_len=max_model_len, async_scheduling=args.async_scheduling),
+                                      max_model_len=max_model_len, async_scheduling=args.async_scheduling,
+                                      enable_chunked_prefill=not model_config.is_encoder),
             parallel=ParallelConfig(tensor_parallel_size=args.tensor_parallel_size, nnodes=args.nnodes,
                                     node_rank=args.node_rank, master_addr=args.master_addr,
                                     master_port=args.master_port),
             dtype=args.dtype, device=args.device, seed=args.seed, tokenizer_path=model_dir,
             attention_backend=args.attention_backend, load_format=args.load_format, max_logprobs=args.max_logprobs,
             structured_outputs_backend=args.structured_outputs_backend, reasoning_parser=args.reasoning_parser,
-            lora=args._lora_config())
+            lora=args._lora_config(),
+            pooler=pooler_for(model_config, args.runner, args.convert, args.task, args.pooler_config))
 
     def _lora_config(self) -> LoRAConfig | None:
         if not self.enable_lora:

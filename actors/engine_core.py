@@ -8,10 +8,12 @@ import logging
 
 from actors.config import EngineConfig
 from actors.detokenizer import OutputProcessor, merge_delta
+from actors.pooling.outputs import pooling_request_output
 from actors.scheduler.scheduler import Scheduler
 from actors.worker.model_runner import build_model_runner, resolve_device
 from messages.common import RequestOutput, SamplingParams
 from messages.lora import LoRARequest
+from messages.pooling import PoolingParams, PoolingRequestOutput
 
 logger = logging.getLogger(__name__)
 
@@ -22,20 +24,31 @@ class EngineCore:
         self.config = engine
         self.runner, self.num_blocks = build_model_runner(engine)
         self.scheduler = Scheduler(engine.scheduler, engine.cache, self.num_blocks, engine.model.eos_token_ids,
-                                   max_loras=engine.lora.max_loras if engine.lora else 0)
+                                   max_loras=engine.lora.max_loras if engine.lora else 0,
+                                   pooling_type=engine.pooler.pooling_type if engine.pooler else None,
+                                   generates=engine.model.can_generate)
         self.outputs = OutputProcessor(tokenizer)
         self._accumulated: dict[str, RequestOutput] = {}  # request_id -> its output so far
+        self._pooling_ids: set[str] = set()  # live pooling requests (the output processor never sees them)
         logger.info("KV cache: %d blocks of %d tokens", self.num_blocks, engine.cache.block_size)
 
     def add_request(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
                     params: SamplingParams, cache_salt: str | None = None,
-                    lora_request: LoRARequest | None = None) -> None:
+                    lora_request: LoRARequest | None = None, pooling_params: PoolingParams | None = None) -> None:
+        """A generation request, or with pooling_params a pooling one (no text: the
+        detokenizer never sees it)."""
         self.scheduler.add_request(request_id, prompt_token_ids, params, cache_salt=cache_salt,
-                                   lora_request=lora_request)
-        self.outputs.add_request(request_id, prompt, prompt_token_ids, params)
+                                   lora_request=lora_request, pooling_params=pooling_params)
+        if pooling_params is not None:
+            self._pooling_ids.add(request_id)
+        else:
+            self.outputs.add_request(request_id, prompt, prompt_token_ids, params)
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
         self.scheduler.abort_request(request_id)
+        if request_id in self._pooling_ids:
+            self._pooling_ids.discard(request_id)
+            return None
         delta = self.outputs.abort_request(request_id)
         accumulated = self._accumulated.pop(request_id, None)
         return merge_delta(accumulated, delta) if delta is not None else accumulated
@@ -43,15 +56,18 @@ class EngineCore:
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
 
-    def step(self) -> list[RequestOutput]:
+    def step(self) -> list[RequestOutput | PoolingRequestOutput]:
         """One model step; returns the requests that finished in it."""
         plan = self.scheduler.schedule()
         result = self.runner.execute(plan)
         updates = self.scheduler.update(plan, result)
+        finished: list[RequestOutput | PoolingRequestOutput] = []
+        for pooled in self.scheduler.take_pooling_results():
+            self._pooling_ids.discard(pooled.request_id)
+            finished.append(pooling_request_output(pooled))
         deltas, stops = self.outputs.process(updates)
         for stop in stops:
             self.scheduler.finish_sequence(stop.request_id, stop.index, "stop", stop.stop)
-        finished = []
         for delta in deltas:
             whole = merge_delta(self._accumulated.get(delta.request_id), delta)
             if delta.finished:

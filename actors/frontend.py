@@ -30,13 +30,14 @@ from actors.config import EngineConfig
 from actors.detokenizer import merge_delta
 from actors.engine_args import EngineArgs, takes_engine_args
 from actors.lora.client import LoRAClientMixin
+from actors.pooling.client import PoolingClientMixin
 from actors.errors import EngineDeadError, InvalidRequestError
 from actors.prompts import PromptInput, per_prompt, split_prompt
 from actors.request_stream import LiveRequest, RequestStream, broadcast_params, check_params, rejection_error
 from actors.supervisor import EngineProcesses, engine_addresses
 from messages.common import CompletionOutput, Ping, RequestOutput, SamplingParams
-from messages.frontend import (ActorFailed, FrontendInbox, HistogramSnapshot, Pong, RequestOutputs, RequestRejected,
-                               Stats)
+from messages.frontend import (ActorFailed, FrontendInbox, HistogramSnapshot, PoolingOutputs, Pong, RequestOutputs,
+                               RequestRejected, Stats)
 from messages.input_processor import AddRequest, ChatOptions
 from messages.lora import LoRARequest, check_lora_request
 from messages.scheduler import AbortRequest, GetStats
@@ -45,10 +46,11 @@ from messages.transport import Namespace, Sockets
 logger = logging.getLogger(__name__)
 
 Prompt = str | list[int]
-class AsyncClient(AsyncBeamSearch, LoRAClientMixin):
+class AsyncClient(AsyncBeamSearch, LoRAClientMixin, PoolingClientMixin):
     """Starts and supervises a troupe engine; generate() streams RequestOutput deltas;
     beam_search() (actors/beam_search.py) returns a prompt's finished beams; add_lora()
-    and the rest (actors/lora/client.py) manage LoRA adapters."""
+    and the rest (actors/lora/client.py) manage LoRA adapters; encode() and embed()
+    (actors/pooling/client.py) run a pooling model."""
 
     @takes_engine_args
     def __init__(self, model: str | None = None, *, num_input_processors: int = 1, startup_timeout: float = 600.0,
@@ -368,6 +370,8 @@ class AsyncClient(AsyncBeamSearch, LoRAClientMixin):
                     if output.finished:
                         del self._streams[output.request_id]
                     stream.queue.put_nowait(output)
+            case PoolingOutputs(outputs=outputs):
+                self._deliver_pooled(outputs)
             case RequestRejected(request_id=request_id):
                 stream = self._streams.pop(request_id, None)
                 if stream is not None:

@@ -13,16 +13,23 @@ import logging
 from actors.actor import Actor, ActorSpec
 from actors.chat_template import render_chat_text
 from actors.lora.checker import LoRAChecker
+from actors.pooling.config import PoolerConfig, check_dimensions
 from actors.structured_output import check_constraint
 from actors.structured_output.reasoning import reasoning_marker_ids
 from messages.common import MAX_LOGPROBS, InvalidRequestError, SamplingParams
 from messages.frontend import RequestRejected
 from messages.input_processor import AddRequest, ChatOptions, InputProcessorInbox
 from messages.lora import LoRARequest
+from messages.pooling import PoolingParams
 from messages.scheduler import TokenizedRequest
 from messages.transport import Sockets
 
 logger = logging.getLogger(__name__)
+
+# the PoolingParams.task values a model of each pooling task serves (score: an embedding
+# model's scores are cosines of embeddings, a classifier's its one-label output)
+POOLING_TASKS_OF = {"embed": ("embed", "encode", "score", "token_embed"),
+                    "classify": ("classify", "encode", "score", "token_classify", "reward")}
 
 Prompt = str | list[int]
 
@@ -33,8 +40,12 @@ class InputProcessor:
     checked here against the model (vocabulary, context length, max_logprobs)."""
 
     def __init__(self, tokenizer, vocab_size: int, max_model_len: int, max_logprobs: int = MAX_LOGPROBS,
-                 structured_outputs_backend: str = "auto", lora: LoRAChecker | None = None) -> None:
+                 structured_outputs_backend: str = "auto", lora: LoRAChecker | None = None,
+                 pooler: PoolerConfig | None = None, hidden_size: int | None = None, generates: bool = True) -> None:
         self.tokenizer = tokenizer
+        self.pooler = pooler  # a pooling model's pooler: it takes pooling requests only
+        self.hidden_size = hidden_size
+        self.generates = generates  # the model has a language-model head (else: pooling requests only)
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
         self.max_logprobs = max_logprobs
@@ -43,18 +54,24 @@ class InputProcessor:
 
     def process(self, prompt: Prompt | None, params: SamplingParams, *, messages: list[dict] | None = None,
                 chat: ChatOptions | None = None, add_special_tokens: bool | None = None, priority: int = 0,
-                cache_salt: str | None = None, lora_request: LoRARequest | None = None
-                ) -> tuple[str | None, list[int]]:
+                cache_salt: str | None = None, lora_request: LoRARequest | None = None,
+                pooling_params: PoolingParams | None = None) -> tuple[str | None, list[int]]:
         """Returns (prompt text or None, prompt token ids) after validating both and the
         parameters (and the LoRA adapter: LoRAAdapterError); fills in
-        params.bad_words_token_ids. Raises InvalidRequestError."""
+        params.bad_words_token_ids. A pooling request (pooling_params) has no output, so its
+        prompt may fill max_model_len. Raises InvalidRequestError."""
         params.validate()
         self.check_params(params)
+        self.check_pooling(pooling_params)
         check_request_options(priority, cache_salt)
         self.check_lora(lora_request)
         if messages is not None:
             text = None
             token_ids = self.render_chat(messages, chat or ChatOptions(), bool(add_special_tokens))
+        elif isinstance(prompt, str) and pooling_params is not None and self.pooler.text_as_chat:
+            text = prompt  # as sentence-transformers embeds it: a one-message chat, no generation prompt
+            token_ids = self.render_chat([{"role": "user", "content": prompt}],
+                                         ChatOptions(add_generation_prompt=False))
         elif isinstance(prompt, str):
             text = prompt
             token_ids = self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens is not False)
@@ -62,9 +79,38 @@ class InputProcessor:
             text, token_ids = None, list(prompt)
         else:
             raise InvalidRequestError("prompt must be a string or a list of token ids", param="prompt")
-        token_ids = self._truncate(token_ids, params.truncate_prompt_tokens)
-        self.check_prompt_tokens(token_ids)
+        room, truncate = (1, params.truncate_prompt_tokens) if pooling_params is None \
+            else (0, pooling_params.truncate_prompt_tokens)  # room: the tokens left for output
+        token_ids = self._truncate(token_ids, truncate, room)
+        self.check_prompt_tokens(token_ids, room)
         return text, token_ids
+
+    def check_pooling(self, pooling_params: PoolingParams | None) -> None:
+        """Pooling requests need a pooler, generation requests a language-model head (a
+        causal LM run as a pooling model takes both); the request's task and dimensions
+        must suit the model."""
+        pooler = self.pooler
+        if pooling_params is None:
+            if not self.generates:
+                raise InvalidRequestError(f"this is a pooling model ({pooler.task if pooler else 'no head'}): it "
+                                          "does not generate text", param="model")
+            return
+        if pooler is None:
+            raise InvalidRequestError("this model generates text; pooling requests need a pooling model "
+                                      "(runner 'pooling', convert 'embed' or 'classify')", param="model")
+        pooling_params.validate()
+        task = pooling_params.task
+        if task is not None and task not in POOLING_TASKS_OF[pooler.task]:
+            raise InvalidRequestError(f"task {task!r} is not supported by this {pooler.task} model (it supports "
+                                      f"{', '.join(POOLING_TASKS_OF[pooler.task])})", param="task")
+        try:
+            check_dimensions(pooler, pooling_params.dimensions, self.hidden_size)
+        except ValueError as error:
+            raise InvalidRequestError(str(error), param="dimensions") from None
+        truncate = pooling_params.truncate_prompt_tokens
+        if truncate is not None and truncate > self.max_model_len:
+            raise InvalidRequestError(f"truncate_prompt_tokens ({truncate}) must be at most max_model_len "
+                                      f"({self.max_model_len})", param="truncate_prompt_tokens")
 
     def check_lora(self, lora_request: LoRARequest | None) -> None:
         if lora_request is not None:
@@ -118,10 +164,10 @@ class InputProcessor:
                                       param="bad_words")
         return sequences
 
-    def _truncate(self, token_ids: list[int], truncate: int | None) -> list[int]:
+    def _truncate(self, token_ids: list[int], truncate: int | None, room: int = 1) -> list[int]:
         if truncate is None:
             return token_ids
-        keep = self.max_model_len - 1 if truncate == -1 else truncate  # -1: as much as leaves room for output
+        keep = self.max_model_len - room if truncate == -1 else truncate  # -1: as much as leaves room for output
         return token_ids[-keep:]
 
     def render_chat(self, messages: list[dict], options: ChatOptions, add_special_tokens: bool = False) -> list[int]:
@@ -130,18 +176,19 @@ class InputProcessor:
         text = render_chat_text(self.tokenizer, messages, options)
         return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
 
-    def check_prompt_tokens(self, token_ids: list[int]) -> None:
+    def check_prompt_tokens(self, token_ids: list[int], room: int = 1) -> None:
+        """room: the tokens the prompt must leave for output (0 for a pooling request)."""
         if not token_ids:
             raise InvalidRequestError("prompt must not be empty", param="prompt")
         bad = [t for t in token_ids if not 0 <= t < self.vocab_size]
         if bad:
             raise InvalidRequestError(f"prompt token id {bad[0]} is out of range [0, {self.vocab_size})",
                                       param="prompt")
-        if len(token_ids) >= self.max_model_len:
+        if len(token_ids) > self.max_model_len - room:
+            left = " and at least one token must be left for the output" if room else ""
             raise InvalidRequestError(
                 f"prompt is {len(token_ids)} tokens long; this model's maximum context length "
-                f"(max_model_len) is {self.max_model_len} tokens and at least one token must be left "
-                "for the output",
+                f"(max_model_len) is {self.max_model_len} tokens{left}",
                 param="prompt")
 
 
@@ -185,7 +232,8 @@ class InputProcessorActor(Actor):
         check_reasoning_markers(tokenizer, engine.reasoning_parser)
         processor = InputProcessor(tokenizer, engine.model.vocab_size, engine.scheduler.max_model_len,
                                    engine.max_logprobs, engine.structured_outputs_backend,
-                                   LoRAChecker(engine.model, engine.lora))
+                                   LoRAChecker(engine.model, engine.lora), engine.pooler, engine.model.hidden_size,
+                                   engine.model.can_generate)
         return cls(spec.name, spec.addresses, sockets, processor)
 
     def handle(self, message: AddRequest) -> None:
@@ -201,14 +249,16 @@ class InputProcessorActor(Actor):
         self.to_scheduler.send(TokenizedRequest(request_id=message.request_id, prompt_token_ids=token_ids,
                                                 params=message.params, arrival_time=message.arrival_time,
                                                 cache_salt=message.cache_salt, priority=message.priority,
-                                                lora_request=message.lora_request))
+                                                lora_request=message.lora_request,
+                                                pooling_params=message.pooling_params))
 
     def _tokenize(self, message: AddRequest) -> list[int]:
         if message.prompt is None and message.messages is None:
             raise InvalidRequestError("a request needs a prompt or messages", param="prompt")
         return self.processor.process(message.prompt, message.params, messages=message.messages, chat=message.chat,
                                       add_special_tokens=message.add_special_tokens, priority=message.priority,
-                                      cache_salt=message.cache_salt, lora_request=message.lora_request)[1]
+                                      cache_salt=message.cache_salt, lora_request=message.lora_request,
+                                      pooling_params=message.pooling_params)[1]
 
     def _reject(self, request_id: str, text: str, error_type: str, param: str | None) -> None:
         self.to_frontend.send(RequestRejected(request_id=request_id, message=text, error_type=error_type,

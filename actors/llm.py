@@ -15,16 +15,19 @@ from actors.engine_args import EngineArgs, takes_engine_args
 from actors.engine_core import EngineCore
 from actors.input_processor import InputProcessor, check_reasoning_markers
 from actors.lora.checker import LoRAChecker
+from actors.pooling.llm_api import LLMPoolingMixin
 from actors.prompts import PromptInput, per_prompt, prompt_list, split_prompt
 from actors.request_stream import broadcast_params
 from actors.worker.loader import load_tokenizer
 from messages.common import RequestOutput, SamplingParams
 from messages.input_processor import ChatOptions
 from messages.lora import LoRARequest
+from messages.pooling import PoolingParams, PoolingRequestOutput
 
 
-class LLM:
-    """Generates for a batch of prompts at once, scheduling them all together.
+class LLM(LLMPoolingMixin):
+    """Generates for a batch of prompts at once, scheduling them all together (or, for a
+    pooling model, embeds or classifies them: encode, embed, classify, score).
 
     With one device the engine core runs in this process, one step at a time. With
     tensor_parallel_size > 1 it needs a worker process per device, so the whole actor
@@ -45,7 +48,8 @@ class LLM:
         self.inputs = InputProcessor(self.tokenizer, self.config.model.vocab_size,
                                      self.config.scheduler.max_model_len, self.config.max_logprobs,
                                      self.config.structured_outputs_backend,
-                                     LoRAChecker(self.config.model, self.config.lora))
+                                     LoRAChecker(self.config.model, self.config.lora), self.config.pooler,
+                                     self.config.model.hidden_size, self.config.model.can_generate)
         self._request_counter = itertools.count()
 
     def get_tokenizer(self):
@@ -144,15 +148,16 @@ class LLM:
                 progress.update(1)
         return [search.output(self.tokenizer) for search in batch.searches]
 
-    def _run(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
-        results: dict[str, RequestOutput] = {}
+    def _run(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput | PoolingRequestOutput]:
+        results: dict[str, RequestOutput | PoolingRequestOutput] = {}
         progress = tqdm(total=len(request_ids), desc="Generating", unit="req", disable=not use_tqdm)
         start, num_output_tokens = time.perf_counter(), 0
         try:
             while len(results) < len(request_ids):
                 for output in self.engine.step():
                     results[output.request_id] = output
-                    num_output_tokens += sum(len(c.token_ids) for c in output.outputs)
+                    if isinstance(output, RequestOutput):
+                        num_output_tokens += sum(len(c.token_ids) for c in output.outputs)
                     progress.update(1)
                     elapsed = time.perf_counter() - start
                     progress.set_postfix_str(f"{num_output_tokens / max(elapsed, 1e-9):.1f} tok/s out")
@@ -189,6 +194,16 @@ class ThreadedClient:
     def generate_batch(self, prompts: list[list[int]], params: list[SamplingParams], use_tqdm: bool,
                        loras: list[LoRARequest | None]) -> list[RequestOutput]:
         return self._call(self.client.generate_batch(prompts, params, use_tqdm=use_tqdm, lora_request=loras))
+
+    def encode_batch(self, prompts: list[list[int]], params: list[PoolingParams],
+                     loras: list[LoRARequest | None]) -> list[PoolingRequestOutput]:
+        import asyncio
+
+        async def encode_all() -> list[PoolingRequestOutput]:
+            return list(await asyncio.gather(*(self.client.encode(prompt, p, lora_request=lora)
+                                               for prompt, p, lora in zip(prompts, params, loras))))
+
+        return self._call(encode_all())
 
     def close(self) -> None:
         if self._loop.is_running():

@@ -8,6 +8,7 @@ from typing import Any
 import msgspec
 
 from messages.common import RequestOutput
+from messages.pooling import PooledData
 
 
 class RequestOutputs(msgspec.Struct, array_like=True, frozen=True, gc=False, tag="outputs"):
@@ -15,6 +16,21 @@ class RequestOutputs(msgspec.Struct, array_like=True, frozen=True, gc=False, tag
     gained text or tokens or finished in it."""
 
     outputs: list[RequestOutput]
+
+
+class PoolingResult(msgspec.Struct, array_like=True, frozen=True, gc=False):
+    """One pooling request's output."""
+
+    request_id: str
+    data: PooledData
+    prompt_token_ids: list[int]
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
+
+
+class PoolingOutputs(msgspec.Struct, array_like=True, frozen=True, gc=False, tag="pooling_outputs"):
+    """scheduler → frontend: the pooling requests one step finished (no detokenizer work)."""
+
+    outputs: list[PoolingResult]
 
 
 class RequestRejected(msgspec.Struct, array_like=True, frozen=True, kw_only=True, tag="rejected"):
@@ -66,4 +82,4 @@ class Pong(msgspec.Struct, array_like=True, frozen=True, tag="pong"):
     ping_id: int
 
 
-FrontendInbox = RequestOutputs | RequestRejected | ActorReady | ActorFailed | Stats | Pong
+FrontendInbox = RequestOutputs | PoolingOutputs | RequestRejected | ActorReady | ActorFailed | Stats | Pong

@@ -8,6 +8,7 @@ import msgspec
 
 from messages.common import Ping, SamplingParams, Shutdown
 from messages.lora import LoRARequest
+from messages.pooling import PoolingParams
 
 
 class ChatOptions(msgspec.Struct, array_like=True, frozen=True, kw_only=True):
@@ -38,6 +39,8 @@ class AddRequest(msgspec.Struct, array_like=True, frozen=True, kw_only=True, tag
     priority: int = 0  # lower runs first under priority scheduling (vLLM's meaning)
     cache_salt: str | None = None  # prefix-cache entries are shared only between equal salts
     lora_request: LoRARequest | None = None  # the adapter to run with; None: the base model
+    # set: a pooling request (params then only carries n=1); its prompt is run, nothing generated
+    pooling_params: PoolingParams | None = None
 
 
 InputProcessorInbox = AddRequest | Ping | Shutdown

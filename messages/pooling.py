@@ -15,6 +15,8 @@ from messages.errors import InvalidRequestError
 # What a pooling request is for, as vLLM names its pooling tasks.
 PoolingTask = Literal["embed", "classify", "score", "encode", "token_embed", "token_classify", "reward"]
 POOLING_TASKS: tuple[str, ...] = ("embed", "classify", "score", "encode", "token_embed", "token_classify", "reward")
+# tasks whose output is one row per prompt token (ALL pooling), whatever the model's own pooling
+PER_TOKEN_TASKS: tuple[str, ...] = ("token_embed", "token_classify", "reward")
 
 
 class PoolingParams(msgspec.Struct, kw_only=True, omit_defaults=True, array_like=True):

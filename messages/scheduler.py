@@ -7,6 +7,7 @@ import msgspec
 
 from messages.common import Ping, SamplingParams, Shutdown
 from messages.lora import LoRARequest
+from messages.pooling import PooledData, PoolingParams
 
 
 class TokenLogprobs(msgspec.Struct, array_like=True, frozen=True, gc=False):
@@ -29,6 +30,8 @@ class StepResult(msgspec.Struct, array_like=True, frozen=True, gc=False, tag="re
     # request_id -> logprobs of prompt tokens: entry i is prompt token c + 1 + i given the
     # tokens before it, where c is the request's num_computed_tokens before this step
     prompt_logprobs: dict[str, list[TokenLogprobs]] = msgspec.field(default_factory=dict)
+    # request_id -> the pooled output of each pooling request whose prompt ended this step
+    pooled: dict[str, PooledData] = msgspec.field(default_factory=dict)
 
 
 class TokenizedRequest(msgspec.Struct, array_like=True, frozen=True, kw_only=True, tag="tokenized"):
@@ -41,6 +44,7 @@ class TokenizedRequest(msgspec.Struct, array_like=True, frozen=True, kw_only=Tru
     cache_salt: str | None = None  # prefix-cache entries are shared only between equal salts
     priority: int = 0
     lora_request: LoRARequest | None = None  # checked against the model by the input processor
+    pooling_params: PoolingParams | None = None  # a pooling request: prefill only, then its pooled output
 
 
 class AbortRequest(msgspec.Struct, array_like=True, frozen=True, tag="abort"):

@@ -13,6 +13,7 @@ import msgspec
 
 from messages.common import Ping, SamplingParams, Shutdown
 from messages.lora import LoRARequest
+from messages.pooling import PoolingParams
 
 
 class NewRequest(msgspec.Struct, array_like=True, frozen=True, gc=False):
@@ -26,6 +27,7 @@ class NewRequest(msgspec.Struct, array_like=True, frozen=True, gc=False):
     block_ids: list[int]  # the request's block table so far
     num_computed_tokens: int  # leading tokens whose KV is already cached (prefix hit)
     lora_request: LoRARequest | None = None  # the adapter it runs with (loaded on first use)
+    pooling_params: PoolingParams | None = None  # a pooling request: pooled, never sampled
 
 
 class ContinuingRequest(msgspec.Struct, array_like=True, frozen=True, gc=False):

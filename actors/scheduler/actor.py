@@ -4,7 +4,8 @@ Receives TokenizedRequest (input processors), AbortRequest and GetStats (fronten
 FinishRequest (detokenizer) and StepResult (worker rank 0). Sends StepPlans to every
 worker rank through its Executor (actors/executor.py, in this process); TrackRequest,
 StepOutputs and AbortRequest to the detokenizer, on one pipe so that a request is always
-tracked before its first tokens arrive; Stats and RequestRejected to the frontend. Owns
+tracked before its first tokens arrive; Stats, RequestRejected and the pooled outputs of
+pooling requests (which have no text, so skip the detokenizer) to the frontend. Owns
 every request's scheduling state, the KV block pool and the links to the workers."""
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from actors.executor import Executor
 from actors.scheduler.scheduler import Scheduler
 from actors.scheduler.step_timing import StepTimer
 from messages.detokenizer import StepOutputs, TrackRequest
-from messages.frontend import RequestRejected, Stats
+from messages.frontend import PoolingOutputs, RequestRejected, Stats
 from messages.scheduler import (AbortRequest, FinishRequest, GetStats, SchedulerInbox, StepResult,
                                 TokenizedRequest)
 from messages.transport import Sockets
@@ -52,7 +53,9 @@ class SchedulerActor(Actor):
     def from_spec(cls, spec: ActorSpec, sockets: Sockets) -> SchedulerActor:
         engine = spec.engine
         scheduler = Scheduler(engine.scheduler, engine.cache, spec.options["num_kv_blocks"],
-                              engine.model.eos_token_ids, max_loras=engine.lora.max_loras if engine.lora else 0)
+                              engine.model.eos_token_ids, max_loras=engine.lora.max_loras if engine.lora else 0,
+                              pooling_type=engine.pooler.pooling_type if engine.pooler else None,
+                              generates=engine.model.can_generate)
         executor = Executor(sockets, spec.addresses, engine.parallel.tensor_parallel_size)
         return cls(spec.name, spec.addresses, sockets, scheduler, engine.scheduler, executor)
 
@@ -89,11 +92,14 @@ class SchedulerActor(Actor):
             return  # aborted while it was being tokenized
         try:
             self.scheduler.add_request(request.request_id, request.prompt_token_ids, request.params,
-                                       cache_salt=request.cache_salt, lora_request=request.lora_request)
+                                       cache_salt=request.cache_salt, lora_request=request.lora_request,
+                                       pooling_params=request.pooling_params)
         except ValueError as error:
             self.to_frontend.send(RequestRejected(request_id=request.request_id, message=str(error),
                                                   param=getattr(error, "param", None)))
             return
+        if request.pooling_params is not None:
+            return  # no text: its output goes straight to the frontend
         self.to_detokenizer.send(TrackRequest(request_id=request.request_id,
                                               prompt_token_ids=request.prompt_token_ids, params=request.params))
 
@@ -106,6 +112,9 @@ class SchedulerActor(Actor):
         updates = self.scheduler.update(plan, result)
         if updates:
             self.to_detokenizer.send(StepOutputs(step_id=plan.step_id, updates=updates))
+        pooled = self.scheduler.take_pooling_results()
+        if pooled:
+            self.to_frontend.send(PoolingOutputs(pooled))
 
     def _remember_early_abort(self, request_id: str) -> None:
         self._early_aborts[request_id] = None

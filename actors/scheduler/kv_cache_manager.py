@@ -72,9 +72,8 @@ class KVCacheManager:
     # ---- prefix cache ----
 
     def reads_prefix_cache(self, seq: Sequence) -> bool:
-        """Whether seq may start from cached blocks: not when it owes prompt logprobs, as a
-        cached token's logprob is never computed."""
-        return self.enable_prefix_caching and not seq.owes_prompt_logprobs
+        """Whether seq may start from cached blocks (Sequence.reads_prefix_cache says when not)."""
+        return self.enable_prefix_caching and seq.reads_prefix_cache
 
     def get_computed_blocks(self, seq: Sequence) -> tuple[list[int], int]:
         """(block ids, token count) of the longest cached prefix of a waiting sequence's

@@ -17,6 +17,7 @@ import msgspec
 from actors.scheduler.block_pool import BlockHash
 from messages.common import SamplingParams
 from messages.lora import LoRARequest
+from messages.pooling import PoolingParams
 from messages.scheduler import TokenLogprobs
 
 
@@ -67,6 +68,8 @@ class Sequence:
         self.block_hashes: list[BlockHash] = []  # keys of its leading full blocks, grown lazily
         self.extra_hash_keys = extra_hash_keys  # None: its KV depends on its tokens alone
         self.lora_request: LoRARequest | None = None  # the adapter it runs with
+        self.pooling_params: PoolingParams | None = None  # a pooling request: prefill only, then pooled
+        self.pools_every_token = False  # its pooling reads every prompt row (MEAN, CLS, ALL), not just the last
         self.times_overtaken = 0  # later sequences admitted while max_loras held it back
         self.sent_to_worker = False  # the worker holds state for seq_id
         self.num_cached_tokens = 0  # prompt tokens served from the prefix cache at first admission
@@ -108,6 +111,12 @@ class Sequence:
         return (self.params.prompt_logprobs is not None
                 and self.next_prompt_logprob_pos < self.num_prompt_tokens)
 
+    @property
+    def reads_prefix_cache(self) -> bool:
+        """Whether it may start from cached blocks: not when it owes prompt logprobs or pools
+        every prompt row, as a cached token's logprob or hidden state is never computed."""
+        return not self.owes_prompt_logprobs and not self.pools_every_token
+
     def take_prompt_logprobs(self, num_computed_before: int,
                              entries: list[TokenLogprobs] | None) -> list[TokenLogprobs] | None:
         """The prompt logprobs of this step not delivered before. Entry i is the logprob
@@ -148,6 +157,21 @@ class Sequence:
     def __repr__(self) -> str:
         return (f"Sequence({self.seq_id!r}, {self.status.name}, tokens={self.num_tokens}, "
                 f"computed={self.num_computed_tokens}, blocks={self.block_ids})")
+
+
+def check_prompt_fits(num_prompt_tokens: int, max_model_len: int, kv_cache_tokens: int, kv_cache_shape: str,
+                      pooling: bool) -> None:
+    """ValueError when a prompt can never run: a generation prompt needs room for one output
+    token, a pooling prompt only for itself."""
+    if num_prompt_tokens == 0:
+        raise ValueError("prompt_token_ids must not be empty")
+    room = "" if pooling else ", which leaves no room for output"
+    if num_prompt_tokens > max_model_len - (0 if pooling else 1):
+        raise ValueError(f"prompt has {num_prompt_tokens} tokens{room}: max_model_len is {max_model_len}"
+                         + ("" if pooling else " (prompt + output tokens)"))
+    if num_prompt_tokens > kv_cache_tokens - (0 if pooling else 1):
+        raise ValueError(f"prompt has {num_prompt_tokens} tokens{room} in the KV cache: it holds "
+                         f"{kv_cache_tokens} tokens ({kv_cache_shape})")
 
 
 def make_sequences(request_id: str, prompt_token_ids: list[int], params: SamplingParams, max_seq_len: int,

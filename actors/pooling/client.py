@@ -1,0 +1,83 @@
+"""AsyncClient's pooling calls, as vLLM's engine clients name them: encode() runs one
+prompt through a pooling model and gives its PoolingRequestOutput (iterate it for the one
+output, as vLLM's async generator, or await it); embed() and classify() give the typed
+views. The pooled data comes straight from the scheduler (PoolingOutputs), not through the
+detokenizer."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+
+import msgspec
+
+from actors.pooling.engine import POOLING_SAMPLING_PARAMS
+from actors.pooling.outputs import classification_output, embedding_output, pooling_request_output
+from actors.prompts import PromptInput, split_prompt
+from messages.common import InvalidRequestError
+from messages.frontend import PoolingResult
+from messages.input_processor import AddRequest
+from messages.lora import LoRARequest, check_lora_request
+from messages.pooling import (ClassificationRequestOutput, EmbeddingRequestOutput, PoolingParams,
+                              PoolingRequestOutput)
+
+
+class PoolingStream:
+    """One pooling request: `async for` gives its one output, `await` returns it."""
+
+    def __init__(self, outputs: AsyncIterator[PoolingRequestOutput]) -> None:
+        self._outputs = outputs
+
+    def __aiter__(self) -> AsyncIterator[PoolingRequestOutput]:
+        return self._outputs
+
+    def __await__(self):
+        return self._last().__await__()
+
+    async def _last(self) -> PoolingRequestOutput:
+        output = None
+        async for output in self._outputs:
+            pass
+        return output
+
+
+class PoolingClientMixin:
+    config = None  # the client's EngineConfig, once started
+
+    def encode(self, prompt: PromptInput, pooling_params: PoolingParams | None = None, request_id: str | None = None,
+               *, lora_request: LoRARequest | None = None, priority: int = 0,
+               truncate_prompt_tokens: int | None = None) -> PoolingStream:
+        """The prompt's pooled output (outputs.data, a float32 tensor): an embedding or a
+        classifier's scores, as the model pools. prompt: text, token ids or vLLM's dict prompt."""
+        params = pooling_params if pooling_params is not None else PoolingParams()
+        if not isinstance(params, PoolingParams):
+            raise InvalidRequestError(f"pooling_params must be PoolingParams, got {type(params).__name__}",
+                                      param="pooling_params")
+        if truncate_prompt_tokens is not None:
+            params = msgspec.structs.replace(params, truncate_prompt_tokens=truncate_prompt_tokens)
+            params.validate()
+        if params.task is None and self.config is not None and self.config.pooler is not None:
+            params = params.with_task(self.config.pooler.task)
+        prompt, cache_salt = split_prompt(prompt)
+        request = AddRequest(request_id=self._new_id(request_id), prompt=prompt, params=POOLING_SAMPLING_PARAMS,
+                             arrival_time=time.time(), priority=priority, cache_salt=cache_salt,
+                             lora_request=check_lora_request(lora_request), pooling_params=params)
+        return PoolingStream(self._run(request, None))
+
+    async def embed(self, prompt: PromptInput, pooling_params: PoolingParams | None = None,
+                    request_id: str | None = None, *, lora_request: LoRARequest | None = None
+                    ) -> EmbeddingRequestOutput:
+        params = (pooling_params or PoolingParams()).with_task("embed")
+        return embedding_output(await self.encode(prompt, params, request_id, lora_request=lora_request))
+
+    async def classify(self, prompt: PromptInput, pooling_params: PoolingParams | None = None,
+                       request_id: str | None = None, *, lora_request: LoRARequest | None = None
+                       ) -> ClassificationRequestOutput:
+        params = (pooling_params or PoolingParams()).with_task("classify")
+        return classification_output(await self.encode(prompt, params, request_id, lora_request=lora_request))
+
+    def _deliver_pooled(self, results: list[PoolingResult]) -> None:
+        for result in results:
+            stream = self._streams.pop(result.request_id, None)
+            if stream is not None:  # else aborted: nothing waits for it
+                stream.queue.put_nowait(pooling_request_output(result))

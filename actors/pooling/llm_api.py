@@ -1,0 +1,139 @@
+"""LLM's pooling calls, as vLLM's: encode (the pooled data as a tensor), embed, classify and
+score. Each checks every prompt before any request is added (InvalidRequestError naming the
+field), then runs them all together, as generate does."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+import msgspec
+import torch
+
+from actors.pooling.outputs import classification_output, embedding_output
+from actors.prompts import PromptInput, per_prompt, prompt_list, split_prompt
+from actors.pooling.engine import POOLING_SAMPLING_PARAMS
+from messages.common import InvalidRequestError
+from messages.lora import LoRARequest
+from messages.pooling import (ClassificationRequestOutput, EmbeddingRequestOutput, PoolingParams,
+                              PoolingRequestOutput, ScoringOutput, ScoringRequestOutput)
+
+if TYPE_CHECKING:
+    from actors.llm import LLM
+
+LoRAs = LoRARequest | Sequence[LoRARequest | None] | None
+Params = PoolingParams | Sequence[PoolingParams] | None
+
+
+class LLMPoolingMixin:
+    def encode(self: LLM, prompts: PromptInput | Sequence[PromptInput], pooling_params: Params = None, *,
+               truncate_prompt_tokens: int | None = None, use_tqdm: bool = True, lora_request: LoRAs = None,
+               pooling_task: str | None = None) -> list[PoolingRequestOutput]:
+        """Each prompt's pooled output (outputs.data, a float32 tensor), in prompt order.
+        pooling_params and lora_request may be one per prompt; pooling_task (else the
+        params' task, else the model's) may ask for per-token rows ("token_embed",
+        "token_classify")."""
+        return self._pool(prompts, pooling_params, pooling_task, truncate_prompt_tokens, use_tqdm, lora_request)
+
+    def embed(self: LLM, prompts: PromptInput | Sequence[PromptInput], pooling_params: Params = None, *,
+              truncate_prompt_tokens: int | None = None, use_tqdm: bool = True,
+              lora_request: LoRAs = None) -> list[EmbeddingRequestOutput]:
+        """Each prompt's embedding (outputs.embedding, a list of floats)."""
+        outputs = self._pool(prompts, pooling_params, "embed", truncate_prompt_tokens, use_tqdm, lora_request)
+        return [embedding_output(output) for output in outputs]
+
+    def classify(self: LLM, prompts: PromptInput | Sequence[PromptInput], pooling_params: Params = None, *,
+                 truncate_prompt_tokens: int | None = None, use_tqdm: bool = True,
+                 lora_request: LoRAs = None) -> list[ClassificationRequestOutput]:
+        """Each prompt's class scores (outputs.probs), after the model's activation."""
+        outputs = self._pool(prompts, pooling_params, "classify", truncate_prompt_tokens, use_tqdm, lora_request)
+        return [classification_output(output) for output in outputs]
+
+    def reward(self: LLM, prompts: PromptInput | Sequence[PromptInput], pooling_params: Params = None, *,
+               truncate_prompt_tokens: int | None = None, use_tqdm: bool = True,
+               lora_request: LoRAs = None) -> list[PoolingRequestOutput]:
+        """A classifier's scores at every prompt token (outputs.data [num_tokens, num_labels]),
+        as vLLM's LLM.reward runs a reward model."""
+        return self._pool(prompts, pooling_params, "reward", truncate_prompt_tokens, use_tqdm, lora_request)
+
+    def score(self: LLM, data_1: str | Sequence[str], data_2: str | Sequence[str], /, *,
+              truncate_prompt_tokens: int | None = None, use_tqdm: bool = True,
+              pooling_params: PoolingParams | None = None, lora_request: LoRAs = None) -> list[ScoringRequestOutput]:
+        """The score of each pair: data_1[i] with data_2[i], or one data_1 with every data_2.
+        A classifier with one label scores the pair as one input (a cross-encoder); an
+        embedding model scores the cosine similarity of the two embeddings."""
+        firsts, seconds = _texts(data_1, "data_1"), _texts(data_2, "data_2")
+        if len(firsts) == 1:
+            firsts = firsts * len(seconds)
+        if len(firsts) != len(seconds) or not seconds:
+            raise InvalidRequestError(f"score needs one data_1 or as many as data_2 (got {len(firsts)} and "
+                                      f"{len(seconds)}), and at least one of each", param="data_2")
+        pooler = self.config.pooler
+        if pooler is None:
+            raise InvalidRequestError("score needs a pooling model (runner 'pooling')", param="model")
+        if pooler.task == "embed":
+            texts = list(dict.fromkeys(firsts + seconds))  # each text embedded once
+            outputs = self._pool(texts, pooling_params, "score", truncate_prompt_tokens, use_tqdm, lora_request)
+            by_text = dict(zip(texts, outputs))
+            return [_cosine_output(by_text[first], by_text[second]) for first, second in zip(firsts, seconds)]
+        if pooler.num_labels != 1:
+            raise InvalidRequestError(f"score needs a classifier with one label (a cross-encoder); this one has "
+                                      f"{pooler.num_labels}", param="model")
+        pairs = [self.tokenizer(first, text_pair=second)["input_ids"] for first, second in zip(firsts, seconds)]
+        outputs = self._pool(pairs, pooling_params, "score", truncate_prompt_tokens, use_tqdm, lora_request)
+        return [ScoringRequestOutput(request_id=output.request_id,
+                                     outputs=ScoringOutput(score=float(output.outputs.data[0])),
+                                     prompt_token_ids=output.prompt_token_ids) for output in outputs]
+
+    def _pool(self: LLM, prompts: PromptInput | Sequence[PromptInput], pooling_params: Params, task: str | None,
+              truncate_prompt_tokens: int | None, use_tqdm: bool, lora_request: LoRAs) -> list[PoolingRequestOutput]:
+        split = [split_prompt(prompt) for prompt in prompt_list(prompts)]
+        default_task = self.config.pooler.task if self.config.pooler is not None else "encode"
+        params_list = [_with_task(params, task, truncate_prompt_tokens, default_task)
+                       for params in per_prompt(pooling_params, len(split), "pooling_params", None)]
+        loras = per_prompt(lora_request, len(split), "lora_request", None)
+        processed = [self.inputs.process(prompt, POOLING_SAMPLING_PARAMS, cache_salt=salt, lora_request=lora,
+                                         pooling_params=params)
+                     for (prompt, salt), params, lora in zip(split, params_list, loras)]
+        if self._remote is not None:
+            return self._remote.encode_batch([ids for _, ids in processed], params_list, loras)
+        request_ids: list[str] = []
+        try:
+            for (text, token_ids), params, (_, salt), lora in zip(processed, params_list, split, loras):
+                request_id = str(next(self._request_counter))
+                self.engine.add_request(request_id, text, token_ids, POOLING_SAMPLING_PARAMS, cache_salt=salt,
+                                        lora_request=lora, pooling_params=params)
+                request_ids.append(request_id)
+        except ValueError:
+            for request_id in request_ids:
+                self.engine.abort_request(request_id)
+            raise
+        return self._run(request_ids, use_tqdm)
+
+
+def _with_task(params: PoolingParams | None, task: str | None, truncate_prompt_tokens: int | None,
+               default_task: str) -> PoolingParams:
+    """params for task (None: their own task, else default_task), truncated as asked."""
+    if params is None:
+        params = PoolingParams()
+    elif not isinstance(params, PoolingParams):
+        raise InvalidRequestError(f"pooling_params must be PoolingParams, got {type(params).__name__}",
+                                  param="pooling_params")
+    if truncate_prompt_tokens is not None:
+        params = msgspec.structs.replace(params, truncate_prompt_tokens=truncate_prompt_tokens)
+        params.validate()
+    return params.with_task(task or params.task or default_task)
+
+
+def _texts(data: str | Sequence[str], name: str) -> list[str]:
+    texts = [data] if isinstance(data, str) else list(data)
+    if not all(isinstance(text, str) and text for text in texts):
+        raise InvalidRequestError(f"{name} must be a non-empty string or a list of them", param=name)
+    return texts
+
+
+def _cosine_output(first: PoolingRequestOutput, second: PoolingRequestOutput) -> ScoringRequestOutput:
+    score = torch.nn.functional.cosine_similarity(first.outputs.data, second.outputs.data, dim=0).item()
+    return ScoringRequestOutput(request_id=f"{first.request_id}-{second.request_id}",
+                                outputs=ScoringOutput(score=score),
+                                prompt_token_ids=first.prompt_token_ids + second.prompt_token_ids)

@@ -1,0 +1,143 @@
+"""Embedding throughput: N texts of 16-256 tokens through troupe's /v1/embeddings (a real
+server, the openai client, requests of --batch texts at --concurrency at once) against
+sentence-transformers' encode in one process, on one BERT-base-shaped model with random
+weights, written once to a temporary directory so both read the same file. Runs alternate
+(troupe, sentence-transformers, troupe...), medians and the throughput ratio.
+
+    python benchmarks/embeddings_throughput.py                 # BERT-base shape, 1000 texts
+    python benchmarks/embeddings_throughput.py --num-texts 200 --layers 4
+
+Both sides get the same CPU threads (--threads, default all): sentence-transformers through
+torch.set_num_threads in its process, troupe's worker by the same limit (its other actors
+are mostly idle while the model runs)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+if __name__ == "__main__":
+    _here = os.path.dirname(os.path.abspath(__file__))
+    sys.path = [os.path.dirname(_here)] + [path for path in sys.path
+                                           if os.path.abspath(path or os.curdir) != _here]
+
+from benchmarks.serve_vs_offline import Server  # noqa: E402
+
+_WORDS = 30000  # a WordPiece vocabulary of BERT-base's size: special tokens, then one token per word
+
+
+def write_model(out_dir: str, layers: int, seed: int) -> str:
+    """A random BERT-base-shaped BertModel, its WordPiece tokenizer, and sentence-transformers'
+    files (CLS pooling, normalised), as a bge-style embedder is saved."""
+    import torch
+    from sentence_transformers import SentenceTransformer
+    from sentence_transformers.base.modules import Normalize, Transformer
+    from sentence_transformers.sentence_transformer.modules import Pooling
+    from transformers import BertConfig, BertModel, BertTokenizerFast
+
+    base = os.path.join(out_dir, "base")
+    os.makedirs(base, exist_ok=True)
+    vocab = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"] + [f"w{i}" for i in range(_WORDS)]
+    with open(os.path.join(base, "vocab.txt"), "w") as vocab_file:
+        vocab_file.write("\n".join(vocab) + "\n")
+    BertTokenizerFast(vocab_file=os.path.join(base, "vocab.txt")).save_pretrained(base)
+    torch.manual_seed(seed)
+    BertModel(BertConfig(vocab_size=len(vocab), num_hidden_layers=layers, max_position_embeddings=512)).save_pretrained(base)
+    transformer = Transformer(base)
+    model = SentenceTransformer(modules=[transformer, Pooling(transformer.get_embedding_dimension(),
+                                                              pooling_mode="cls"), Normalize()], device="cpu")
+    embedder = os.path.join(out_dir, "embedder")
+    model.save(embedder)
+    return embedder
+
+
+def make_texts(num: int, seed: int) -> list[str]:
+    """Texts of 14-254 words: 16-256 tokens with [CLS] and [SEP]."""
+    rng = random.Random(seed)
+    return [" ".join(f"w{rng.randrange(_WORDS)}" for _ in range(rng.randint(14, 254))) for _ in range(num)]
+
+
+def time_sentence_transformers(model_dir: str, texts_path: str, threads: int, batch: int) -> float:
+    """encode() in a fresh process (as troupe's side starts fresh), timed around the call only."""
+    code = f"""
+import json, time, torch
+torch.set_num_threads({threads})
+from sentence_transformers import SentenceTransformer
+texts = json.load(open({texts_path!r}))
+model = SentenceTransformer({model_dir!r}, device="cpu")
+model.encode(texts[:8], batch_size=8)
+start = time.perf_counter()
+model.encode(texts, batch_size={batch})
+print(time.perf_counter() - start)
+"""
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    return float(result.stdout.strip().splitlines()[-1])
+
+
+def time_troupe(server: Server, model: str, texts: list[str], batch: int, concurrency: int) -> float:
+    import asyncio
+
+    from openai import AsyncOpenAI
+
+    async def run() -> float:
+        client = AsyncOpenAI(base_url=f"{server.url}/v1", api_key="none", timeout=600)
+        limit = asyncio.Semaphore(concurrency)
+
+        async def send(chunk: list[str]) -> None:
+            async with limit:
+                response = await client.embeddings.create(model=model, input=chunk)
+                assert len(response.data) == len(chunk)
+
+        await send(texts[:8])  # warm-up
+        start = time.perf_counter()
+        await asyncio.gather(*(send(texts[i:i + batch]) for i in range(0, len(texts), batch)))
+        elapsed = time.perf_counter() - start
+        await client.close()
+        return elapsed
+
+    return asyncio.run(run())
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--num-texts", type=int, default=1000)
+    parser.add_argument("--layers", type=int, default=12, help="BERT-base has 12")
+    parser.add_argument("--batch", type=int, default=32, help="texts per request / per encode batch")
+    parser.add_argument("--concurrency", type=int, default=4, help="requests in flight at once")
+    parser.add_argument("--threads", type=int, default=os.cpu_count())
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory() as work:
+        model_dir = write_model(work, args.layers, args.seed)
+        texts = make_texts(args.num_texts, args.seed)
+        texts_path = os.path.join(work, "texts.json")
+        with open(texts_path, "w") as texts_file:
+            json.dump(texts, texts_file)
+        os.environ["OMP_NUM_THREADS"] = str(args.threads)
+        server = Server(["--model", model_dir, "--served-model-name", "embedder"], [])
+        try:
+            server.wait_ready()
+            troupe, reference = [], []
+            for _ in range(args.repeats):
+                troupe.append(time_troupe(server, "embedder", texts, args.batch, args.concurrency))
+                reference.append(time_sentence_transformers(model_dir, texts_path, args.threads, args.batch))
+                print(f"troupe {troupe[-1]:.2f} s, sentence-transformers {reference[-1]:.2f} s", flush=True)
+        finally:
+            server.stop()
+    t, r = statistics.median(troupe), statistics.median(reference)
+    print(f"{args.num_texts} texts, {args.layers} layers, {args.threads} threads: troupe median {t:.2f} s "
+          f"({args.num_texts / t:.1f} texts/s), sentence-transformers median {r:.2f} s "
+          f"({args.num_texts / r:.1f} texts/s); throughput ratio troupe / sentence-transformers {r / t:.2f}")
+
+
+if __name__ == "__main__":
+    main()

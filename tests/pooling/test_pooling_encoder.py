@@ -1,0 +1,50 @@
+"""BERT encoders served by the engine: LLM.embed against SentenceTransformer.encode and
+LLM.score / classify against CrossEncoder.predict, on tiny random BERTs built in the test
+(tests/pooling/tiny_bert.py). Prompts run whole (no chunked prefill, no prefix cache)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from actors import LLM, InvalidRequestError, SamplingParams
+from tests.pooling.tiny_bert import PAIRS, SENTENCES, save_bert, save_sentence_transformer
+
+
+@pytest.fixture(scope="module")
+def bert_dir(tmp_path_factory) -> str:
+    return save_bert(str(tmp_path_factory.mktemp("bert")), seed=0)
+
+
+@pytest.mark.parametrize("pooling_mode,normalize", [("cls", True), ("mean", False)])
+def test_bert_embeddings_equal_sentence_transformers(bert_dir, tmp_path, pooling_mode, normalize):
+    model = save_sentence_transformer(bert_dir, str(tmp_path), pooling_mode, normalize)
+    # a step budget smaller than the longest sentence: encoder prompts must still run whole
+    llm = LLM(str(tmp_path), max_num_batched_tokens=8, kv_cache_memory="16MiB")
+    assert llm.config.model.is_encoder and llm.config.pooler.pooling_type == pooling_mode.upper()
+    actual = torch.tensor([o.outputs.embedding for o in llm.embed(SENTENCES, use_tqdm=False)])
+    expected = model.encode(SENTENCES, convert_to_tensor=True, batch_size=len(SENTENCES))
+    assert torch.nn.functional.cosine_similarity(actual, expected, dim=1).min() >= 0.9999
+    torch.testing.assert_close(actual, expected, rtol=1e-4, atol=1e-5)
+    with pytest.raises(InvalidRequestError) as error:
+        llm.generate("the cat", SamplingParams(max_tokens=2), use_tqdm=False)
+    assert error.value.param == "model"
+
+
+def test_bert_cross_encoder_scores_equal_cross_encoder_predict(tmp_path):
+    from sentence_transformers import CrossEncoder
+
+    hf_dir, ce_dir = str(tmp_path / "hf"), str(tmp_path / "ce")
+    save_bert(hf_dir, seed=1, num_labels=1)
+    cross_encoder = CrossEncoder(hf_dir, device="cpu")
+    cross_encoder.save(ce_dir)
+    llm = LLM(ce_dir, kv_cache_memory="16MiB")
+    assert llm.config.pooler.task == "classify"
+    expected = torch.as_tensor(cross_encoder.predict(PAIRS, batch_size=len(PAIRS))).float().view(-1)
+    # pairs one by one (query, document) and one query against every document
+    scores = [llm.score(query, document, use_tqdm=False)[0].outputs.score for query, document in PAIRS]
+    torch.testing.assert_close(torch.tensor(scores), expected, rtol=1e-5, atol=1e-5)
+    together = llm.score([q for q, _ in PAIRS], [d for _, d in PAIRS], use_tqdm=False)
+    torch.testing.assert_close(torch.tensor([s.outputs.score for s in together]), expected, rtol=1e-5, atol=1e-5)
+    probs = llm.classify(SENTENCES[:2], use_tqdm=False)
+    assert all(len(output.outputs.probs) == 1 for output in probs)
