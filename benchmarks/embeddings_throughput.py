@@ -23,12 +23,10 @@ import sys
 import tempfile
 import time
 
-if __name__ == "__main__":
-    _here = os.path.dirname(os.path.abspath(__file__))
-    sys.path = [os.path.dirname(_here)] + [path for path in sys.path
-                                           if os.path.abspath(path or os.curdir) != _here]
-
-from benchmarks.serve_vs_offline import Server  # noqa: E402
+_HERE = os.path.dirname(os.path.abspath(__file__))
+if __name__ == "__main__":  # this checkout's troupe first, then benchmarks/ (serve_vs_offline's Server)
+    sys.path = [os.path.dirname(_HERE), _HERE] + [path for path in sys.path
+                                                  if os.path.abspath(path or os.curdir) != _HERE]
 
 _WORDS = 30000  # a WordPiece vocabulary of BERT-base's size: special tokens, then one token per word
 
@@ -81,7 +79,7 @@ print(time.perf_counter() - start)
     return float(result.stdout.strip().splitlines()[-1])
 
 
-def time_troupe(server: Server, model: str, texts: list[str], batch: int, concurrency: int) -> float:
+def time_troupe(server, model: str, texts: list[str], batch: int, concurrency: int) -> float:
     import asyncio
 
     from openai import AsyncOpenAI
@@ -116,6 +114,8 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
+    from serve_vs_offline import Server
+
     with tempfile.TemporaryDirectory() as work:
         model_dir = write_model(work, args.layers, args.seed)
         texts = make_texts(args.num_texts, args.seed)
