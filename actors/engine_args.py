@@ -24,7 +24,8 @@ from typing import Any, Literal
 
 from actors.config import (CacheConfig, EngineConfig, LoRAConfig, ParallelConfig, SchedulerConfig,
                            check_tensor_parallel_size, parse_size)
-from actors.pooling.engine import CONVERTS, RUNNERS, TASKS, check_pooling_args, pooler_for
+from actors.pooling.engine import (CONVERTS, RUNNERS, TASKS, check_pooling_args, override_architecture,
+                                  parse_hf_overrides, pooler_for)
 from actors.worker.loader import load_model_config, resolve_model
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
@@ -159,6 +160,10 @@ class EngineArgs:
         None, "JSON overriding the model's pooler, e.g. '{\"pooling_type\": \"MEAN\", \"normalize\": false}' "
               "(pooling_type LAST, MEAN, CLS or ALL; normalize; activation; is_matryoshka; matryoshka_dimensions)",
         group="pooling", metavar="JSON")
+    hf_overrides: str | dict | None = _arg(
+        None, "JSON over the model's config, as vLLM's: 'architectures' and 'classifier_from_token' (with 'method': "
+              "'from_2_way_softmax' or 'is_original_qwen3_reranker': true) serve a causal LM as a classifier from its "
+              "LM head's rows of those tokens, e.g. Qwen3-Reranker", group="pooling", metavar="JSON")
 
     # several machines (see ParallelConfig): node 0 runs the engine, the others only ranks
     nnodes: int = _arg(1, "machines", group="nodes", metavar="N")
@@ -232,6 +237,7 @@ class EngineArgs:
         if not 0 <= self.node_rank < self.nnodes:
             raise ValueError(f"node_rank must be in [0, {self.nnodes}), got {self.node_rank}")
         check_pooling_args(self.runner, self.convert, self.task, self.pooler_config)
+        parse_hf_overrides(self.hf_overrides)
 
     def build(self) -> EngineConfig:
         """Resolves the model and checks every argument (ValueError naming the field). The
@@ -241,6 +247,9 @@ class EngineArgs:
         args._check_gpu_memory_utilization()
         model_dir = resolve_model(args.model)
         model_config = load_model_config(model_dir)
+        hf_overrides = parse_hf_overrides(args.hf_overrides)
+        if "architectures" in hf_overrides:
+            model_config = override_architecture(model_config, hf_overrides["architectures"][0])
         check_tensor_parallel_size(model_config, args.tensor_parallel_size)
         max_model_len = args.max_model_len
         if max_model_len is None:
@@ -248,6 +257,9 @@ class EngineArgs:
         elif not 1 < max_model_len <= model_config.max_position_embeddings:
             raise ValueError(f"max_model_len must be in [2, {model_config.max_position_embeddings}] for this "
                              f"model, got {max_model_len}")
+        pooler = pooler_for(model_config, args.runner, args.convert, args.task, args.pooler_config, hf_overrides)
+        if pooler is not None and pooler.classifier_from_token and args.tensor_parallel_size != 1:
+            raise ValueError("tensor_parallel_size: a classifier made from the LM head's rows runs on one device")
         if model_config.is_encoder:  # whole prompts, one step each; attention both ways shares no prefix
             if args.tensor_parallel_size != 1:
                 raise ValueError("tensor_parallel_size: an encoder model runs on one device")
@@ -269,7 +281,7 @@ class EngineArgs:
             attention_backend=args.attention_backend, load_format=args.load_format, max_logprobs=args.max_logprobs,
             structured_outputs_backend=args.structured_outputs_backend, reasoning_parser=args.reasoning_parser,
             lora=args._lora_config(),
-            pooler=pooler_for(model_config, args.runner, args.convert, args.task, args.pooler_config))
+            pooler=pooler)
 
     def _lora_config(self) -> LoRAConfig | None:
         if not self.enable_lora:

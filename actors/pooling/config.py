@@ -58,6 +58,10 @@ class PoolerConfig:
     # template when the model's Transformer module takes "message" input: an embedding
     # request's text then goes through the template too, so the two embed the same tokens
     text_as_chat: bool = False
+    # a causal LM made a classifier from its LM head (vLLM's hf_overrides classifier_from_token):
+    # these tokens' rows are the labels; two_way: one label, the rows' difference (Qwen3-Reranker)
+    classifier_from_token: tuple[str, ...] | None = None
+    two_way: bool = False
 
 
 def read_pooler_config(model_dir: str, task: Task, override: dict[str, object] | None = None) -> PoolerConfig:

@@ -6,6 +6,7 @@ checks run it."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 from actors.config import ModelConfig
@@ -42,13 +43,56 @@ def pooler_override(pooler_config: str | dict) -> dict[str, object]:
     return parse_pooler_config_override(pooler_config)
 
 
+# the hf_overrides keys troupe runs: vLLM's way to serve a causal LM as a classifier from its
+# LM head's rows of some tokens (e.g. Qwen3-Reranker: ["no", "yes"], a 2-way softmax)
+HF_OVERRIDE_KEYS = ("architectures", "classifier_from_token", "method", "is_original_qwen3_reranker")
+
+
+def parse_hf_overrides(hf_overrides: str | dict | None) -> dict[str, object]:
+    """The checked hf_overrides (JSON text or a dict); ValueError naming what troupe does not run."""
+    if hf_overrides is None:
+        return {}
+    overrides = json.loads(hf_overrides) if isinstance(hf_overrides, str) else hf_overrides
+    if not isinstance(overrides, dict):
+        raise ValueError(f"hf_overrides must be a JSON object, got {hf_overrides!r}")
+    unknown = sorted(set(overrides) - set(HF_OVERRIDE_KEYS))
+    if unknown:
+        raise ValueError(f"hf_overrides: {', '.join(unknown)} not supported (supported: {', '.join(HF_OVERRIDE_KEYS)})")
+    architectures = overrides.get("architectures")
+    if architectures is not None and (not isinstance(architectures, list) or len(architectures) != 1):
+        raise ValueError("hf_overrides: architectures must be a list of one architecture name")
+    tokens = overrides.get("classifier_from_token")
+    if tokens is not None and (not isinstance(tokens, list) or not tokens or
+                               not all(isinstance(token, str) and token for token in tokens)):
+        raise ValueError("hf_overrides: classifier_from_token must be a list of token strings")
+    method = overrides.get("method")
+    if method not in (None, "from_2_way_softmax", "no_post_processing"):
+        raise ValueError(f"hf_overrides: method must be from_2_way_softmax or no_post_processing, got {method!r}")
+    two_way = method == "from_2_way_softmax" or bool(overrides.get("is_original_qwen3_reranker"))
+    if two_way and (tokens is None or len(tokens) != 2):
+        raise ValueError("hf_overrides: a 2-way softmax needs classifier_from_token of two tokens (false, true)")
+    return overrides
+
+
+def override_architecture(model: ModelConfig, architecture: str) -> ModelConfig:
+    """The model read as another architecture of its family (hf_overrides' architectures)."""
+    from actors.worker.loader import SUPPORTED_ARCHITECTURES
+
+    family = model.architecture.split("For")[0].removesuffix("Model")
+    if architecture not in SUPPORTED_ARCHITECTURES or not architecture.startswith(family):
+        raise ValueError(f"hf_overrides: architectures {architecture!r} is not a supported architecture of the "
+                         f"{model.architecture} family")
+    return dataclasses.replace(model, architecture=architecture)
+
+
 def pooler_for(model: ModelConfig, runner: str, convert: str, task: str,
-               pooler_config: str | dict | None) -> PoolerConfig | None:
+               pooler_config: str | dict | None, hf_overrides: dict[str, object] | None = None) -> PoolerConfig | None:
     """The model's PoolerConfig when the engine runs pooling requests, None when it generates."""
     architecture = model.architecture
-    is_classifier = architecture.endswith("ForSequenceClassification")
-    cannot_generate = is_classifier or architecture.endswith("Model")
-    pooling_task = _pooling_task(convert, task)
+    tokens = (hf_overrides or {}).get("classifier_from_token")
+    is_classifier = architecture.endswith("ForSequenceClassification") or tokens is not None
+    cannot_generate = architecture.endswith(("ForSequenceClassification", "Model"))
+    pooling_task = _pooling_task(convert, task) or ("classify" if tokens is not None else None)
     generate = runner == "generate" or task == "generate"
     if generate and cannot_generate:
         raise ValueError(f"runner: {architecture} has no language-model head, so it cannot generate text; "
@@ -61,12 +105,20 @@ def pooler_for(model: ModelConfig, runner: str, convert: str, task: str,
         pooling_task = "classify" if is_classifier else "embed"
     if pooling_task == "classify" and not is_classifier:
         raise ValueError(f"convert: classification needs a score head, and a {architecture} checkpoint has none "
-                         "(a ...ForSequenceClassification checkpoint has)")
+                         "(a ...ForSequenceClassification checkpoint has; or hf_overrides classifier_from_token)")
     override = pooler_override(pooler_config) if pooler_config is not None else None
     try:
-        return read_pooler_config(model.model_path, pooling_task, override)
+        config = read_pooler_config(model.model_path, pooling_task, override)
     except ValueError as error:
         raise ValueError(f"pooler_config: {error}") from None
+    if tokens is None:
+        return config
+    two_way = hf_overrides.get("method") == "from_2_way_softmax" or bool(hf_overrides.get("is_original_qwen3_reranker"))
+    num_labels = 1 if two_way else len(tokens)
+    activation = None if hf_overrides.get("method") == "no_post_processing" else \
+        ("sigmoid" if num_labels == 1 else "softmax")
+    return dataclasses.replace(config, task="classify", num_labels=num_labels, activation=activation,
+                               classifier_from_token=tuple(tokens), two_way=two_way)
 
 
 def _pooling_task(convert: str, task: str) -> str | None:

@@ -14,7 +14,7 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
-from actors.pooling.classifier import ScoreHead
+from actors.pooling.classifier import ScoreHead, reranker_score_head
 from actors.pooling.config import PoolerConfig
 from actors.pooling.pooler import Pooler, PoolingSpan, finish_embedding, finish_logits
 from messages.pooling import PER_TOKEN_TASKS, PooledData, PoolingParams
@@ -66,12 +66,18 @@ class PoolingRunner:
 
 
 def pooling_runner(config: PoolerConfig, hidden_size: int, score_weight: object | None, dummy: bool,
-                   dtype: torch.dtype, device: torch.device, seed: int = 0) -> PoolingRunner:
+                   dtype: torch.dtype, device: torch.device, seed: int = 0, lm_head: torch.Tensor | None = None,
+                   tokenizer_path: str | None = None) -> PoolingRunner:
     """The runner of a pooling model: a classifier's head from its checkpoint's score weight
-    (a tensor or a lazy safetensors slice; or a ready head, an encoder's), or random with
-    dummy weights."""
+    (a tensor or a lazy safetensors slice; or a ready head, an encoder's), from its LM head's
+    rows of config.classifier_from_token, or random with dummy weights."""
     if config.task != "classify":
         return PoolingRunner(config)
+    if config.classifier_from_token:
+        ids = _token_ids(tokenizer_path, config.classifier_from_token)
+        if config.two_way:  # the tokens are (false, true): a one-label head of their difference
+            return PoolingRunner(config, reranker_score_head(lm_head, yes_token_id=ids[1], no_token_id=ids[0]))
+        return PoolingRunner(config, ScoreHead(lm_head[torch.tensor(ids, device=lm_head.device)].contiguous()))
     if callable(score_weight) and not isinstance(score_weight, torch.Tensor):
         return PoolingRunner(config, score_weight)
     if score_weight is None:
@@ -81,6 +87,17 @@ def pooling_runner(config: PoolerConfig, hidden_size: int, score_weight: object 
         score_weight = torch.randn(config.num_labels or 1, hidden_size, generator=generator) * hidden_size**-0.5
     weight = score_weight[:] if not isinstance(score_weight, torch.Tensor) else score_weight
     return PoolingRunner(config, ScoreHead(weight.to(device=device, dtype=dtype).contiguous()))
+
+
+def _token_ids(tokenizer_path: str, tokens: tuple[str, ...]) -> list[int]:
+    """Each token's id in the model's vocabulary (ValueError for one it lacks)."""
+    from actors.worker.loader import load_tokenizer
+
+    vocab = load_tokenizer(tokenizer_path).get_vocab()
+    missing = [token for token in tokens if token not in vocab]
+    if missing:
+        raise ValueError(f"hf_overrides: classifier_from_token {missing} are not tokens of the model's vocabulary")
+    return [vocab[token] for token in tokens]
 
 
 def _as_pooled_data(tensor: torch.Tensor) -> PooledData:

@@ -149,7 +149,7 @@ class ModelRunner:
                                         iter_weight_slices(engine.model.model_path), head_weights))
         self.pooling: PoolingRunner | None = None if engine.pooler is None else pooling_runner(
             engine.pooler, engine.model.hidden_size, head_weights.get(SCORE_WEIGHT), load_format == "dummy",
-            self.dtype, self.device, engine.seed)
+            self.dtype, self.device, engine.seed, self.model.lm_head, engine.tokenizer_path)
         self.engine = engine
         if self.encoder is None and self.backend.name == "cpu" and self.backend.native is not None \
                 and self.dtype == torch.float32:

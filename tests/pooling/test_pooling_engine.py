@@ -162,3 +162,28 @@ def test_per_token_tasks_give_a_row_per_prompt_token(tiny_qwen3_dir, make_tiny_m
         expected = torch.softmax(classifier.score(states), dim=-1)
     assert scores.shape == (len(ids), 2)
     torch.testing.assert_close(scores, expected, rtol=1e-4, atol=1e-5)
+
+
+def test_a_causal_lm_as_a_two_token_reranker(tiny_qwen3_dir):
+    """vLLM's way to serve Qwen3-Reranker: hf_overrides make the causal LM a one-label
+    classifier whose score is the 2-way softmax of its "yes" over its "no" logit."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_qwen3_dir)
+    no, yes = sorted(tokenizer.get_vocab())[40:42]  # two tokens of the tiny vocabulary
+    llm = LLM(tiny_qwen3_dir, kv_cache_memory="64MiB", hf_overrides={
+        "architectures": ["Qwen3ForSequenceClassification"], "classifier_from_token": [no, yes],
+        "is_original_qwen3_reranker": True})
+    assert (llm.config.pooler.task, llm.config.pooler.num_labels) == ("classify", 1)
+    scores = [s.outputs.score for s in llm.score(PROMPTS[0], PROMPTS[1:], use_tqdm=False)]
+    hf_model = AutoModelForCausalLM.from_pretrained(tiny_qwen3_dir).eval()
+    no_id, yes_id = tokenizer.convert_tokens_to_ids([no, yes])
+    expected = []
+    with torch.no_grad():
+        for document in PROMPTS[1:]:
+            ids = tokenizer(PROMPTS[0], text_pair=document)["input_ids"]
+            logits = hf_model(torch.tensor([ids])).logits[0, -1]
+            expected.append(torch.softmax(logits[[no_id, yes_id]], dim=-1)[1].item())
+    torch.testing.assert_close(torch.tensor(scores), torch.tensor(expected), rtol=1e-4, atol=1e-5)
+    with pytest.raises(ValueError, match="not supported"):
+        LLM(tiny_qwen3_dir, hf_overrides={"rope_theta": 1.0})
