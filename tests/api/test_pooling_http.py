@@ -129,7 +129,7 @@ def test_score_and_rerank_use_the_cosine_of_embeddings(http, expected_embeddings
     assert all("document" not in result for result in bare.json()["results"])
 
 
-def test_bad_embedding_requests_get_a_400_naming_the_field(openai_client, http):
+def test_bad_pooling_requests_get_a_400_naming_the_field(openai_client, http):
     for bad_input in ([], "", [[]]):
         response = http.post("/v1/embeddings", json={"input": bad_input})
         assert response.status_code == 400 and response.json()["error"]["param"] == "input", response.text
@@ -141,6 +141,14 @@ def test_bad_embedding_requests_get_a_400_naming_the_field(openai_client, http):
     with pytest.raises(openai.BadRequestError) as error:  # the model was not trained for Matryoshka sizes
         openai_client.embeddings.create(model=MODEL_NAME, input="hello", dimensions=8)
     assert error.value.param == "dimensions"
+    for route, body, param in (
+            ("/v1/embeddings", {"input": "hello", "encoding_format": "hex"}, "encoding_format"),
+            ("/v1/embeddings", {"input": "hello", "priority": 1}, "priority"),
+            ("/score", {"text_1": "a", "text_2": "b", "queries": "a"}, "queries"),
+            ("/score", {"text_1": ["a", "b"], "text_2": ["c", "d", "e"]}, "text_2"),
+            ("/rerank", {"query": "a", "documents": ["b"], "top_n": -1}, "top_n")):
+        response = http.post(route, json=body)
+        assert response.status_code == 400 and response.json()["error"]["param"] == param, response.text
 
 
 def test_routes_this_model_cannot_serve_get_a_400_naming_the_route(openai_client, http):
