@@ -3,8 +3,9 @@
     app = build_app(client, ServerSettings(served_model_names=["smollm2"]))
 
 The generation routes live in serving_completions.py and serving_chat.py, the tokenizer's
-in serving_tokens.py, the models' (LoRA adapters too) in serving_models.py; the small
-routes (health, metrics, version, load) and
+in serving_tokens.py, the models' (LoRA adapters too) in serving_models.py, the pooling
+models' in serving_pooling.py (embeddings, /pooling, /classify) and serving_scores.py (/score,
+/rerank); the small routes (health, metrics, version, load) and
 SageMaker's (/ping, /invocations) are here."""
 
 from __future__ import annotations
@@ -38,6 +39,8 @@ from api.serving_chat import create_chat_completion
 from api.serving_responses import create_response, retrieve_response
 from api.serving_completions import create_completion
 from api.serving_models import list_models, load_lora_adapter, retrieve_model, unload_lora_adapter
+from api.serving_pooling import create_classification, create_embedding, create_pooling
+from api.serving_scores import create_rerank, create_score
 from api.serving_tokens import detokenize, tokenize, tokenizer_info
 
 # How long /metrics waits for the scheduler's counters before answering without them.
@@ -122,6 +125,11 @@ ROUTES = [
     Route("/v1/chat/completions", _with_context(create_chat_completion), methods=["POST"]),
     Route("/v1/responses", _with_context(create_response), methods=["POST"]),
     Route("/v1/responses/{response_id}", _with_context(retrieve_response), methods=["GET"]),
+    Route("/v1/embeddings", _with_context(create_embedding), methods=["POST"]),
+    Route("/pooling", _with_context(create_pooling), methods=["POST"]),
+    Route("/classify", _with_context(create_classification), methods=["POST"]),
+    *(Route(path, _with_context(create_score), methods=["POST"]) for path in ("/score", "/v1/score")),
+    *(Route(path, _with_context(create_rerank), methods=["POST"]) for path in ("/rerank", "/v1/rerank", "/v2/rerank")),
     Route("/v1/models", _with_context(list_models), methods=["GET"]),
     Route("/v1/models/{model:path}", _with_context(retrieve_model), methods=["GET"]),
     Route("/health", _with_context(health), methods=["GET"]),

@@ -195,6 +195,14 @@ class ServerMetrics:
         self._engine_stats = _EngineStatsCollector(label_values, config)
         self.registry.register(self._engine_stats)
 
+    def on_pooling_finished(self, num_prompt_tokens: int, seconds: float) -> None:
+        """A pooled output returned (an embedding, a classification, a score): vLLM finishes
+        a pooling request as stopped, with its prompt tokens and nothing generated."""
+        self.request_success["stop"].inc()
+        self.prompt_tokens.inc(num_prompt_tokens)
+        self.request_prompt_tokens.observe(num_prompt_tokens)
+        self.e2e_request_latency.observe(seconds)
+
     def render(self, engine_stats: dict | None) -> bytes:
         """The Prometheus text; engine_stats None (the engine did not answer) leaves the
         engine's gauges and counters out rather than reporting stale values."""

@@ -24,11 +24,12 @@ from actors.detokenizer import merge_delta
 from actors.errors import EngineDeadError
 from actors.frontend import AsyncClient
 from actors.input_processor import InputProcessor
+from actors.pooling.config import class_labels
 from api.engine_requests import EngineRequests, RequestGate
 from api import structured_fields
 from api.fields import check_extra_fields
 from api.lora_models import ServedModels
-from api.errors import APIError, engine_unavailable, from_decode_error, from_exception
+from api.errors import APIError, bad_request, engine_unavailable, from_decode_error, from_exception
 from api.metrics import ServerMetrics
 from api.responses import PromptTokensDetails, Usage
 from messages.common import RequestOutput, SamplingParams
@@ -91,6 +92,10 @@ class ServingContext:
         # so the input processor checks that): a bad id never reaches the engine
         self._token_checker = InputProcessor(None, client.config.model.vocab_size, self.max_model_len,
                                              client.config.max_logprobs)
+        pooler = client.config.pooler
+        # a classifier's label names by class index, for /classify; config.json read once, here
+        self.class_labels = (class_labels(client.config.model.model_path, pooler.num_labels)
+                             if pooler is not None and pooler.task == "classify" else [])
         structured_fields.warm_up()
         self.open_requests: set[EngineRequests] = set()  # what abort_all() ends
         # generation requests in flight, for GET /load; counted only with enable_server_load_tracking
@@ -100,6 +105,13 @@ class ServingContext:
         """The model name a response carries and the LoRA adapter the request runs with
         (None: the base model); 404 for a model this server neither serves nor has loaded."""
         return self.models.resolve(name)
+
+    def require_generation(self, route: str) -> None:
+        """400 naming the route for a model without a language-model head (a pooling-only
+        checkpoint): the engine would refuse the request too, but only after reading it."""
+        if not self.client.config.model.can_generate:
+            raise bad_request(f"this model does not support {route}: it is a pooling model and cannot generate "
+                              "text; use /v1/embeddings, /pooling, /classify, /score or /rerank", param="model")
 
     def request_ids(self, request: Request, body_request_id: str | None, prefix: str,
                     num_requests: int) -> tuple[str, list[str]]:

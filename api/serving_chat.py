@@ -101,6 +101,7 @@ class _Reply:
 
 
 async def create_chat_completion(ctx: ServingContext, request: Request) -> Response:
+    ctx.require_generation("/v1/chat/completions")
     body = await read_json(request, ChatCompletionRequest, ctx.settings.max_body_bytes)
     model, lora_request = ctx.resolve_model(body.model_name)
     settings = ctx.settings

@@ -20,6 +20,7 @@ from messages.common import CompletionOutput, Logprob, RequestOutput
 
 
 async def create_completion(ctx: ServingContext, request: Request) -> Response:
+    ctx.require_generation("/v1/completions")
     body = await read_json(request, CompletionRequest, ctx.settings.max_body_bytes)
     model, lora_request = ctx.resolve_model(body.model_name)
     params = None if body.use_beam_search else body.to_sampling_params()

@@ -44,6 +44,7 @@ async def retrieve_response(ctx: ServingContext, request: Request) -> Response:
 
 
 async def create_response(ctx: ServingContext, request: Request) -> Response:
+    ctx.require_generation("/v1/responses")
     body = await read_json(request, ResponsesRequest, ctx.settings.max_body_bytes)
     body.check()
     model, lora_request = ctx.resolve_model(body.model)

@@ -160,6 +160,14 @@ def check_dimensions(config: PoolerConfig, dimensions: int | None, hidden_size: 
         raise ValueError(f"dimensions must be at most the embedding size {hidden_size}, got {dimensions}")
 
 
+def class_labels(model_dir: str, num_labels: int) -> list[str]:
+    """A classifier's label names by class index: config.json's id2label (its keys are the
+    indices as strings), else transformers' default "LABEL_<i>"."""
+    config_path = os.path.join(model_dir, "config.json")
+    id2label = (_read_json(config_path).get("id2label") or {}) if os.path.isfile(config_path) else {}
+    return [str(id2label.get(str(index), f"LABEL_{index}")) for index in range(num_labels)]
+
+
 # -- reading the files ---------------------------------------------------------------------
 
 def _read_json(path: str) -> dict:

@@ -8,15 +8,16 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 import msgspec
-import torch
 
 from actors.pooling.outputs import classification_output, embedding_output
+from actors.pooling.scoring import (cosine_scores, cross_encoder_scores, distinct_texts, pair_token_ids,
+                                     score_pairs, scoring_mode)
 from actors.prompts import PromptInput, per_prompt, prompt_list, split_prompt
 from actors.pooling.engine import POOLING_SAMPLING_PARAMS
 from messages.common import InvalidRequestError
 from messages.lora import LoRARequest
 from messages.pooling import (ClassificationRequestOutput, EmbeddingRequestOutput, PoolingParams,
-                              PoolingRequestOutput, ScoringOutput, ScoringRequestOutput)
+                              PoolingRequestOutput, ScoringRequestOutput)
 
 if TYPE_CHECKING:
     from actors.llm import LLM
@@ -62,28 +63,14 @@ class LLMPoolingMixin:
         """The score of each pair: data_1[i] with data_2[i], or one data_1 with every data_2.
         A classifier with one label scores the pair as one input (a cross-encoder); an
         embedding model scores the cosine similarity of the two embeddings."""
-        firsts, seconds = _texts(data_1, "data_1"), _texts(data_2, "data_2")
-        if len(firsts) == 1:
-            firsts = firsts * len(seconds)
-        if len(firsts) != len(seconds) or not seconds:
-            raise InvalidRequestError(f"score needs one data_1 or as many as data_2 (got {len(firsts)} and "
-                                      f"{len(seconds)}), and at least one of each", param="data_2")
-        pooler = self.config.pooler
-        if pooler is None:
-            raise InvalidRequestError("score needs a pooling model (runner 'pooling')", param="model")
-        if pooler.task == "embed":
-            texts = list(dict.fromkeys(firsts + seconds))  # each text embedded once
+        firsts, seconds = score_pairs(data_1, data_2)
+        if scoring_mode(self.config.pooler) == "cosine":
+            texts = distinct_texts(firsts, seconds)
             outputs = self._pool(texts, pooling_params, "score", truncate_prompt_tokens, use_tqdm, lora_request)
-            by_text = dict(zip(texts, outputs))
-            return [_cosine_output(by_text[first], by_text[second]) for first, second in zip(firsts, seconds)]
-        if pooler.num_labels != 1:
-            raise InvalidRequestError(f"score needs a classifier with one label (a cross-encoder); this one has "
-                                      f"{pooler.num_labels}", param="model")
-        pairs = [self.tokenizer(first, text_pair=second)["input_ids"] for first, second in zip(firsts, seconds)]
+            return cosine_scores(firsts, seconds, dict(zip(texts, outputs)))
+        pairs = pair_token_ids(self.tokenizer, firsts, seconds)
         outputs = self._pool(pairs, pooling_params, "score", truncate_prompt_tokens, use_tqdm, lora_request)
-        return [ScoringRequestOutput(request_id=output.request_id,
-                                     outputs=ScoringOutput(score=float(output.outputs.data[0])),
-                                     prompt_token_ids=output.prompt_token_ids) for output in outputs]
+        return cross_encoder_scores(outputs)
 
     def _pool(self: LLM, prompts: PromptInput | Sequence[PromptInput], pooling_params: Params, task: str | None,
               truncate_prompt_tokens: int | None, use_tqdm: bool, lora_request: LoRAs) -> list[PoolingRequestOutput]:
@@ -124,16 +111,3 @@ def _with_task(params: PoolingParams | None, task: str | None, truncate_prompt_t
         params.validate()
     return params.with_task(task or params.task or default_task)
 
-
-def _texts(data: str | Sequence[str], name: str) -> list[str]:
-    texts = [data] if isinstance(data, str) else list(data)
-    if not all(isinstance(text, str) and text for text in texts):
-        raise InvalidRequestError(f"{name} must be a non-empty string or a list of them", param=name)
-    return texts
-
-
-def _cosine_output(first: PoolingRequestOutput, second: PoolingRequestOutput) -> ScoringRequestOutput:
-    score = torch.nn.functional.cosine_similarity(first.outputs.data, second.outputs.data, dim=0).item()
-    return ScoringRequestOutput(request_id=f"{first.request_id}-{second.request_id}",
-                                outputs=ScoringOutput(score=score),
-                                prompt_token_ids=first.prompt_token_ids + second.prompt_token_ids)
