@@ -3,8 +3,15 @@ every substring (up to `max_tree_depth` tokens) of a request's own tokens, and f
 over the outputs of recently finished requests. The longest recent suffix of the request
 that the trie holds is followed along its most frequent continuation, for as many tokens
 as the match earns (`max_spec_factor` x match length, capped by k and by the depth left
-below the match: a path holds at most max_tree_depth tokens) while the path stays probable. Receives request starts, new tokens and stops; sends nothing; owns one trie per
-live request and the global trie with the outputs it was built from (to evict them)."""
+below the match: a path holds at most max_tree_depth tokens) while the path stays probable.
+
+Receives request starts, new tokens and stops; sends nothing; owns one trie per live
+request and the global trie with the outputs it was built from (to evict them).
+
+Cost: a trie holds up to (tokens x max_tree_depth) nodes, built at O(max_tree_depth) per
+token: in CPython ~26 MB and ~0.3 s for a 4000-token prompt of distinct text at depth 24,
+~65 us a proposal while copying. Arctic's C++ tree compresses unary paths; this one does
+not, which is what to change if long prompts make it the bottleneck."""
 
 from __future__ import annotations
 
