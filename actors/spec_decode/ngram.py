@@ -9,6 +9,8 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from actors.spec_decode.config import SpeculativeConfig
+
 
 def _longest_latest_match(history: np.ndarray, max_n: int) -> tuple[int, int]:
     """(n, end): the longest n <= max_n such that history[end-n+1 : end+1] equals the last
@@ -45,6 +47,12 @@ class NgramProposer:
                              f"({prompt_lookup_max})]")
         self.prompt_lookup_min = prompt_lookup_min
         self.prompt_lookup_max = prompt_lookup_max
+
+    @classmethod
+    def from_config(cls, config: SpeculativeConfig) -> NgramProposer:
+        if config.prompt_lookup_min is None or config.prompt_lookup_max is None:
+            raise ValueError(f"speculative_config: method {config.method} has no prompt_lookup bounds")
+        return cls(config.prompt_lookup_min, config.prompt_lookup_max)
 
     def propose_one(self, history: np.ndarray, k: int) -> list[int]:
         """Up to k drafts for one request's tokens (a 1-D int array); [] when no n-gram of

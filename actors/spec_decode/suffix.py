@@ -18,6 +18,8 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Iterable, Iterator, Sequence
 
+from actors.spec_decode.config import SpeculativeConfig
+
 
 class _Node:
     """A trie node: the path from the root is a token string that occurred `count` times."""
@@ -135,6 +137,11 @@ class SuffixDecodingProposer:
         self.requests: dict[str, _RequestState] = {}
         self.global_trie = _SuffixTrie(max_tree_depth)
         self.cached_outputs: OrderedDict[str, list[int]] = OrderedDict()  # request_id -> output tokens
+
+    @classmethod
+    def from_config(cls, config: SpeculativeConfig) -> SuffixDecodingProposer:
+        return cls(config.suffix_decoding_max_tree_depth, config.suffix_decoding_max_cached_requests,
+                   config.suffix_decoding_max_spec_factor, config.suffix_decoding_min_token_prob)
 
     def start_request(self, request_id: str, prompt: Sequence[int]) -> None:
         if request_id in self.requests:

@@ -3,6 +3,7 @@
 import numpy as np
 import pytest
 
+from actors.spec_decode.config import parse_speculative_config
 from actors.spec_decode.ngram import NgramProposer
 
 
@@ -80,3 +81,9 @@ def test_matches_a_brute_force_search_on_random_histories():
 def test_bad_bounds_raise():
     with pytest.raises(ValueError, match="prompt_lookup_min"):
         NgramProposer(prompt_lookup_min=3, prompt_lookup_max=2)
+
+
+def test_built_from_a_parsed_config():
+    proposer = NgramProposer.from_config(parse_speculative_config(
+        {"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 2, "prompt_lookup_max": 4}))
+    assert (proposer.prompt_lookup_min, proposer.prompt_lookup_max) == (2, 4)

@@ -3,6 +3,7 @@ bound and eviction, the adaptive draft length and the probability cut-off."""
 
 import pytest
 
+from actors.spec_decode.config import parse_speculative_config
 from actors.spec_decode.suffix import SuffixDecodingProposer, _SuffixTrie
 
 
@@ -118,3 +119,11 @@ def test_request_lifecycle_errors_and_a_disabled_cache():
     proposer.stop_request("a")
     proposer.stop_request("a")  # an abort racing the finish
     assert proposer.requests == {} and proposer.global_trie.num_nodes == 1
+
+
+def test_built_from_a_parsed_config():
+    proposer = SuffixDecodingProposer.from_config(parse_speculative_config(
+        {"method": "suffix", "suffix_decoding_max_tree_depth": 12, "suffix_decoding_max_cached_requests": 7,
+         "suffix_decoding_max_spec_factor": 2.5, "suffix_decoding_min_token_prob": 0.2}))
+    assert (proposer.max_tree_depth, proposer.max_cached_requests, proposer.max_spec_factor,
+            proposer.min_token_prob) == (12, 7, 2.5, 0.2)
