@@ -16,7 +16,7 @@ from actors.lora.adapter_files import WEIGHTS_FILE
 from actors.scheduler import Scheduler
 from api.metrics import ServerMetrics
 from messages.scheduler import TokenizedRequest
-from tests.actors.test_scheduler import FakeWorker, make_params
+from tests.actors.scheduler_harness import FakeWorker, make_params
 from tests.lora_adapters import build_lora_adapter
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import time
 
-from tests.actors.test_scheduler import FakeWorker, make_params, make_scheduler, run_to_end
+from tests.actors.scheduler_harness import FakeWorker, make_params, make_scheduler, run_to_end
 
 
 def test_each_step_counts_its_sampled_tokens_and_the_prompts_that_got_their_first():
