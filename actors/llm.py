@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import itertools
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import msgspec
@@ -103,17 +103,25 @@ class LLM(LLMPoolingMixin):
             for output, (text, _) in zip(outputs, processed):
                 output.prompt = text
             return outputs
+        return self._run(self._add_requests((text, token_ids, params, salt, lora, None)
+                                            for (text, token_ids), params, (_, salt), lora
+                                            in zip(processed, params_list, split, loras)), use_tqdm)
+
+    def _add_requests(self, requests: Iterable[tuple]) -> list[str]:
+        """Adds every (text, token ids, sampling params, cache salt, LoRA, pooling params) to
+        the engine core, or none: one the scheduler refuses aborts those added before it."""
         request_ids: list[str] = []
         try:
-            for (text, token_ids), params, (_, salt), lora in zip(processed, params_list, split, loras):
+            for text, token_ids, params, salt, lora, pooling in requests:
                 request_id = str(next(self._request_counter))
-                self.engine.add_request(request_id, text, token_ids, params, cache_salt=salt, lora_request=lora)
+                self.engine.add_request(request_id, text, token_ids, params, cache_salt=salt, lora_request=lora,
+                                        pooling_params=pooling)
                 request_ids.append(request_id)
         except ValueError:
             for request_id in request_ids:
                 self.engine.abort_request(request_id)
             raise
-        return self._run(request_ids, use_tqdm)
+        return request_ids
 
     def chat(self, messages: list[dict] | list[list[dict]],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,

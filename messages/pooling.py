@@ -56,6 +56,21 @@ class PoolingParams(msgspec.Struct, kw_only=True, omit_defaults=True, array_like
         return msgspec.structs.replace(self, task=task)
 
 
+def pooling_params_for(params: object, task: str | None, default_task: str,
+                       truncate_prompt_tokens: int | None = None) -> PoolingParams:
+    """A caller's pooling_params (None: the defaults) for task (None: their own task, else
+    default_task), with truncate_prompt_tokens when given; InvalidRequestError otherwise."""
+    if params is None:
+        params = PoolingParams()
+    elif not isinstance(params, PoolingParams):
+        raise InvalidRequestError(f"pooling_params must be PoolingParams, got {type(params).__name__}",
+                                  param="pooling_params")
+    if truncate_prompt_tokens is not None:
+        params = msgspec.structs.replace(params, truncate_prompt_tokens=truncate_prompt_tokens)
+        params.validate()
+    return params.with_task(task or params.task or default_task)
+
+
 def _check(ok: bool, field: str, message: str) -> None:
     if not ok:
         raise InvalidRequestError(f"{field} {message}", param=field)

@@ -11,19 +11,16 @@ import time
 from collections.abc import AsyncIterator, Awaitable, Sequence
 from typing import TypeVar
 
-import msgspec
-
 from actors.pooling.engine import POOLING_SAMPLING_PARAMS
 from actors.pooling.outputs import classification_output, embedding_output, pooling_request_output
 from actors.pooling.scoring import (cosine_scores, cross_encoder_scores, distinct_texts, pair_token_ids,
                                     score_pairs, scoring_mode)
 from actors.prompts import PromptInput, split_prompt
-from messages.common import InvalidRequestError
 from messages.frontend import PoolingResult
 from messages.input_processor import AddRequest
 from messages.lora import LoRARequest, check_lora_request
 from messages.pooling import (ClassificationRequestOutput, EmbeddingRequestOutput, PoolingParams,
-                              PoolingRequestOutput, ScoringRequestOutput)
+                              PoolingRequestOutput, ScoringRequestOutput, pooling_params_for)
 
 T = TypeVar("T")
 
@@ -56,15 +53,8 @@ class PoolingClientMixin:
         """The prompt's pooled output (outputs.data, a float32 tensor): an embedding or a
         classifier's scores, as the model pools. prompt: text, token ids or vLLM's dict prompt;
         add_special_tokens: False tokenizes a text without the tokenizer's BOS/EOS."""
-        params = pooling_params if pooling_params is not None else PoolingParams()
-        if not isinstance(params, PoolingParams):
-            raise InvalidRequestError(f"pooling_params must be PoolingParams, got {type(params).__name__}",
-                                      param="pooling_params")
-        if truncate_prompt_tokens is not None:
-            params = msgspec.structs.replace(params, truncate_prompt_tokens=truncate_prompt_tokens)
-            params.validate()
-        if params.task is None and self.config is not None and self.config.pooler is not None:
-            params = params.with_task(self.config.pooler.task)
+        pooler = self.config.pooler if self.config is not None else None
+        params = pooling_params_for(pooling_params, None, pooler.task if pooler else "encode", truncate_prompt_tokens)
         prompt, cache_salt = split_prompt(prompt)
         request = AddRequest(request_id=self._new_id(request_id), prompt=prompt, params=POOLING_SAMPLING_PARAMS,
                              arrival_time=time.time(), priority=priority, cache_salt=cache_salt,
@@ -75,13 +65,13 @@ class PoolingClientMixin:
     async def embed(self, prompt: PromptInput, pooling_params: PoolingParams | None = None,
                     request_id: str | None = None, *, lora_request: LoRARequest | None = None
                     ) -> EmbeddingRequestOutput:
-        params = (pooling_params or PoolingParams()).with_task("embed")
+        params = pooling_params_for(pooling_params, "embed", "embed")
         return embedding_output(await self.encode(prompt, params, request_id, lora_request=lora_request))
 
     async def classify(self, prompt: PromptInput, pooling_params: PoolingParams | None = None,
                        request_id: str | None = None, *, lora_request: LoRARequest | None = None
                        ) -> ClassificationRequestOutput:
-        params = (pooling_params or PoolingParams()).with_task("classify")
+        params = pooling_params_for(pooling_params, "classify", "classify")
         return classification_output(await self.encode(prompt, params, request_id, lora_request=lora_request))
 
     async def score(self, data_1: str | Sequence[str], data_2: str | Sequence[str], /, *,

@@ -7,17 +7,15 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-import msgspec
 
 from actors.pooling.outputs import classification_output, embedding_output
 from actors.pooling.scoring import (cosine_scores, cross_encoder_scores, distinct_texts, pair_token_ids,
                                      score_pairs, scoring_mode)
 from actors.prompts import PromptInput, per_prompt, prompt_list, split_prompt
 from actors.pooling.engine import POOLING_SAMPLING_PARAMS
-from messages.common import InvalidRequestError
 from messages.lora import LoRARequest
 from messages.pooling import (ClassificationRequestOutput, EmbeddingRequestOutput, PoolingParams,
-                              PoolingRequestOutput, ScoringRequestOutput)
+                              PoolingRequestOutput, ScoringRequestOutput, pooling_params_for)
 
 if TYPE_CHECKING:
     from actors.llm import LLM
@@ -76,7 +74,7 @@ class LLMPoolingMixin:
               truncate_prompt_tokens: int | None, use_tqdm: bool, lora_request: LoRAs) -> list[PoolingRequestOutput]:
         split = [split_prompt(prompt) for prompt in prompt_list(prompts)]
         default_task = self.config.pooler.task if self.config.pooler is not None else "encode"
-        params_list = [_with_task(params, task, truncate_prompt_tokens, default_task)
+        params_list = [pooling_params_for(params, task, default_task, truncate_prompt_tokens)
                        for params in per_prompt(pooling_params, len(split), "pooling_params", None)]
         loras = per_prompt(lora_request, len(split), "lora_request", None)
         processed = [self.inputs.process(prompt, POOLING_SAMPLING_PARAMS, cache_salt=salt, lora_request=lora,
@@ -84,30 +82,6 @@ class LLMPoolingMixin:
                      for (prompt, salt), params, lora in zip(split, params_list, loras)]
         if self._remote is not None:
             return self._remote.encode_batch([ids for _, ids in processed], params_list, loras)
-        request_ids: list[str] = []
-        try:
-            for (text, token_ids), params, (_, salt), lora in zip(processed, params_list, split, loras):
-                request_id = str(next(self._request_counter))
-                self.engine.add_request(request_id, text, token_ids, POOLING_SAMPLING_PARAMS, cache_salt=salt,
-                                        lora_request=lora, pooling_params=params)
-                request_ids.append(request_id)
-        except ValueError:
-            for request_id in request_ids:
-                self.engine.abort_request(request_id)
-            raise
-        return self._run(request_ids, use_tqdm)
-
-
-def _with_task(params: PoolingParams | None, task: str | None, truncate_prompt_tokens: int | None,
-               default_task: str) -> PoolingParams:
-    """params for task (None: their own task, else default_task), truncated as asked."""
-    if params is None:
-        params = PoolingParams()
-    elif not isinstance(params, PoolingParams):
-        raise InvalidRequestError(f"pooling_params must be PoolingParams, got {type(params).__name__}",
-                                  param="pooling_params")
-    if truncate_prompt_tokens is not None:
-        params = msgspec.structs.replace(params, truncate_prompt_tokens=truncate_prompt_tokens)
-        params.validate()
-    return params.with_task(task or params.task or default_task)
-
+        return self._run(self._add_requests(
+            (text, token_ids, POOLING_SAMPLING_PARAMS, salt, lora, params)
+            for (text, token_ids), params, (_, salt), lora in zip(processed, params_list, split, loras)), use_tqdm)

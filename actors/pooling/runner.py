@@ -67,19 +67,20 @@ class PoolingRunner:
 
 def pooling_runner(config: PoolerConfig, hidden_size: int, score_weight: object | None, dummy: bool,
                    dtype: torch.dtype, device: torch.device, seed: int = 0, lm_head: torch.Tensor | None = None,
-                   tokenizer_path: str | None = None) -> PoolingRunner:
-    """The runner of a pooling model: a classifier's head from its checkpoint's score weight
-    (a tensor or a lazy safetensors slice; or a ready head, an encoder's), from its LM head's
+                   tokenizer_path: str | None = None,
+                   head: Callable[[torch.Tensor], torch.Tensor] | None = None) -> PoolingRunner:
+    """The runner of a pooling model: a classifier's head as given (an encoder's own), from
+    its checkpoint's score weight (a tensor or a lazy safetensors slice), from its LM head's
     rows of config.classifier_from_token, or random with dummy weights."""
     if config.task != "classify":
         return PoolingRunner(config)
+    if head is not None:
+        return PoolingRunner(config, head)
     if config.classifier_from_token:
         ids = _token_ids(tokenizer_path, config.classifier_from_token)
         if config.two_way:  # the tokens are (false, true): a one-label head of their difference
             return PoolingRunner(config, reranker_score_head(lm_head, yes_token_id=ids[1], no_token_id=ids[0]))
         return PoolingRunner(config, ScoreHead(lm_head[torch.tensor(ids, device=lm_head.device)].contiguous()))
-    if callable(score_weight) and not isinstance(score_weight, torch.Tensor):
-        return PoolingRunner(config, score_weight)
     if score_weight is None:
         if not dummy:
             raise ValueError("the checkpoint has no score.weight: it is not a ...ForSequenceClassification model")

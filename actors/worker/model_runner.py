@@ -128,28 +128,32 @@ class ModelRunner:
         self.block_size = engine.cache.block_size
         self.backend = make_backend(attention_backend, self.device)
         self.parallel = parallel
-        self.model = LlamaModel(engine.model, self.dtype, self.device, self.backend, parallel)
-        head_weights: dict[str, object] = {}  # a classifier's score weight, split off the decoder's
-        # an encoder (BERT) runs whole prompts through its own forward, and keeps no KV cache
+        # a decoder (LlamaModel), or an encoder (BERT) that runs whole prompts through its own
+        # forward and keeps no KV cache
+        self.model: LlamaModel | None = None
         self.encoder: EncoderStep | None = None
+        head_weights: dict[str, object] = {}  # a classifier's score weight, split off the decoder's
+        encoder_head = None  # BERT's classification head: its pooler and classifier, not a score weight
         if engine.model.is_encoder:
             classify = engine.pooler is not None and engine.pooler.task == "classify"
             self.encoder = build_encoder(engine.model, self.dtype, self.device, load_format == "dummy", engine.seed,
                                          classify)
-            if classify:  # BERT's classification head is its pooler and classifier, not a score weight
-                head_weights[SCORE_WEIGHT] = BertClassifierHead(self.encoder.model.pooler,
-                                                                self.encoder.model.classifier)
-        elif load_format == "dummy":
-            self.model.init_dummy_weights(engine.seed)
+            if classify:
+                encoder_head = BertClassifierHead(self.encoder.model.pooler, self.encoder.model.classifier)
         else:
-            from actors.worker.loader import iter_weight_slices
+            self.model = LlamaModel(engine.model, self.dtype, self.device, self.backend, parallel)
+            if load_format == "dummy":
+                self.model.init_dummy_weights(engine.seed)
+            else:
+                from actors.worker.loader import iter_weight_slices
 
-            self.model.load_weights((name, parallel.shard(name, weight_slice, engine.model))
-                                    for name, weight_slice in split_score_weight(
-                                        iter_weight_slices(engine.model.model_path), head_weights))
+                self.model.load_weights((name, parallel.shard(name, weight_slice, engine.model))
+                                        for name, weight_slice in split_score_weight(
+                                            iter_weight_slices(engine.model.model_path), head_weights))
         self.pooling: PoolingRunner | None = None if engine.pooler is None else pooling_runner(
             engine.pooler, engine.model.hidden_size, head_weights.get(SCORE_WEIGHT), load_format == "dummy",
-            self.dtype, self.device, engine.seed, self.model.lm_head, engine.tokenizer_path)
+            self.dtype, self.device, engine.seed, self.model.lm_head if self.model is not None else None,
+            engine.tokenizer_path, head=encoder_head)
         self.engine = engine
         if self.encoder is None and self.backend.name == "cpu" and self.backend.native is not None \
                 and self.dtype == torch.float32:
@@ -170,10 +174,10 @@ class ModelRunner:
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
         m = self.engine.model
-        shape = (num_blocks, self.model.num_kv_heads, self.block_size, m.head_dim)
         self.kv_caches = []  # the old cache goes before the new one is made
         if self.encoder is not None:
             return  # its blocks are the scheduler's bookkeeping only
+        shape = (num_blocks, self.model.num_kv_heads, self.block_size, m.head_dim)
         # zeros, not empty: masked slots are multiplied by 0, and 0 * NaN garbage is NaN
         self.kv_caches = [(torch.zeros(shape, dtype=self.dtype, device=self.device),
                            torch.zeros(shape, dtype=self.dtype, device=self.device))
@@ -196,8 +200,9 @@ class ModelRunner:
                                 list(range(blocks_needed)), 0)
         input_ids, positions, attention = self._prepare_inputs([(request, num_tokens)])
         hidden = self._forward(input_ids, positions, attention)
-        rows = torch.arange(min(scheduler.max_num_seqs, num_tokens), device=self.device)
-        self.model.compute_logits(hidden[rows])
+        if self.model is not None:  # an encoder has no logits
+            rows = torch.arange(min(scheduler.max_num_seqs, num_tokens), device=self.device)
+            self.model.compute_logits(hidden[rows])
         torch.cuda.synchronize(self.device)
         peak = torch.cuda.max_memory_allocated(self.device)
         self.kv_caches = []

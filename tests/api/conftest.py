@@ -147,6 +147,12 @@ def server(long_context_llama_dir, tmp_path_factory):
     process = ServerProcess(long_context_llama_dir, tmp_path_factory.mktemp("server") / "server.log",
                             "--max-model-len", str(MAX_MODEL_LEN), "--api-key", API_KEY, "--max-request-size", "1MiB",
                             "--max-waiting-requests", "44", "--log-level", "warning")
+    yield from served(process)
+
+
+def served(process: ServerProcess):
+    """Yields a started server; when the fixture ends, stops it and checks that it exited
+    cleanly and left no process behind (a fixture's `yield from served(...)`)."""
     try:
         yield process
     finally:

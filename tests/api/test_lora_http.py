@@ -18,7 +18,7 @@ from actors.config import runtime_lora_updating_allowed
 from actors.launch import parse_args
 from actors.launch_args import openai_server_settings, parse_lora_module
 from api.lora_models import LoRAModulePath
-from tests.api.conftest import MODEL_NAME, ServerProcess
+from tests.api.conftest import MODEL_NAME, ServerProcess, served
 from tests.lora_adapters import build_lora_adapter, peft_greedy
 
 PROMPT = [5, 6, 7, 8, 9]
@@ -47,11 +47,7 @@ def lora_server(tiny_llama_dir, adapter_dirs, tmp_path_factory):
         patch.setenv("VLLM_ALLOW_RUNTIME_LORA_UPDATING", "true")
         process = ServerProcess(tiny_llama_dir, tmp_path_factory.mktemp("lora_server") / "server.log", *LORA_FLAGS,
                                 "--lora-modules", f"sql={adapter_dirs['sql']}", chatty)
-    try:
-        yield process
-    finally:
-        assert process.stop() == 0, process.log()
-        assert not process.leftover_pids()
+    yield from served(process)
 
 
 @pytest.fixture(scope="module")

@@ -16,7 +16,7 @@ import openai
 import pytest
 import torch
 
-from tests.api.conftest import AUTH, MODEL_NAME, ServerProcess, scrape_metrics
+from tests.api.conftest import AUTH, MODEL_NAME, ServerProcess, scrape_metrics, served
 from tests.pooling.test_pooling_engine import save_embedder, sentence_transformers_embeddings
 
 PROMPTS = ["The cat sat on the mat.", "hello", "A much longer sentence, about nothing in particular, goes on " * 3,
@@ -27,12 +27,7 @@ LABEL = "relevant"
 
 def start_server(model_dir: str, log_dir, *flags: str):
     """A server of model_dir, stopped (and checked to leave no process) when the module ends."""
-    process = ServerProcess(model_dir, log_dir / "server.log", "--log-level", "warning", *flags)
-    try:
-        yield process
-    finally:
-        assert process.stop() == 0, process.log()
-        assert not process.leftover_pids()
+    yield from served(ServerProcess(model_dir, log_dir / "server.log", "--log-level", "warning", *flags))
 
 
 @pytest.fixture(scope="module")
