@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 
 # a field of EngineConfig, which msgspec decodes in every actor process: imported for real (torch-free)
 from actors.pooling.config import PoolerConfig
+from actors.spec_decode.config import SpeculativeConfig
 
 _SIZE_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
                "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
@@ -153,6 +154,7 @@ class EngineConfig:
     reasoning_parser: str | None = None  # "deepseek_r1" | "qwen3": output starts with <think>...</think>
     lora: LoRAConfig | None = None  # None: LoRA adapters off (enable_lora=False)
     pooler: PoolerConfig | None = None  # a pooling model (runner "pooling"): how it pools; None: it generates
+    speculative: SpeculativeConfig | None = None  # speculative decoding (--speculative-config); None: off
     extra: dict = field(default_factory=dict)
 
 

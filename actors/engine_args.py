@@ -26,6 +26,7 @@ from actors.config import (CacheConfig, EngineConfig, LoRAConfig, ParallelConfig
                            check_tensor_parallel_size, parse_size)
 from actors.pooling.engine import (CONVERTS, RUNNERS, TASKS, check_pooling_args, override_architecture,
                                   parse_hf_overrides, pooler_for)
+from actors.spec_decode.config import check_engine_fit, parse_speculative_config
 from actors.worker.loader import load_model_config, resolve_model
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
@@ -137,6 +138,10 @@ class EngineArgs:
     async_scheduling: bool = _arg(True, "build the next step's plan while the workers run the current one")
     structured_outputs_backend: str = _arg(
         "auto", "the grammar library of structured outputs; 'auto': xgrammar", choices=STRUCTURED_OUTPUTS_BACKENDS)
+    speculative_config: str | dict | None = _arg(
+        None, "speculative decoding, vLLM's JSON: '{\"method\": \"ngram\", \"num_speculative_tokens\": 5}' "
+              "(method ngram or suffix; prompt_lookup_min/max, suffix_decoding_*, disable_by_batch_size)",
+        metavar="JSON")
     reasoning_parser: str | None = _arg(
         None, "the model thinks between <think> and </think> first: the API splits that into reasoning_content, "
               "and a request's structured output constrains only what follows", choices=REASONING_PARSERS)
@@ -238,6 +243,7 @@ class EngineArgs:
             raise ValueError(f"node_rank must be in [0, {self.nnodes}), got {self.node_rank}")
         check_pooling_args(self.runner, self.convert, self.task, self.pooler_config)
         parse_hf_overrides(self.hf_overrides)
+        parse_speculative_config(self.speculative_config)
 
     def build(self) -> EngineConfig:
         """Resolves the model and checks every argument (ValueError naming the field). The
@@ -265,6 +271,10 @@ class EngineArgs:
                 raise ValueError("tensor_parallel_size: an encoder model runs on one device")
             args = dataclasses.replace(args, enable_prefix_caching=False, max_num_batched_tokens=max(
                 args.max_num_batched_tokens, max_model_len))
+        speculative = parse_speculative_config(args.speculative_config)
+        if speculative is not None:
+            check_engine_fit(speculative, pooling=pooler is not None or not model_config.can_generate,
+                             max_num_batched_tokens=args.max_num_batched_tokens)
         return EngineConfig(
             model=model_config,
             cache=CacheConfig(block_size=args.block_size, kv_cache_memory=parse_size(args.kv_cache_memory),
@@ -281,7 +291,7 @@ class EngineArgs:
             attention_backend=args.attention_backend, load_format=args.load_format, max_logprobs=args.max_logprobs,
             structured_outputs_backend=args.structured_outputs_backend, reasoning_parser=args.reasoning_parser,
             lora=args._lora_config(),
-            pooler=pooler)
+            pooler=pooler, speculative=speculative)
 
     def _lora_config(self) -> LoRAConfig | None:
         if not self.enable_lora:

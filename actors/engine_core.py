@@ -10,7 +10,8 @@ from actors.config import EngineConfig
 from actors.detokenizer import OutputProcessor, merge_delta
 from actors.pooling.outputs import pooling_request_output
 from actors.scheduler.scheduler import Scheduler
-from actors.worker.model_runner import build_model_runner, resolve_device
+from actors.worker.device_config import resolve_device
+from actors.worker.model_runner import build_model_runner
 from messages.common import RequestOutput, SamplingParams
 from messages.lora import LoRARequest
 from messages.pooling import PoolingParams, PoolingRequestOutput
@@ -26,7 +27,7 @@ class EngineCore:
         self.scheduler = Scheduler(engine.scheduler, engine.cache, self.num_blocks, engine.model.eos_token_ids,
                                    max_loras=engine.lora.max_loras if engine.lora else 0,
                                    pooling_type=engine.pooler.pooling_type if engine.pooler else None,
-                                   generates=engine.model.can_generate)
+                                   generates=engine.model.can_generate, speculative=engine.speculative)
         self.outputs = OutputProcessor(tokenizer)
         self._accumulated: dict[str, RequestOutput] = {}  # request_id -> its output so far
         self._pooling_ids: set[str] = set()  # live pooling requests (the output processor never sees them)

@@ -32,6 +32,10 @@ class StepResult(msgspec.Struct, array_like=True, frozen=True, gc=False, tag="re
     prompt_logprobs: dict[str, list[TokenLogprobs]] = msgspec.field(default_factory=dict)
     # request_id -> the pooled output of each pooling request whose prompt ended this step
     pooled: dict[str, PooledData] = msgspec.field(default_factory=dict)
+    # speculative decoding: request_id -> the drafts it accepted, emitted in order before its
+    # sampled_token_ids entry (the correction or bonus token); absent: none accepted
+    accepted_token_ids: dict[str, list[int]] = msgspec.field(default_factory=dict)
+    num_draft_tokens: dict[str, int] = msgspec.field(default_factory=dict)  # request_id -> drafts verified
 
 
 class TokenizedRequest(msgspec.Struct, array_like=True, frozen=True, kw_only=True, tag="tokenized"):

@@ -50,6 +50,9 @@ class StepPlan(msgspec.Struct, array_like=True, frozen=True, gc=False, tag="plan
     continuing_requests: list[ContinuingRequest]
     num_scheduled_tokens: dict[str, int]  # request_id -> tokens to compute this step
     finished_request_ids: list[str]  # drop their state (finished, aborted or preempted)
+    # request_id -> drafts the worker may verify after the step's one token (speculative
+    # decoding: charged to the step's budget, KV slots reserved); absent: none
+    num_lookahead_tokens: dict[str, int] = msgspec.field(default_factory=dict)
 
 
 WorkerInbox = StepPlan | Ping | Shutdown

@@ -55,7 +55,7 @@ class SchedulerActor(Actor):
         scheduler = Scheduler(engine.scheduler, engine.cache, spec.options["num_kv_blocks"],
                               engine.model.eos_token_ids, max_loras=engine.lora.max_loras if engine.lora else 0,
                               pooling_type=engine.pooler.pooling_type if engine.pooler else None,
-                              generates=engine.model.can_generate)
+                              generates=engine.model.can_generate, speculative=engine.speculative)
         executor = Executor(sockets, spec.addresses, engine.parallel.tensor_parallel_size)
         return cls(spec.name, spec.addresses, sockets, scheduler, engine.scheduler, executor)
 

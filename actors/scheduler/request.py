@@ -63,6 +63,9 @@ class Sequence:
         # Tokens sampled by plans in flight that the scheduler has not seen yet: the worker
         # feeds each to the next decode itself (async scheduling).
         self.num_pending_tokens = 0
+        # Drafts granted to plans in flight (speculative decoding): the worker may be up to
+        # this many tokens ahead of num_computed_tokens (actors/scheduler/speculation.py).
+        self.num_drafts_in_flight = 0
         self.generation = 0  # bumped when the blocks are released: results of older plans are stale
         self.num_cached_blocks = 0  # leading blocks already offered to the prefix cache
         self.block_hashes: list[BlockHash] = []  # keys of its leading full blocks, grown lazily

@@ -20,13 +20,15 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from dataclasses import dataclass
 
 from actors.config import CacheConfig, SchedulerConfig
+from actors.scheduler.in_flight import ScheduledSequence, check_result
 from actors.scheduler.kv_cache_manager import KVCacheManager
 from actors.scheduler.lora_admission import AdapterAdmission
 from actors.scheduler.request import ExtraHashKeys, Sequence, SequenceStatus, check_prompt_fits, make_sequences
+from actors.scheduler.speculation import DraftSlots, append_until_stop
 from actors.scheduler.stats import ITERATION_TOKENS_BOUNDS, CountHistogram, scheduler_stats
+from actors.spec_decode.config import SpeculativeConfig
 from messages.common import SamplingParams
 from messages.detokenizer import NewTokens
 from messages.frontend import HistogramSnapshot, PoolingResult
@@ -36,23 +38,12 @@ from messages.scheduler import StepResult, TokenLogprobs
 from messages.worker import ContinuingRequest, NewRequest, StepPlan
 
 
-@dataclass
-class ScheduledSequence:
-    """What one plan asked of one sequence, kept until the plan's result is applied."""
-
-    seq: Sequence
-    generation: int  # the sequence's generation when scheduled
-    num_computed_before: int
-    num_new_tokens: int
-    samples: bool  # the step reaches the end of its tokens, so it samples one
-
-
 class Scheduler:
     """Owns every live sequence and the KV-cache manager; builds StepPlans, applies StepResults."""
 
     def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig, num_blocks: int,
                  eos_token_ids: tuple[int, ...], max_loras: int = 0, pooling_type: str | None = None,
-                 generates: bool = True) -> None:
+                 generates: bool = True, speculative: SpeculativeConfig | None = None) -> None:
         self.max_num_seqs = scheduler_config.max_num_seqs
         self.pooling_type = pooling_type  # the model's pooling (LAST, MEAN, CLS, ALL); None: no pooling requests
         self.generates = generates  # it has a language-model head: generation requests may come
@@ -61,6 +52,8 @@ class Scheduler:
         self.chunked_prefill = scheduler_config.enable_chunked_prefill  # off: a prompt runs whole, in one step
         self.max_model_len = scheduler_config.max_model_len
         self.eos_token_ids = tuple(eos_token_ids)
+        # speculative decoding: drafts granted per decode, their KV slots and metrics (speculation.py)
+        self.draft_slots = DraftSlots(speculative) if speculative is not None else None
         self.kv_cache_manager = KVCacheManager(num_blocks, cache_config.block_size,
                                                cache_config.enable_prefix_caching)
         self.block_pool = self.kv_cache_manager.block_pool  # for inspection and reset_prefix_cache()
@@ -181,8 +174,10 @@ class Scheduler:
         new_requests: list[NewRequest] = []
         continuing_requests: list[ContinuingRequest] = []
         num_scheduled_tokens: dict[str, int] = {}
+        num_lookahead_tokens: dict[str, int] = {}  # seq_id -> drafts granted (speculative decoding)
         scheduled: dict[str, ScheduledSequence] = {}
         num_preemptions_before = self.num_preemptions
+        speculates = self.draft_slots is not None and self.draft_slots.step_allows(self.running)
 
         # 1. Running sequences first: each already holds KV, so advancing it frees its
         #    blocks soonest and keeps inter-token latency steady; a decode costs 1 token.
@@ -194,20 +189,25 @@ class Scheduler:
                 continue
             num_new_tokens = min(seq.num_total_tokens - seq.num_computed_tokens, budget)
             assert num_new_tokens > 0, f"running {seq} has nothing to compute"
-            new_block_ids = self.kv_cache_manager.allocate_slots(seq, num_new_tokens)
+            # a decode charges its drafts too; its slots cover where the worker may already be
+            num_drafts = self.draft_slots.grant(seq, num_new_tokens, budget) if speculates else 0
+            lookahead = seq.num_drafts_in_flight + num_drafts
+            new_block_ids = self.kv_cache_manager.allocate_slots(seq, num_new_tokens, lookahead)
             while new_block_ids is None:
                 victim = self.running.pop()  # the newest: it has had the least service
                 self._preempt(victim)
                 if victim is seq:
                     break
-                new_block_ids = self.kv_cache_manager.allocate_slots(seq, num_new_tokens)
+                new_block_ids = self.kv_cache_manager.allocate_slots(seq, num_new_tokens, lookahead)
             if new_block_ids is None:
                 break  # seq was the newest running sequence: nothing after it to schedule
             assert seq.sent_to_worker, f"running {seq} unknown to the worker"
             continuing_requests.append(ContinuingRequest(seq.seq_id, new_block_ids, seq.num_computed_tokens))
-            scheduled[seq.seq_id] = self._advance(seq, num_new_tokens)
+            scheduled[seq.seq_id] = self._advance(seq, num_new_tokens, num_drafts)
             num_scheduled_tokens[seq.seq_id] = num_new_tokens
-            budget -= num_new_tokens
+            if num_drafts:
+                num_lookahead_tokens[seq.seq_id] = num_drafts
+            budget -= num_new_tokens + num_drafts
             index += 1
 
         # 2. Waiting sequences, first come first served, only while their blocks are free.
@@ -240,7 +240,7 @@ class Scheduler:
 
         plan = StepPlan(step_id=self._next_step_id, new_requests=new_requests,
                         continuing_requests=continuing_requests, num_scheduled_tokens=num_scheduled_tokens,
-                        finished_request_ids=list(self._ids_to_drop))
+                        finished_request_ids=list(self._ids_to_drop), num_lookahead_tokens=num_lookahead_tokens)
         self._ids_to_drop.clear()
         self._next_step_id += 1
         if scheduled:
@@ -248,10 +248,12 @@ class Scheduler:
         return plan
 
     @staticmethod
-    def _advance(seq: Sequence, num_new_tokens: int) -> ScheduledSequence:
+    def _advance(seq: Sequence, num_new_tokens: int, num_drafts: int = 0) -> ScheduledSequence:
         """Counts the step's tokens as computed now, so the next plan can be built before
-        this one's result; a step that reaches the end samples a token, pending till then."""
-        entry = ScheduledSequence(seq, seq.generation, seq.num_computed_tokens, num_new_tokens, samples=False)
+        this one's result; a step that reaches the end samples a token, pending till then
+        (its accepted drafts, if any, count when the result comes)."""
+        entry = ScheduledSequence(seq, seq.generation, seq.num_computed_tokens, num_new_tokens, False, num_drafts)
+        seq.num_drafts_in_flight += num_drafts
         seq.num_computed_tokens += num_new_tokens
         if seq.num_computed_tokens == seq.num_total_tokens:
             entry.samples = True
@@ -297,6 +299,7 @@ class Scheduler:
         self.kv_cache_manager.free(seq)
         seq.num_computed_tokens = 0
         seq.num_pending_tokens = 0  # lost with the KV: recomputed from the known tokens
+        seq.num_drafts_in_flight = 0
         seq.generation += 1
         if seq.sent_to_worker:
             self._ids_to_drop[seq.seq_id] = None
@@ -326,7 +329,7 @@ class Scheduler:
         scheduled = self._in_flight.get(plan.step_id)
         if scheduled is None:
             raise ValueError(f"update() for step {plan.step_id}, which has no plan in flight")
-        self._check_result(plan, result, scheduled)
+        check_result(plan, result, scheduled)
         del self._in_flight[plan.step_id]
         sample_index = {seq_id: i for i, seq_id in enumerate(result.request_ids)}
         outputs = []
@@ -344,18 +347,6 @@ class Scheduler:
         if num_step_tokens:
             self.iteration_tokens.observe(num_step_tokens)
         return outputs
-
-    def _check_result(self, plan: StepPlan, result: StepResult, scheduled: dict[str, ScheduledSequence]) -> None:
-        if result.step_id != plan.step_id:
-            raise ValueError(f"StepResult is for step {result.step_id}, the plan is step {plan.step_id}")
-        if len(result.sampled_token_ids) != len(result.request_ids):
-            raise ValueError("StepResult needs one sampled_token_ids entry per request_ids entry")
-        if result.logprobs is not None and len(result.logprobs) != len(result.request_ids):
-            raise ValueError("StepResult needs one logprobs entry per request_ids entry")
-        sampled_ids = set(result.request_ids)
-        for seq_id, entry in scheduled.items():
-            if entry.samples and seq_id not in sampled_ids and seq_id not in result.pooled:
-                raise ValueError(f"StepResult has no sampled token for {seq_id!r}, which computed all its tokens")
 
     def _apply_step(self, seq: Sequence, entry: ScheduledSequence, result: StepResult,
                     sample_index: int | None) -> NewTokens | None:
@@ -377,15 +368,21 @@ class Scheduler:
             self._retire(seq, "stop", None)
             return None
         if entry.samples:
-            token_id = result.sampled_token_ids[sample_index]
-            new_token_ids.append(token_id)
+            # accepted drafts come before the sampled token; none unless drafts were granted
+            accepted = result.accepted_token_ids.get(seq.seq_id, []) if entry.num_drafts else []
             if seq.params.logprobs is not None and result.logprobs is not None:
-                new_logprobs = [result.logprobs[sample_index]]
+                new_logprobs = [result.logprobs[sample_index]]  # a request with logprobs never speculates
             seq.num_pending_tokens -= 1
-            seq.append_token(token_id)
-            stop = seq.stop_condition(self.eos_token_ids)
+            seq.num_drafts_in_flight -= entry.num_drafts
+            if self.draft_slots is not None:
+                self.draft_slots.observe(result.num_draft_tokens.get(seq.seq_id, 0), len(accepted))
+            new_token_ids, stop = append_until_stop(seq, [*accepted, result.sampled_token_ids[sample_index]],
+                                                    self.eos_token_ids)
             if stop is not None:
                 self._retire(seq, *stop)
+            elif accepted:  # their KV is verified: the scheduler catches up with the worker
+                seq.num_computed_tokens += len(accepted)
+                self.kv_cache_manager.cache_blocks(seq, num_computed_after + len(accepted))
 
         if not new_token_ids and prompt_logprobs is None:
             return None

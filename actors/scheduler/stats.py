@@ -42,6 +42,8 @@ def scheduler_stats(scheduler: Scheduler) -> dict[str, float | int | str | Histo
         "num_preemptions": scheduler.num_preemptions,
         "iteration_tokens": scheduler.iteration_tokens.snapshot(),
     }
+    if scheduler.draft_slots is not None:  # vLLM's spec_decode counters, per draft position too
+        stats.update(scheduler.draft_slots.stats())
     if scheduler.max_loras:  # vLLM's lora_requests_info: the adapters' names, comma-separated
         stats["max_lora"] = scheduler.max_loras
         for name, queue in (("running_lora_adapters", scheduler.running), ("waiting_lora_adapters", scheduler.waiting)):

@@ -8,6 +8,8 @@ import json
 from dataclasses import dataclass, fields
 from typing import Any
 
+from messages.common import SamplingParams
+
 METHODS = ("ngram", "suffix", "draft_model")
 
 # vLLM's defaults: both n-gram bounds fall back to 5 when neither is given, and to each
@@ -135,3 +137,25 @@ def parse_speculative_config(value: str | dict[str, Any] | None) -> SpeculativeC
         # a batch of one is never compute-bound, so vLLM rejects thresholds below 2
         disable_by_batch_size=_int_field(value, "disable_by_batch_size", None, 2),
     )
+
+
+def check_engine_fit(config: SpeculativeConfig, *, pooling: bool, max_num_batched_tokens: int) -> None:
+    """ValueError, at start-up, for a speculative config this engine cannot run."""
+    if config.method == "draft_model":
+        raise ValueError("speculative_config: method draft_model is not supported yet (use ngram or suffix)")
+    if pooling:
+        raise ValueError("speculative_config: a pooling model does not generate tokens, so it cannot speculate")
+    if 1 + config.num_speculative_tokens > max_num_batched_tokens:
+        raise ValueError(f"speculative_config: num_speculative_tokens ({config.num_speculative_tokens}) + 1 must "
+                         f"fit in max_num_batched_tokens ({max_num_batched_tokens}): a decode verifies 1 + k tokens")
+
+
+def may_speculate(params: SamplingParams) -> bool:
+    """Whether a request's sampling allows drafts: its distribution at a draft position must
+    not depend on the drafts before it (penalties, bad words and grammars read the output so
+    far; custom processors might) and it must need nothing per position (logprobs). What
+    changes as it decodes (min_tokens) the worker checks step by step."""
+    return (params.repetition_penalty == 1.0 and params.presence_penalty == 0.0
+            and params.frequency_penalty == 0.0 and not params.logit_bias and not params.allowed_token_ids
+            and not params.bad_words and not params.bad_words_token_ids and not params.logits_processors
+            and params.structured_outputs is None and params.logprobs is None)

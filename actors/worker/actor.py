@@ -26,7 +26,8 @@ class WorkerActor(Actor):
 
     @classmethod
     def from_spec(cls, spec: ActorSpec, sockets: Sockets) -> WorkerActor:
-        from actors.worker.model_runner import build_model_runner, resolve_device
+        from actors.worker.device_config import resolve_device
+        from actors.worker.model_runner import build_model_runner
         from actors.worker.parallel import TensorParallel
 
         rank = spec.options.get("rank", 0)

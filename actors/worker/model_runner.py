@@ -6,7 +6,6 @@ contiguous run at the start of the batch."""
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -21,18 +20,19 @@ from actors.worker.attention import make_backend
 from actors.worker.attention_metadata import AttentionMetadata
 from actors.worker.cpu_model_step import CpuModelStep
 from actors.worker.cpu_tuning import MAX_FEW_ROWS, tune_allocator, tune_few_rows
+from actors.worker.device_config import DTYPES, kv_block_bytes, num_kv_blocks
 from actors.worker.grammar_processor import GrammarConfig, StructuredOutputs
 from actors.worker.logits_processors import LogitsProcessor, default_processors
 from actors.worker.model import LlamaModel
 from actors.worker.parallel import TensorParallel
 from actors.worker.sampler import Sampler, prompt_token_logprobs
+from actors.worker.speculator import Speculator
 from messages.common import SamplingParams
 from messages.lora import LoRARequest
 from messages.pooling import PooledData, PoolingParams
 from messages.scheduler import StepResult, TokenLogprobs
 from messages.worker import StepPlan
 
-_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
 @dataclass
@@ -47,47 +47,6 @@ class CachedRequest:
     num_computed_tokens: int
     lora: LoRARequest | None = None  # the adapter it runs with
     pooling: PoolingParams | None = None  # a pooling request: its prompt rows are pooled, nothing is sampled
-
-
-def kv_block_bytes(engine: EngineConfig, parallel: TensorParallel = TensorParallel()) -> int:
-    """Bytes one KV block takes across all layers (keys and values) on one rank."""
-    m = engine.model
-    element = torch.empty((), dtype=_DTYPES[engine.dtype]).element_size()
-    num_kv_heads = parallel.num_kv_heads(m)
-    return 2 * m.num_hidden_layers * num_kv_heads * m.head_dim * engine.cache.block_size * element
-
-
-def num_kv_blocks(engine: EngineConfig, parallel: TensorParallel = TensorParallel()) -> int:
-    """The pool size: num_kv_blocks if given, else what kv_cache_memory holds (per rank)."""
-    cache = engine.cache
-    block_bytes = kv_block_bytes(engine, parallel)
-    blocks = cache.num_kv_blocks or cache.kv_cache_memory // block_bytes
-    if blocks < 1:
-        raise ValueError(f"kv_cache_memory ({cache.kv_cache_memory} bytes) holds no KV block of {block_bytes} bytes")
-    return blocks
-
-
-def resolve_device(engine: EngineConfig, rank: int = 0) -> EngineConfig:
-    """The config with a concrete device for this rank and a concrete dtype: "auto" picks
-    CUDA when there is one (rank r on GPU r) and float32 on the CPU, bfloat16 on CUDA."""
-    device = engine.device
-    if device == "auto":
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-    if device.startswith("cuda"):
-        if not torch.cuda.is_available():
-            raise ValueError("device 'cuda' was asked for, but no CUDA device is available")
-        if ":" not in device:
-            num_devices = torch.cuda.device_count()
-            if rank >= num_devices:
-                raise ValueError(f"tensor_parallel_size {engine.parallel.tensor_parallel_size} needs as many GPUs; "
-                                 f"{num_devices} are visible")
-            device = f"cuda:{rank}"
-    dtype = engine.dtype
-    if dtype == "auto":
-        dtype = "bfloat16" if device.startswith("cuda") else "float32"
-    if (device, dtype) == (engine.device, engine.dtype):
-        return engine
-    return dataclasses.replace(engine, device=device, dtype=dtype)
 
 
 def sampling_processors(engine: EngineConfig, parallel: TensorParallel) -> list[LogitsProcessor]:
@@ -120,11 +79,11 @@ def build_model_runner(engine: EngineConfig, parallel: TensorParallel = TensorPa
 class ModelRunner:
     def __init__(self, engine: EngineConfig, num_blocks: int | None, attention_backend: str = "auto",
                  load_format: str = "auto", parallel: TensorParallel = TensorParallel()) -> None:
-        if engine.dtype not in _DTYPES:
-            raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {engine.dtype!r}")
+        if engine.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {engine.dtype!r}")
         tune_allocator()
         self.device = torch.device(engine.device)
-        self.dtype = _DTYPES[engine.dtype]
+        self.dtype = DTYPES[engine.dtype]
         self.block_size = engine.cache.block_size
         self.backend = make_backend(attention_backend, self.device)
         self.parallel = parallel
@@ -165,6 +124,9 @@ class ModelRunner:
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.sampler = Sampler(engine.model.eos_token_ids, engine.seed, sampling_processors(engine, parallel))
         self.requests: dict[str, CachedRequest] = {}
+        # speculative decoding: drafts for decodes, verified in the same step (speculator.py)
+        self.speculator = Speculator(engine.speculative, self.block_size, engine.scheduler.max_model_len) \
+            if engine.speculative is not None and self.model is not None else None
         # the adapters' slots (engine.lora): allocated before the KV cache, so a GPU's
         # profile counts them
         self.lora_slots = LoRASlots(engine.lora, engine.model, self.dtype, self.device, parallel) \
@@ -222,6 +184,8 @@ class ModelRunner:
     def update_states(self, plan: StepPlan) -> None:
         for request_id in plan.finished_request_ids:
             request = self.requests.pop(request_id, None)
+            if self.speculator is not None:
+                self.speculator.remove_request(request_id, request.token_ids if request is not None else None)
             if request is not None and request.pooling is not None:
                 self.pooling.remove_request(request_id)
             else:
@@ -238,39 +202,88 @@ class ModelRunner:
         for continuing in plan.continuing_requests:
             request = self.requests[continuing.request_id]
             request.block_ids.extend(continuing.new_block_ids)
-            request.num_computed_tokens = continuing.num_computed_tokens
+            # the worker is authoritative: with accepted drafts it runs ahead of the scheduler,
+            # which learns of them from the result (actors/scheduler/speculation.py)
+            assert continuing.num_computed_tokens <= request.num_computed_tokens, \
+                f"{continuing.request_id}: the scheduler counts {continuing.num_computed_tokens} computed tokens, " \
+                f"the worker {request.num_computed_tokens}"
 
     @torch.inference_mode()
     def execute(self, plan: StepPlan) -> StepResult:
         self.update_states(plan)
         if not plan.num_scheduled_tokens:
             return StepResult(step_id=plan.step_id, request_ids=[], sampled_token_ids=[])
-        # 1. order the batch: decodes first, then prefill chunks (each by LoRA adapter)
-        batch, lora = self._order_batch([(self.requests[request_id], num_tokens)
-                                          for request_id, num_tokens in plan.num_scheduled_tokens.items()])
-        # 2. flat inputs and attention metadata
+        scheduled = [(self.requests[request_id], num_tokens) for request_id, num_tokens in plan.num_scheduled_tokens.items()]
+        # 1. drafts: a decode granted some verifies them as a causal chunk after its token
+        #    (appended to its tokens for this step only)
+        drafts = self._propose(plan, scheduled)
+        # 2. order the batch: decodes first, then prefill chunks (each by LoRA adapter)
+        batch, lora = self._order_batch([(request, num_tokens + len(drafts.get(request.request_id, ())))
+                                         for request, num_tokens in scheduled])
+        # 3. flat inputs and attention metadata
         input_ids, positions, attention = self._prepare_inputs(batch)
-        # 3. rows that need logits: each sampling request's last token, prompt-logprob positions
+        # 4. rows that need logits: each sampling request's last token (every scored position
+        #    of a speculated decode), prompt-logprob positions
         sample_rows, samplers, prompt_rows = self._logit_rows(batch)
+        speculated = [(row, request) for row, request in zip(sample_rows, samplers) if request.request_id in drafts]
+        sample_rows = [row for row, request in zip(sample_rows, samplers) if request.request_id not in drafts]
+        samplers = [request for request in samplers if request.request_id not in drafts]
+        spec_rows = [row - len(drafts[request.request_id]) + i for row, request in speculated
+                     for i in range(len(drafts[request.request_id]) + 1)]
         hidden = self._forward(input_ids, positions, attention, lora)
         pooled = self._pool(hidden, batch)
-        rows = sample_rows + [row for _, rows_of_request, _ in prompt_rows for row in rows_of_request]
+        rows = sample_rows + spec_rows + [row for _, rows_of_request, _ in prompt_rows for row in rows_of_request]
         # (a collective under tensor parallelism: the logits end up on rank 0 only)
         logits = self.model.compute_logits(hidden[torch.tensor(rows, dtype=torch.long)]) if rows else None
-        # 4. sample (rank 0, which then hands its tokens to the other ranks), and advance
-        #    every scheduled request
-        tokens, logprobs, prompt_logprobs = [], None, {}
+        # 5. sample and verify (rank 0, which then hands its tokens to the other ranks), and
+        #    advance every scheduled request
+        tokens, logprobs, prompt_logprobs, emitted = [], None, {}, []
+        spec_requests = [request for _, request in speculated]
+        spec_drafts = [drafts[request.request_id] for request in spec_requests]
         if logits is not None:
             if samplers:
                 tokens, logprobs = self.sampler.sample(logits[: len(sample_rows)], [r.request_id for r in samplers])
-            prompt_logprobs = self._prompt_logprobs(logits, len(sample_rows), prompt_rows)
+            if speculated:
+                emitted = Speculator.verify(logits[len(sample_rows): len(sample_rows) + len(spec_rows)],
+                                            spec_requests, spec_drafts)
+            prompt_logprobs = self._prompt_logprobs(logits, len(sample_rows) + len(spec_rows), prompt_rows)
         tokens = self.parallel.broadcast_tokens(tokens, len(samplers), self.device)
+        width = 1 + max((len(d) for d in spec_drafts), default=0)
+        emitted = self.parallel.broadcast_token_rows(emitted, len(spec_requests), width, self.device)
         for request, num_tokens in batch:
-            request.num_computed_tokens += num_tokens
+            if request.request_id not in drafts:
+                request.num_computed_tokens += num_tokens
         for request, token in zip(samplers, tokens):
             request.token_ids.append(token)
-        return StepResult(step_id=plan.step_id, request_ids=[r.request_id for r in samplers],
-                          sampled_token_ids=tokens, logprobs=logprobs, prompt_logprobs=prompt_logprobs, pooled=pooled)
+        for request, request_drafts, request_tokens in zip(spec_requests, spec_drafts, emitted):
+            # the drafts leave; what was emitted (accepted drafts, then one) joins; the
+            # rejected positions' KV is garbage past num_computed_tokens, overwritten later
+            del request.token_ids[len(request.token_ids) - len(request_drafts):]
+            request.token_ids.extend(request_tokens)
+            request.num_computed_tokens += len(request_tokens)
+            if logits is not None:
+                self.sampler.extend_output(request.request_id, request_tokens)
+        if logprobs is not None and spec_requests:  # a request asking logprobs never speculates
+            logprobs = logprobs + [TokenLogprobs([], [], [])] * len(spec_requests)
+        return StepResult(step_id=plan.step_id, request_ids=[r.request_id for r in samplers + spec_requests],
+                          sampled_token_ids=tokens + [t[-1] for t in emitted], logprobs=logprobs,
+                          prompt_logprobs=prompt_logprobs, pooled=pooled,
+                          accepted_token_ids={r.request_id: t[:-1] for r, t in zip(spec_requests, emitted)
+                                              if len(t) > 1},
+                          num_draft_tokens={r.request_id: len(d) for r, d in zip(spec_requests, spec_drafts)})
+
+    def _propose(self, plan: StepPlan, scheduled: list[tuple[CachedRequest, int]]) -> dict[str, list[int]]:
+        """request_id -> drafts, for the decodes the plan granted some, appended to their tokens."""
+        if self.speculator is None or not plan.num_lookahead_tokens:
+            return {}
+        drafts = {}
+        for request, num_tokens in scheduled:
+            request_drafts = self.speculator.propose(request, num_tokens,
+                                                     plan.num_lookahead_tokens.get(request.request_id, 0))
+            if request_drafts:
+                drafts[request.request_id] = request_drafts
+                request.token_ids.extend(request_drafts)
+        return drafts
 
     def _pooling_runner(self) -> PoolingRunner:
         if self.pooling is None:

@@ -126,3 +126,16 @@ class TensorParallel:
         tokens = torch.tensor(token_ids if self.rank == 0 else [0] * count, dtype=torch.long, device=device)
         torch.distributed.broadcast(tokens, src=0)
         return tokens.tolist()
+
+    def broadcast_token_rows(self, rows: list[list[int]], count: int, width: int,
+                             device: torch.device) -> list[list[int]]:
+        """Rank 0's variable-length token lists (count lists of at most width tokens, both
+        known to every rank), on every rank: one padded tensor, -1 past each list's end."""
+        if not self.enabled or count == 0:
+            return rows
+        padded = torch.full((count, width), -1, dtype=torch.long, device=device)
+        if self.rank == 0:
+            for i, row in enumerate(rows):
+                padded[i, :len(row)] = torch.tensor(row, dtype=torch.long)
+        torch.distributed.broadcast(padded, src=0)
+        return [[token for token in row if token >= 0] for row in padded.tolist()]

@@ -106,3 +106,22 @@ def _inverse_cdf(logits: torch.Tensor,  # [rows, n]; -inf where a token may not 
     if bool(zero.any()):
         choice = torch.where(zero, probs.argmax(-1), choice)
     return choice
+
+
+def filtered_probs(logits: torch.Tensor,  # [rows, vocab] float, temperature not yet applied
+                   temperature: list[float], top_k: list[int], top_p: list[float], min_p: list[float]
+                   ) -> torch.Tensor:  # [rows, vocab] float32: the distribution sample_random draws from
+    """Each row's distribution after temperature, top-k, top-p and min-p, as sample_random
+    applies them (the target distribution that speculative decoding's rejection sampling
+    keeps). Sorts whole rows: it serves the few rows of speculated decodes."""
+    device, vocab = logits.device, logits.shape[-1]
+    scaled = logits.float() / torch.tensor(temperature, dtype=torch.float32, device=device).unsqueeze(1)
+    ks = [k if 0 < k < vocab else vocab for k in top_k]
+    values, token_ids = scaled.sort(-1, descending=True)
+    keep = _top_k_top_p_mask(values, values, ks, top_p)
+    probs = values.masked_fill(~keep, float("-inf")).softmax(-1)
+    if any(p > 0.0 for p in min_p):
+        threshold = torch.tensor(min_p, dtype=probs.dtype, device=device).unsqueeze(1)
+        probs = probs.masked_fill(probs < threshold * probs.amax(-1, keepdim=True), 0.0)
+        probs = probs / probs.sum(-1, keepdim=True)
+    return torch.zeros_like(probs).scatter_(1, token_ids, probs)

@@ -1,0 +1,131 @@
+"""The worker's side of speculative decoding: proposes drafts for a step's decodes from
+each request's own history and verifies them against the target's logits of all 1 + d
+positions, computed in the same step (the drafts ride as a causal chunk after the
+decode's token).
+
+Receives from the model runner the requests that leave and, per step, the decodes the
+plan granted drafts (StepPlan.num_lookahead_tokens) and their logits rows; sends
+nothing; owns the proposer (prompt lookup, or suffix decoding with its tries, fed each
+request's tokens as they come).
+
+The worker holds every token of a request, its own in-flight samples included, so it
+proposes without the scheduler ever seeing a draft, and async scheduling stays on. It is
+authoritative for where a request stands: a decode that accepted a drafts advances its
+num_computed_tokens by 1 + a, ahead of the scheduler's count until that result arrives
+(actors/scheduler/speculation.py). Rejected drafts' KV stays in its slots as garbage and
+is overwritten when those positions are computed for real. Under tensor parallelism every
+rank proposes the same drafts from the same history (both proposers are deterministic),
+and rank 0, which holds the logits, verifies and broadcasts what was emitted."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from actors.spec_decode.config import SpeculativeConfig, may_speculate
+from actors.spec_decode.ngram import NgramProposer
+from actors.spec_decode.rejection import greedy_accept, rejection_sample
+from actors.spec_decode.suffix import SuffixDecodingProposer
+from actors.worker.random_sampling import filtered_probs
+from actors.worker.sampler import argmax_tokens, position_seed
+
+
+class Speculator:
+    """Drafts and verification for one worker rank."""
+
+    def __init__(self, config: SpeculativeConfig, block_size: int, max_model_len: int) -> None:
+        self.block_size = block_size
+        self.max_model_len = max_model_len
+        self.ngram = NgramProposer.from_config(config) if config.method == "ngram" else None
+        self.suffix = SuffixDecodingProposer.from_config(config) if config.method == "suffix" else None
+        if self.ngram is None and self.suffix is None:
+            raise ValueError(f"speculative_config: method {config.method} is not supported by the worker")
+        self._num_fed: dict[str, int] = {}  # suffix: request_id -> its tokens fed to the proposer
+
+    def remove_request(self, request_id: str, token_ids: list[int] | None) -> None:
+        """A request leaves (finished, aborted or preempted): suffix decoding keeps its
+        output for later requests."""
+        if self.suffix is None or request_id not in self._num_fed:
+            return
+        if token_ids is not None:
+            self._feed(request_id, token_ids)
+        self.suffix.stop_request(request_id)
+        del self._num_fed[request_id]
+
+    def propose(self, request, num_scheduled: int, num_granted: int) -> list[int]:
+        """Drafts for one request of the step (a CachedRequest); [] unless it decodes
+        (its chunk is its last token), was granted drafts and may speculate now."""
+        num_tokens = len(request.token_ids)
+        params = request.params
+        if (num_granted <= 0 or num_scheduled != 1 or request.num_computed_tokens != num_tokens - 1
+                or request.pooling is not None or not may_speculate(params)
+                or num_tokens - request.num_prompt_tokens < params.min_tokens):
+            return []
+        # never past the reserved slots, max_model_len or max_tokens: the scheduler reserved
+        # KV for the worst case and stops the request at its limit anyway
+        limit = self.max_model_len
+        if params.max_tokens is not None:
+            limit = min(limit, request.num_prompt_tokens + params.max_tokens)
+        cap = min(num_granted, len(request.block_ids) * self.block_size - num_tokens, limit - num_tokens - 1)
+        if cap <= 0:
+            return []
+        if self.ngram is not None:
+            return self.ngram.propose_one(np.asarray(request.token_ids, dtype=np.int64), cap)
+        if request.request_id not in self._num_fed:
+            self.suffix.start_request(request.request_id, request.token_ids[:request.num_prompt_tokens])
+            self._num_fed[request.request_id] = request.num_prompt_tokens
+        self._feed(request.request_id, request.token_ids)
+        return self.suffix.propose(request.request_id, cap)
+
+    def _feed(self, request_id: str, token_ids: list[int]) -> None:
+        fed = self._num_fed[request_id]
+        if len(token_ids) > fed:
+            self.suffix.add_tokens(request_id, token_ids[fed:])
+            self._num_fed[request_id] = len(token_ids)
+
+    @staticmethod
+    def verify(logits: torch.Tensor,  # [sum of 1 + d_i, vocab] fp32: request i's rows, in order
+               requests: list, drafts: list[list[int]]) -> list[list[int]]:
+        """The tokens each request emits: its accepted drafts, then the target's token (the
+        correction at the first rejection, or the bonus after the last draft). Greedy
+        requests accept while the argmax agrees (exactly greedy decoding); sampled ones by
+        rejection sampling with one-hot drafts, a seeded request from its own generator
+        seeded by (seed, output position), so its output is reproducible."""
+        device, vocab = logits.device, logits.shape[-1]
+        num_requests, width = len(requests), max(len(d) for d in drafts)
+        # request i's scored rows, padded with its first row (never emitted past its drafts)
+        row_index = torch.zeros(num_requests, width + 1, dtype=torch.long)
+        draft_tokens = torch.zeros(num_requests, width, dtype=torch.long)
+        start = 0
+        for i, request_drafts in enumerate(drafts):
+            num_rows = 1 + len(request_drafts)
+            row_index[i] = start
+            row_index[i, :num_rows] = torch.arange(start, start + num_rows)
+            draft_tokens[i, :len(request_drafts)] = torch.tensor(request_drafts, dtype=torch.long)
+            start += num_rows
+        num_draft = torch.tensor([len(d) for d in drafts], dtype=torch.long)
+        emitted: list[list[int]] = [[] for _ in requests]
+        greedy = [i for i, request in enumerate(requests) if request.params.is_greedy]
+        sampled = [i for i, request in enumerate(requests) if not request.params.is_greedy]
+        if greedy:
+            rows = logits[row_index[greedy].flatten().to(device)]
+            target_argmax = argmax_tokens(rows).view(len(greedy), width + 1).cpu()
+            num_accepted, tokens = greedy_accept(draft_tokens[greedy], target_argmax, num_draft[greedy])
+            for j, i in enumerate(greedy):
+                emitted[i] = tokens[j, :int(num_accepted[j]) + 1].tolist()
+        if sampled:
+            params = [requests[i].params for i in sampled]
+            repeat = width + 1  # every scored row of a request takes its parameters
+            probs = filtered_probs(logits[row_index[sampled].flatten().to(device)],
+                                   [p.temperature for p in params for _ in range(repeat)],
+                                   [p.top_k for p in params for _ in range(repeat)],
+                                   [p.top_p for p in params for _ in range(repeat)],
+                                   [p.min_p for p in params for _ in range(repeat)]).view(len(sampled), repeat, vocab)
+            generators = [None if requests[i].params.seed is None else torch.Generator(device).manual_seed(
+                position_seed(requests[i].params.seed, len(requests[i].token_ids) - requests[i].num_prompt_tokens))
+                for i in sampled]
+            num_accepted, tokens = rejection_sample(draft_tokens[sampled].to(device), num_draft[sampled].to(device),
+                                                    None, probs, generators)
+            for j, i in enumerate(sampled):
+                emitted[i] = tokens[j, :int(num_accepted[j]) + 1].tolist()
+        return emitted
