@@ -14,6 +14,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import msgspec
+
 from actors.actor import Actor, ActorSpec
 from actors.incremental_decode import IncrementalDecoder
 from messages.common import CompletionOutput, Logprob, RequestMetrics, RequestOutput, SamplingParams
@@ -68,7 +70,25 @@ class CompletionDecoder:
         self.num_sent_logprobs = 0
 
     def append(self, token_texts: TokenTexts, update: NewTokens) -> str | None:
-        """Adds the tokens and their text; returns the stop string that matched, if any."""
+        """Adds the tokens and their text; returns the stop string that matched, if any.
+        Several tokens at once (a speculated step's accepted drafts) are matched one by
+        one, so a stop string ends the output at the token that completed it, as it would
+        have without speculation: the tokens after it are dropped."""
+        if len(update.new_token_ids) > 1 and self.params.stop_strings:
+            last = len(update.new_token_ids) - 1
+            for i, token_id in enumerate(update.new_token_ids):
+                one = msgspec.structs.replace(
+                    update, new_token_ids=[token_id],
+                    new_logprobs=update.new_logprobs[i:i + 1] if update.new_logprobs else update.new_logprobs,
+                    finish_reason=update.finish_reason if i == last else None,
+                    stop_reason=update.stop_reason if i == last else None)
+                stop = self._append(token_texts, one)
+                if stop is not None:
+                    return stop
+            return None
+        return self._append(token_texts, update)
+
+    def _append(self, token_texts: TokenTexts, update: NewTokens) -> str | None:
         self.token_ids.extend(update.new_token_ids)
         # a stop token id or EOS ends the text without being part of it (as in vLLM)
         hidden_last = (update.finish_reason == "stop" and not isinstance(update.stop_reason, str)

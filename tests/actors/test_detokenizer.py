@@ -121,3 +121,29 @@ def test_a_request_is_scheduled_when_its_first_completion_was_and_deltas_say_so_
     whole = merge_delta(None, delta)
     assert whole.metrics is None
     assert merge_delta(whole, processor.abort_request("r")).metrics is None
+
+
+@pytest.mark.parametrize("include_stop", [False, True])
+def test_a_stop_string_completed_inside_a_multi_token_step_drops_the_tokens_after_it(include_stop):
+    # a speculated step brings several tokens at once: the output ends where one token by
+    # one would have, at the token that completed the stop string
+    tokenizer = build_tiny_tokenizer()
+    ids = tokenizer.encode("The dog sleeps in the sun.")
+    stop_end = ids.index(tokenizer.encode(" the")[0]) + 1  # "in the" completes with " the"
+    params = SamplingParams(stop=["in the"], max_tokens=50, include_stop_str_in_output=include_stop)
+    one_by_one = OutputProcessor(tokenizer)
+    one_by_one.add_request("r", None, [1], params)
+    whole_one = None
+    for token_id in ids[:stop_end]:
+        deltas, _ = one_by_one.process([NewTokens("r", 0, [token_id])])
+        whole_one = merge_delta(whole_one, deltas[0])
+    in_chunks = OutputProcessor(tokenizer)
+    in_chunks.add_request("r", None, [1], params)
+    whole = merge_delta(None, in_chunks.process([NewTokens("r", 0, ids[:2])])[0][0])
+    deltas, stops = in_chunks.process([NewTokens("r", 0, ids[2:])])  # the stop, then three more tokens
+    whole = merge_delta(whole, deltas[0])
+    assert [s.stop for s in stops] == ["in the"]
+    assert whole.outputs[0].text == whole_one.outputs[0].text == ("The dog sleeps in the" if include_stop
+                                                                  else "The dog sleeps ")
+    assert list(whole.outputs[0].token_ids) == list(whole_one.outputs[0].token_ids) == ids[:stop_end]
+    assert whole.outputs[0].finish_reason == "stop"
