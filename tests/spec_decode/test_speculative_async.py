@@ -64,3 +64,19 @@ async def test_actor_engine_output_matches_decoding_without_speculation(tiny_lla
     finally:
         async with asyncio.timeout(30):
             await client.close()
+
+
+async def test_tensor_parallel_ranks_propose_alike_and_rank_0_broadcasts_what_was_emitted(tiny_llama_dir, expected):
+    prompts, greedy, _, _ = expected
+    client = AsyncClient(tiny_llama_dir, **ENGINE_ARGS, tensor_parallel_size=2,
+                         speculative_config=spec_config("suffix", 3))
+    async with asyncio.timeout(180):
+        await client.start()
+    try:
+        results = await asyncio.gather(*[completions(client, p, GREEDY) for p in prompts])
+        assert [r[0] for r in results] == greedy
+        async with asyncio.timeout(10):
+            assert (await client.get_stats())["spec_decode_num_accepted_tokens"] > 0
+    finally:
+        async with asyncio.timeout(30):
+            await client.close()
