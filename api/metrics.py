@@ -11,7 +11,8 @@ engine ("0": troupe runs one scheduler). What is measured where:
   for. A request is one engine request (one prompt) with its n completions; only
   vllm:request_success counts completions, by finish reason, as each has its own.
 - Per step, in the scheduler, fetched when /metrics is scraped: running and waiting
-  requests, KV-cache usage, preemptions, prefix-cache queries and hits (in tokens), and
+  requests, KV-cache usage, preemptions, prefix-cache queries and hits (in tokens),
+  speculative decoding's drafts and accepted tokens (per draft position too), and
   the tokens of each step (vLLM's count: the tokens sampled plus the prompt of each
   request whose first token came).
 Troupe keeps its own names only where vLLM has none: HTTP requests by route and status,
@@ -57,7 +58,13 @@ _ENGINE_COUNTERS = {
     "num_prefix_query_tokens": ("vllm:prefix_cache_queries",
                                 "Prefix cache queries, in terms of number of queried tokens."),
     "num_prefix_hit_tokens": ("vllm:prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens."),
+    # speculative decoding (only when it is configured)
+    "spec_decode_num_drafts": ("vllm:spec_decode_num_drafts", "Number of spec decoding drafts."),
+    "spec_decode_num_draft_tokens": ("vllm:spec_decode_num_draft_tokens", "Number of draft tokens."),
+    "spec_decode_num_accepted_tokens": ("vllm:spec_decode_num_accepted_tokens", "Number of accepted tokens."),
 }
+# the scheduler's stat of draft position i is this prefix + str(i) (actors/scheduler/speculation.py)
+_ACCEPTED_PER_POS = "spec_decode_num_accepted_tokens_pos_"
 
 
 def one_two_five_buckets(max_value: int) -> tuple[int, ...]:
@@ -109,6 +116,14 @@ class _EngineStatsCollector:
                     family = family_type(name, documentation, labels=labels)
                     family.add_metric(self.label_values, self.stats[key])
                     yield family
+        per_position = sorted((int(key[len(_ACCEPTED_PER_POS):]), value) for key, value in self.stats.items()
+                              if key.startswith(_ACCEPTED_PER_POS))
+        if per_position:
+            family = CounterMetricFamily("vllm:spec_decode_num_accepted_tokens_per_pos",
+                                         "Accepted tokens per draft's position.", labels=[*labels, "position"])
+            for position, value in per_position:
+                family.add_metric([*self.label_values, str(position)], value)
+            yield family
         iteration_tokens = self.stats.get("iteration_tokens")
         if isinstance(iteration_tokens, HistogramSnapshot):
             yield self._histogram("vllm:iteration_tokens_total", "Histogram of number of tokens per engine_step.",

@@ -86,3 +86,15 @@ def append_until_stop(seq: Sequence, token_ids: list[int], eos_token_ids: tuple[
         if stop is not None:
             return token_ids[:count], stop
     return token_ids, None
+
+
+def acceptance_summary(stats: dict) -> dict[str, float]:
+    """From the scheduler's stats (GetStats, LLM.scheduler.stats()): the share of draft
+    tokens accepted and the mean acceptance length (tokens a speculated decode emits: its
+    accepted drafts + 1, vLLM's definition); zeros when nothing was drafted."""
+    num_drafts = stats.get("spec_decode_num_drafts", 0)
+    num_draft_tokens = stats.get("spec_decode_num_draft_tokens", 0)
+    num_accepted = stats.get("spec_decode_num_accepted_tokens", 0)
+    return {"num_drafts": num_drafts, "num_draft_tokens": num_draft_tokens, "num_accepted_tokens": num_accepted,
+            "acceptance_rate": num_accepted / num_draft_tokens if num_draft_tokens else 0.0,
+            "mean_acceptance_length": 1 + num_accepted / num_drafts if num_drafts else 0.0}

@@ -13,6 +13,7 @@ import pytest
 
 from actors.config import CacheConfig, SchedulerConfig
 from actors.scheduler import Scheduler
+from actors.scheduler.speculation import acceptance_summary
 from actors.spec_decode.config import SpeculativeConfig
 from messages.common import SamplingParams
 from messages.scheduler import StepResult
@@ -255,3 +256,19 @@ def test_random_soak_with_speculation_gives_the_target_tokens_and_reads_no_draft
         if not params.ignore_eos and EOS in tokens:
             tokens = tokens[:tokens.index(EOS) + 1]
         assert completions[(request_id, index)].token_ids == tokens
+
+
+def test_acceptance_summary_from_the_stats():
+    scheduler = make_speculating_scheduler(k=3)
+    worker = SpeculatingWorker(4, 64, target, lambda seq_id, position: position % 4 != 0)
+    scheduler.add_request("a", [1, 2, 3, 4, 5], make_params(max_tokens=30))
+    while scheduler.has_unfinished():
+        plan = scheduler.schedule()
+        scheduler.update(plan, worker.step(plan))
+    stats = scheduler.stats()
+    summary = acceptance_summary(stats)
+    assert 0 < summary["acceptance_rate"] < 1
+    assert summary["acceptance_rate"] == stats["spec_decode_num_accepted_tokens"] / stats["spec_decode_num_draft_tokens"]
+    assert summary["mean_acceptance_length"] == 1 + stats["spec_decode_num_accepted_tokens"] / \
+        stats["spec_decode_num_drafts"]
+    assert acceptance_summary({})["mean_acceptance_length"] == 0.0
