@@ -50,9 +50,10 @@ def run_troupe(args, prompts):
     """troupe's LLM on the workload args.repeats times (the prefix cache emptied before each),
     each run followed by its matmul floor: a list of (seconds, output tokens, floor seconds)."""
     from actors import LLM, SamplingParams
+    from actors.scheduler.speculation import acceptance_summary
 
     llm = LLM(args.model, max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-              kv_cache_memory=args.kv_cache_memory, seed=0)
+              kv_cache_memory=args.kv_cache_memory, seed=0, speculative_config=args.speculative_config)
     params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
     llm.generate(prompts[:2], SamplingParams(temperature=0.0, max_tokens=4), use_tqdm=False)  # warm-up
 
@@ -62,7 +63,9 @@ def run_troupe(args, prompts):
 
     def recording_execute(plan):
         result = execute(plan)
-        step_shapes.append((sum(plan.num_scheduled_tokens.values()), len(result.request_ids)))
+        # a speculated decode computes (and needs logits for) its drafts too
+        num_drafts = sum(result.num_draft_tokens.values())
+        step_shapes.append((sum(plan.num_scheduled_tokens.values()) + num_drafts, len(result.request_ids) + num_drafts))
         return result
 
     runs = []
@@ -76,6 +79,8 @@ def run_troupe(args, prompts):
         runner.execute = execute
         num_tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
         floor = matmul_floor(runner.model, step_shapes, args.floor_repeats)
+        if args.speculative_config:
+            print("speculative decoding so far:", acceptance_summary(llm.scheduler.stats()))
         print(f"troupe: {num_tokens} tokens in {elapsed:.2f} s = {num_tokens / elapsed:.1f} output tok/s "
               f"({len(step_shapes)} steps); matmul floor {floor:.2f} s; troupe time / floor {elapsed / floor:.2f}x")
         runs.append((elapsed, num_tokens, floor))
@@ -92,7 +97,8 @@ def run_actors(args, prompts) -> tuple[float, int]:
     async def run() -> tuple[float, int]:
         async with AsyncClient(args.model, max_num_seqs=args.max_num_seqs,
                                max_num_batched_tokens=args.max_num_batched_tokens,
-                               kv_cache_memory=args.kv_cache_memory, seed=0) as client:
+                               kv_cache_memory=args.kv_cache_memory, seed=0,
+                               speculative_config=args.speculative_config) as client:
             await client.generate_batch(prompts[:2], SamplingParams(temperature=0.0, max_tokens=4), use_tqdm=False)
             params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
             start = time.perf_counter()
@@ -164,6 +170,9 @@ def main() -> None:
     parser.add_argument("--floor-repeats", type=int, default=1, help="floor timings after each troupe run")
     parser.add_argument("--actors", action="store_true",
                         help="also run the workload through AsyncClient (the actor processes)")
+    parser.add_argument("--speculative-config", default=None, metavar="JSON",
+                        help="troupe with speculative decoding, e.g. '{\"method\": \"ngram\", "
+                             "\"num_speculative_tokens\": 5}'")
     parser.add_argument("--quiet", action="store_true")
     args = parser.parse_args()
     torch.manual_seed(args.seed)

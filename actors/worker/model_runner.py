@@ -26,7 +26,7 @@ from actors.worker.logits_processors import LogitsProcessor, default_processors
 from actors.worker.model import LlamaModel
 from actors.worker.parallel import TensorParallel
 from actors.worker.sampler import Sampler, prompt_token_logprobs
-from actors.worker.speculator import Speculator
+from actors.worker.speculator import Speculator, StepDrafts
 from messages.common import SamplingParams
 from messages.lora import LoRARequest
 from messages.pooling import PooledData, PoolingParams
@@ -213,23 +213,20 @@ class ModelRunner:
         self.update_states(plan)
         if not plan.num_scheduled_tokens:
             return StepResult(step_id=plan.step_id, request_ids=[], sampled_token_ids=[])
-        scheduled = [(self.requests[request_id], num_tokens) for request_id, num_tokens in plan.num_scheduled_tokens.items()]
+        scheduled = [(self.requests[request_id], num_tokens)
+                     for request_id, num_tokens in plan.num_scheduled_tokens.items()]
         # 1. drafts: a decode granted some verifies them as a causal chunk after its token
         #    (appended to its tokens for this step only)
         drafts = self._propose(plan, scheduled)
         # 2. order the batch: decodes first, then prefill chunks (each by LoRA adapter)
-        batch, lora = self._order_batch([(request, num_tokens + len(drafts.get(request.request_id, ())))
+        batch, lora = self._order_batch([(request, num_tokens + drafts.num_drafts(request))
                                          for request, num_tokens in scheduled])
         # 3. flat inputs and attention metadata
         input_ids, positions, attention = self._prepare_inputs(batch)
         # 4. rows that need logits: each sampling request's last token (every scored position
         #    of a speculated decode), prompt-logprob positions
         sample_rows, samplers, prompt_rows = self._logit_rows(batch)
-        speculated = [(row, request) for row, request in zip(sample_rows, samplers) if request.request_id in drafts]
-        sample_rows = [row for row, request in zip(sample_rows, samplers) if request.request_id not in drafts]
-        samplers = [request for request in samplers if request.request_id not in drafts]
-        spec_rows = [row - len(drafts[request.request_id]) + i for row, request in speculated
-                     for i in range(len(drafts[request.request_id]) + 1)]
+        sample_rows, samplers, spec_rows = drafts.split_rows(sample_rows, samplers)
         hidden = self._forward(input_ids, positions, attention, lora)
         pooled = self._pool(hidden, batch)
         rows = sample_rows + spec_rows + [row for _, rows_of_request, _ in prompt_rows for row in rows_of_request]
@@ -238,52 +235,37 @@ class ModelRunner:
         # 5. sample and verify (rank 0, which then hands its tokens to the other ranks), and
         #    advance every scheduled request
         tokens, logprobs, prompt_logprobs, emitted = [], None, {}, []
-        spec_requests = [request for _, request in speculated]
-        spec_drafts = [drafts[request.request_id] for request in spec_requests]
         if logits is not None:
             if samplers:
                 tokens, logprobs = self.sampler.sample(logits[: len(sample_rows)], [r.request_id for r in samplers])
-            if speculated:
-                emitted = Speculator.verify(logits[len(sample_rows): len(sample_rows) + len(spec_rows)],
-                                            spec_requests, spec_drafts)
+            if drafts:
+                emitted = drafts.verify(logits[len(sample_rows): len(sample_rows) + len(spec_rows)])
             prompt_logprobs = self._prompt_logprobs(logits, len(sample_rows) + len(spec_rows), prompt_rows)
         tokens = self.parallel.broadcast_tokens(tokens, len(samplers), self.device)
-        width = 1 + max((len(d) for d in spec_drafts), default=0)
-        emitted = self.parallel.broadcast_token_rows(emitted, len(spec_requests), width, self.device)
+        emitted = self.parallel.broadcast_token_rows(emitted, len(drafts), drafts.width, self.device)
         for request, num_tokens in batch:
-            if request.request_id not in drafts:
+            if not drafts.num_drafts(request):
                 request.num_computed_tokens += num_tokens
         for request, token in zip(samplers, tokens):
             request.token_ids.append(token)
-        for request, request_drafts, request_tokens in zip(spec_requests, spec_drafts, emitted):
-            # the drafts leave; what was emitted (accepted drafts, then one) joins; the
-            # rejected positions' KV is garbage past num_computed_tokens, overwritten later
-            del request.token_ids[len(request.token_ids) - len(request_drafts):]
-            request.token_ids.extend(request_tokens)
-            request.num_computed_tokens += len(request_tokens)
-            if logits is not None:
-                self.sampler.extend_output(request.request_id, request_tokens)
-        if logprobs is not None and spec_requests:  # a request asking logprobs never speculates
-            logprobs = logprobs + [TokenLogprobs([], [], [])] * len(spec_requests)
-        return StepResult(step_id=plan.step_id, request_ids=[r.request_id for r in samplers + spec_requests],
+        drafts.apply(emitted, self.sampler if logits is not None else None)
+        if logprobs is not None and drafts:  # a request asking for logprobs never speculates
+            logprobs = logprobs + [TokenLogprobs([], [], [])] * len(drafts)
+        return StepResult(step_id=plan.step_id, request_ids=[r.request_id for r in samplers + drafts.requests],
                           sampled_token_ids=tokens + [t[-1] for t in emitted], logprobs=logprobs,
-                          prompt_logprobs=prompt_logprobs, pooled=pooled,
-                          accepted_token_ids={r.request_id: t[:-1] for r, t in zip(spec_requests, emitted)
-                                              if len(t) > 1},
-                          num_draft_tokens={r.request_id: len(d) for r, d in zip(spec_requests, spec_drafts)})
+                          prompt_logprobs=prompt_logprobs, pooled=pooled, **drafts.result_fields(emitted))
 
-    def _propose(self, plan: StepPlan, scheduled: list[tuple[CachedRequest, int]]) -> dict[str, list[int]]:
-        """request_id -> drafts, for the decodes the plan granted some, appended to their tokens."""
-        if self.speculator is None or not plan.num_lookahead_tokens:
-            return {}
+    def _propose(self, plan: StepPlan, scheduled: list[tuple[CachedRequest, int]]) -> StepDrafts:
+        """The drafts of the decodes the plan granted some, appended to their tokens."""
         drafts = {}
-        for request, num_tokens in scheduled:
-            request_drafts = self.speculator.propose(request, num_tokens,
-                                                     plan.num_lookahead_tokens.get(request.request_id, 0))
-            if request_drafts:
-                drafts[request.request_id] = request_drafts
-                request.token_ids.extend(request_drafts)
-        return drafts
+        if self.speculator is not None and plan.num_lookahead_tokens:
+            for request, num_tokens in scheduled:
+                request_drafts = self.speculator.propose(request, num_tokens,
+                                                         plan.num_lookahead_tokens.get(request.request_id, 0))
+                if request_drafts:
+                    drafts[request.request_id] = request_drafts
+                    request.token_ids.extend(request_drafts)
+        return StepDrafts(drafts)
 
     def _pooling_runner(self) -> PoolingRunner:
         if self.pooling is None:

@@ -129,3 +129,58 @@ class Speculator:
             for j, i in enumerate(sampled):
                 emitted[i] = tokens[j, :int(num_accepted[j]) + 1].tolist()
         return emitted
+
+
+class StepDrafts:
+    """One step's speculated decodes: their drafts (appended to their tokens for the step),
+    their logits rows, and what verification emitted for them."""
+
+    def __init__(self, drafts: dict[str, list[int]]) -> None:
+        self.drafts = drafts  # request_id -> drafts, for the decodes that have some
+        self.requests: list = []  # the speculated CachedRequests, in the order of their rows
+
+    def __len__(self) -> int:
+        return len(self.drafts)
+
+    def num_drafts(self, request) -> int:
+        return len(self.drafts.get(request.request_id, ()))
+
+    def split_rows(self, sample_rows: list[int], samplers: list) -> tuple[list[int], list, list[int]]:
+        """The rows and requests the sampler samples (the others), and the speculated
+        requests' rows: every scored position, 1 + d each (their sample row is their last)."""
+        plain_rows, plain, spec_rows = [], [], []
+        for row, request in zip(sample_rows, samplers):
+            num_drafts = self.num_drafts(request)
+            if num_drafts:
+                self.requests.append(request)
+                spec_rows += range(row - num_drafts, row + 1)
+            else:
+                plain_rows.append(row)
+                plain.append(request)
+        return plain_rows, plain, spec_rows
+
+    def verify(self, logits: torch.Tensor) -> list[list[int]]:  # logits: [rows of split_rows' spec_rows, vocab]
+        return Speculator.verify(logits, self.requests, [self.drafts[r.request_id] for r in self.requests])
+
+    @property
+    def width(self) -> int:
+        """The most tokens one request may emit this step."""
+        return 1 + max((len(d) for d in self.drafts.values()), default=0)
+
+    def apply(self, emitted: list[list[int]], sampler) -> None:
+        """The drafts leave each request's tokens and what it emitted (accepted drafts, then
+        one) joins; it advances by that much. The rejected positions' KV stays past
+        num_computed_tokens as garbage, overwritten when those positions are computed.
+        sampler: the rank's Sampler where it sampled (its outputs move on too), else None."""
+        for request, tokens in zip(self.requests, emitted):
+            del request.token_ids[len(request.token_ids) - len(self.drafts[request.request_id]):]
+            request.token_ids.extend(tokens)
+            request.num_computed_tokens += len(tokens)
+            if sampler is not None:
+                sampler.extend_output(request.request_id, tokens)
+
+    def result_fields(self, emitted: list[list[int]]) -> dict:
+        """StepResult's accepted_token_ids and num_draft_tokens."""
+        return {"accepted_token_ids": {r.request_id: tokens[:-1] for r, tokens in zip(self.requests, emitted)
+                                       if len(tokens) > 1},
+                "num_draft_tokens": {r.request_id: len(self.drafts[r.request_id]) for r in self.requests}}

@@ -268,7 +268,8 @@ def test_acceptance_summary_from_the_stats():
     stats = scheduler.stats()
     summary = acceptance_summary(stats)
     assert 0 < summary["acceptance_rate"] < 1
-    assert summary["acceptance_rate"] == stats["spec_decode_num_accepted_tokens"] / stats["spec_decode_num_draft_tokens"]
+    assert summary["acceptance_rate"] == \
+        stats["spec_decode_num_accepted_tokens"] / stats["spec_decode_num_draft_tokens"]
     assert summary["mean_acceptance_length"] == 1 + stats["spec_decode_num_accepted_tokens"] / \
         stats["spec_decode_num_drafts"]
     assert acceptance_summary({})["mean_acceptance_length"] == 0.0
