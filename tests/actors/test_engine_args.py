@@ -43,6 +43,8 @@ def test_flags_set_the_fields_of_the_same_name():
     assert (args.dtype, args.device, args.gpu_memory_utilization) == ("bfloat16", "cuda", 0.5)
     assert (args.async_scheduling, args.max_logprobs) == (False, 3)
     assert (args.tensor_parallel_size, args.nnodes, args.node_rank) == (2, 2, 1)
+    speculative = EngineArgs.from_cli_args(parse_args(["--speculative-config", '{"method": "suffix"}']))
+    assert speculative.speculative_config == '{"method": "suffix"}'
 
 
 @pytest.mark.parametrize("flags, message", [
@@ -51,6 +53,7 @@ def test_flags_set_the_fields_of_the_same_name():
     (["--num-kv-blocks", "0"], "num_kv_blocks must be a positive integer"),
     (["--tensor-parallel-size", "2", "--nnodes", "3"], "nnodes (3) must divide tensor_parallel_size (2)"),
     (["--device", "tpu"], "invalid choice: 'tpu'"),
+    (["--speculative-config", '{"method": "eagle", "num_speculative_tokens": 2}'], "method must be one of"),
 ])
 def test_a_bad_engine_flag_is_a_usage_error_before_anything_starts(flags, message, capsys):
     with pytest.raises(SystemExit) as exit_info:
