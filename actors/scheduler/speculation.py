@@ -50,6 +50,8 @@ class DraftSlots:
             and seq.num_computed_tokens >= seq.num_prompt_tokens
         if not is_decode or seq.pooling_params is not None or not may_speculate(seq.params):
             return 0
+        if seq.num_total_tokens - seq.num_prompt_tokens < seq.params.min_tokens:
+            return 0  # EOS and stop tokens are masked until then: the worker would not draft
         # tokens it may emit past this step's one: the worker caps its drafts by the same limit
         room = seq.max_num_tokens - seq.num_total_tokens - 1
         return max(0, min(self.num_speculative_tokens, budget - num_new_tokens, room))

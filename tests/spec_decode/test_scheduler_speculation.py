@@ -273,3 +273,16 @@ def test_acceptance_summary_from_the_stats():
     assert summary["mean_acceptance_length"] == 1 + stats["spec_decode_num_accepted_tokens"] / \
         stats["spec_decode_num_drafts"]
     assert acceptance_summary({})["mean_acceptance_length"] == 0.0
+
+
+def test_no_drafts_until_min_tokens_are_out():
+    scheduler = make_speculating_scheduler(k=2)
+    worker = SpeculatingWorker(4, 64, target, lambda seq_id, position: False)
+    scheduler.add_request("a", [1, 2, 3], make_params(max_tokens=8, min_tokens=3, ignore_eos=False))
+    granted = []
+    while scheduler.has_unfinished():
+        plan = scheduler.schedule()
+        granted.append(plan.num_lookahead_tokens.get("a", 0))
+        scheduler.update(plan, worker.step(plan))
+    # outputs before each step: 0 (prompt), 1, 2, 3, ...: drafts from the step after the third
+    assert granted[:4] == [0, 0, 0, 2]
