@@ -19,6 +19,8 @@ and rank 0, which holds the logits, verifies and broadcasts what was emitted."""
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import numpy as np
 import torch
 
@@ -28,6 +30,10 @@ from actors.spec_decode.rejection import greedy_accept, rejection_sample
 from actors.spec_decode.suffix import SuffixDecodingProposer
 from actors.worker.random_sampling import filtered_probs
 from actors.worker.sampler import argmax_tokens, position_seed
+
+if TYPE_CHECKING:
+    from actors.worker.model_runner import CachedRequest
+    from actors.worker.sampler import Sampler
 
 
 class Speculator:
@@ -52,8 +58,8 @@ class Speculator:
         self.suffix.stop_request(request_id)
         del self._num_fed[request_id]
 
-    def propose(self, request, num_scheduled: int, num_granted: int) -> list[int]:
-        """Drafts for one request of the step (a CachedRequest); [] unless it decodes
+    def propose(self, request: CachedRequest, num_scheduled: int, num_granted: int) -> list[int]:
+        """Drafts for one request of the step; [] unless it decodes
         (its chunk is its last token), was granted drafts and may speculate now."""
         num_tokens = len(request.token_ids)
         params = request.params
@@ -85,7 +91,7 @@ class Speculator:
 
     @staticmethod
     def verify(logits: torch.Tensor,  # [sum of 1 + d_i, vocab] fp32: request i's rows, in order
-               requests: list, drafts: list[list[int]]) -> list[list[int]]:
+               requests: list[CachedRequest], drafts: list[list[int]]) -> list[list[int]]:
         """The tokens each request emits: its accepted drafts, then the target's token (the
         correction at the first rejection, or the bonus after the last draft). Greedy
         requests accept while the argmax agrees (exactly greedy decoding); sampled ones by
@@ -137,15 +143,16 @@ class StepDrafts:
 
     def __init__(self, drafts: dict[str, list[int]]) -> None:
         self.drafts = drafts  # request_id -> drafts, for the decodes that have some
-        self.requests: list = []  # the speculated CachedRequests, in the order of their rows
+        self.requests: list[CachedRequest] = []  # the speculated requests, in the order of their rows
 
     def __len__(self) -> int:
         return len(self.drafts)
 
-    def num_drafts(self, request) -> int:
+    def num_drafts(self, request: CachedRequest) -> int:
         return len(self.drafts.get(request.request_id, ()))
 
-    def split_rows(self, sample_rows: list[int], samplers: list) -> tuple[list[int], list, list[int]]:
+    def split_rows(self, sample_rows: list[int], samplers: list[CachedRequest]
+                   ) -> tuple[list[int], list[CachedRequest], list[int]]:
         """The rows and requests the sampler samples (the others), and the speculated
         requests' rows: every scored position, 1 + d each (their sample row is their last)."""
         plain_rows, plain, spec_rows = [], [], []
@@ -167,7 +174,7 @@ class StepDrafts:
         """The most tokens one request may emit this step."""
         return 1 + max((len(d) for d in self.drafts.values()), default=0)
 
-    def apply(self, emitted: list[list[int]], sampler) -> None:
+    def apply(self, emitted: list[list[int]], sampler: Sampler | None) -> None:
         """The drafts leave each request's tokens and what it emitted (accepted drafts, then
         one) joins; it advances by that much. The rejected positions' KV stays past
         num_computed_tokens as garbage, overwritten when those positions are computed.
