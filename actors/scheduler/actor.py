@@ -142,7 +142,9 @@ class SchedulerActor(Actor):
         plan = self.scheduler.schedule()
         if plan.num_scheduled_tokens:
             self.plans_in_flight.append(plan)
-            self.step_timer.sent(plan.step_id, sum(plan.num_scheduled_tokens.values()), time.monotonic())
+            # a speculated decode computes its drafts too
+            num_tokens = sum(plan.num_scheduled_tokens.values()) + sum(plan.num_lookahead_tokens.values())
+            self.step_timer.sent(plan.step_id, num_tokens, time.monotonic())
             self.executor.submit(plan)
         elif plan.finished_request_ids:
             self.executor.submit(plan)  # only drops worker state: no result comes back
