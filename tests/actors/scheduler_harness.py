@@ -5,6 +5,7 @@ that run requests to the end."""
 
 from __future__ import annotations
 
+import random
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -132,3 +133,85 @@ def generate(prompt_len: int, output_tokens: list[int], max_model_len: int = 256
 
 
 # ---- batching ----
+
+
+# ---- soak ----
+
+def check_invariants(scheduler: Scheduler) -> None:
+    pool = scheduler.block_pool
+    holders: dict[int, int] = {}
+    for seq in scheduler.sequences.values():
+        assert len(set(seq.block_ids)) == len(seq.block_ids), f"{seq} holds a block twice"
+        if seq in scheduler.waiting:
+            assert seq.block_ids == [] and seq.num_computed_tokens == 0
+        for block_id in seq.block_ids:
+            holders[block_id] = holders.get(block_id, 0) + 1
+    for seq in scheduler.running:
+        # Blocks that will receive new KV belong to this sequence alone.
+        for block_id in seq.block_ids[seq.num_computed_tokens // pool.block_size:]:
+            assert pool.ref_count(block_id) == 1, f"{seq} would write shared block {block_id}"
+    for block_id in range(pool.num_blocks):
+        assert pool.ref_count(block_id) == holders.get(block_id, 0)
+        if holders.get(block_id, 0) > 1:
+            assert pool.block_hash(block_id) is not None, "shared block not in the prefix cache"
+    assert pool.num_free_blocks == pool.num_blocks - len(holders)
+    assert scheduler.num_running <= scheduler.max_num_seqs
+    assert scheduler.num_running + scheduler.num_waiting == len(scheduler.sequences)
+
+
+@dataclass
+class SoakResult:
+    expected: dict[tuple[str, int], tuple[SamplingParams, list[int]]]  # completion -> (params, prompt)
+    aborted: set[str]
+    completions: dict[tuple[str, int], Completion]
+
+
+def soak(scheduler: Scheduler, worker, rng: random.Random, plans_in_flight: int, num_requests: int,
+         max_prompt_len: int, make_request_params: Callable[[random.Random], SamplingParams],
+         abort_rate: float = 0.03) -> SoakResult:
+    """Random arrivals (prompts sharing prefixes), aborts and steps with one or two plans in
+    flight until every request is done, the invariants checked after every result (a plan's
+    scheduled tokens, drafts included, within the budget). With two in flight a result is
+    applied only after the next plan is built, as the scheduler actor does."""
+    prefixes = [[rng.randint(10, 60) for _ in range(max_prompt_len)] for _ in range(3)]
+    result = SoakResult({}, set(), {})
+    in_flight: list[tuple[StepPlan, StepResult]] = []
+    num_added = 0
+    for _ in range(3000):
+        if num_added < num_requests and rng.random() < 0.4:
+            request_id = f"req{num_added}"
+            num_added += 1
+            prompt_len = rng.randint(1, max_prompt_len)
+            prompt = rng.choice(prefixes)[:prompt_len - 1] + [rng.randint(10, 60)]
+            params = make_request_params(rng)
+            scheduler.add_request(request_id, prompt, params)
+            for index in range(params.n):
+                result.expected[(request_id, index)] = (params, prompt)
+        if rng.random() < abort_rate and scheduler.sequences:
+            request_id = rng.choice(list(scheduler.sequences.values())).request_id
+            scheduler.abort_request(request_id)
+            result.aborted.add(request_id)
+        plan = scheduler.schedule()
+        num_tokens = sum(plan.num_scheduled_tokens.values()) + sum(plan.num_lookahead_tokens.values())
+        assert num_tokens <= scheduler.max_num_batched_tokens
+        in_flight.append((plan, worker.step(plan)))
+        if plans_in_flight == 1:
+            sent = {seq.seq_id for seq in scheduler.sequences.values() if seq.sent_to_worker}
+            assert set(worker.states) == sent
+        if len(in_flight) < plans_in_flight and plan.num_scheduled_tokens:
+            continue
+        plan, step_result = in_flight.pop(0)
+        for output in scheduler.update(plan, step_result):
+            completion = result.completions.setdefault((output.request_id, output.index), Completion())
+            assert completion.finish_reason is None, "tokens after the finish"
+            completion.token_ids += output.new_token_ids
+            completion.finish_reason = output.finish_reason
+            completion.prompt_logprob_positions += [e.ranks[0] for e in output.prompt_logprobs or []]
+        check_invariants(scheduler)
+        if num_added == num_requests and not scheduler.has_unfinished() and not in_flight:
+            break
+    assert not scheduler.has_unfinished()
+    worker.step(scheduler.schedule())  # flush the last drops
+    assert worker.states == {}
+    assert scheduler.block_pool.num_free_blocks == scheduler.block_pool.num_blocks
+    return result

@@ -15,11 +15,9 @@ from actors.config import CacheConfig, SchedulerConfig
 from actors.scheduler import Scheduler
 from actors.scheduler.speculation import acceptance_summary
 from actors.spec_decode.config import SpeculativeConfig
-from messages.common import SamplingParams
 from messages.scheduler import StepResult
 from messages.worker import StepPlan
-from tests.actors.scheduler_harness import EOS, Completion, WorkerSequence, make_params
-from tests.actors.test_scheduler_async import check_invariants
+from tests.actors.scheduler_harness import EOS, WorkerSequence, make_params, soak
 
 WRONG = 99  # a draft the worker's "model" never samples
 
@@ -207,55 +205,20 @@ def test_random_soak_with_speculation_gives_the_target_tokens_and_reads_no_draft
     worker = SpeculatingWorker(block_size, num_blocks, token_fn,
                                lambda seq_id, position: zlib.crc32(f"d{seq_id}:{position}".encode()) % 100
                                < acceptance * 100)
-    prefixes = [[rng.randint(10, 60) for _ in range(capacity // 2)] for _ in range(3)]
-    expected: dict[tuple[str, int], tuple[SamplingParams, list[int]]] = {}
-    aborted: set[str] = set()
-    completions: dict[tuple[str, int], Completion] = {}
-    in_flight: list[tuple[StepPlan, StepResult]] = []
-    num_requests = 0
-    for _ in range(3000):
-        if num_requests < 30 and rng.random() < 0.4:
-            request_id = f"req{num_requests}"
-            num_requests += 1
-            prompt_len = rng.randint(1, capacity // 3)
-            prompt = rng.choice(prefixes)[:prompt_len - 1] + [rng.randint(10, 60)]
-            params = make_params(max_tokens=rng.randint(1, capacity // 2), n=rng.choice([1, 1, 2]),
-                                 ignore_eos=rng.random() < 0.5)
-            scheduler.add_request(request_id, prompt, params)
-            for index in range(params.n):
-                expected[(request_id, index)] = (params, prompt)
-        if rng.random() < 0.02 and scheduler.sequences:
-            request_id = rng.choice(list(scheduler.sequences.values())).request_id
-            scheduler.abort_request(request_id)
-            aborted.add(request_id)
-        plan = scheduler.schedule()
-        num_scheduled = sum(plan.num_scheduled_tokens.values()) + sum(plan.num_lookahead_tokens.values())
-        assert num_scheduled <= scheduler.max_num_batched_tokens
-        in_flight.append((plan, worker.step(plan)))
-        if len(in_flight) < plans_in_flight and plan.num_scheduled_tokens:
-            continue
-        plan, result = in_flight.pop(0)
-        for output in scheduler.update(plan, result):
-            completion = completions.setdefault((output.request_id, output.index), Completion())
-            assert completion.finish_reason is None, "tokens after the finish"
-            completion.token_ids += output.new_token_ids
-            completion.finish_reason = output.finish_reason
-        check_invariants(scheduler)
-        if num_requests == 30 and not scheduler.has_unfinished() and not in_flight:
-            break
-    assert not scheduler.has_unfinished()
-    worker.step(scheduler.schedule())  # flush the last drops
-    assert worker.states == {} and scheduler.block_pool.num_free_blocks == num_blocks
+    outcome = soak(scheduler, worker, rng, plans_in_flight, num_requests=30, max_prompt_len=capacity // 3,
+                   make_request_params=lambda rng: make_params(max_tokens=rng.randint(1, capacity // 2),
+                                                               n=rng.choice([1, 1, 2]), ignore_eos=rng.random() < 0.5),
+                   abort_rate=0.02)
     stats = scheduler.stats()
     assert stats["spec_decode_num_draft_tokens"] > 0
-    for (request_id, index), (params, prompt) in expected.items():
-        if request_id in aborted:
+    for (request_id, index), (params, prompt) in outcome.expected.items():
+        if request_id in outcome.aborted:
             continue
         seq_id = request_id if params.n == 1 else f"{request_id}#{index}"
         tokens = [token_fn(seq_id, p) for p in range(len(prompt), len(prompt) + params.max_tokens)]
         if not params.ignore_eos and EOS in tokens:
             tokens = tokens[:tokens.index(EOS) + 1]
-        assert completions[(request_id, index)].token_ids == tokens
+        assert outcome.completions[(request_id, index)].token_ids == tokens
 
 
 def test_acceptance_summary_from_the_stats():
