@@ -30,6 +30,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from actors.quantization.linear import Int8Weight, LinearMethod, linear_method
+
 @dataclass(frozen=True)
 class BertConfig:
     vocab_size: int
@@ -79,15 +81,17 @@ def read_bert_config(model_dir: str) -> BertConfig:
 
 @dataclass
 class BertLayerWeights:
-    qkv_proj: torch.Tensor  # [3 * hidden, hidden] query, key, value stacked
+    """One layer's weights; the four projections as the model's LinearMethod prepared them."""
+
+    qkv_proj: torch.Tensor | Int8Weight  # [3 * hidden, hidden] query, key, value stacked
     qkv_bias: torch.Tensor  # [3 * hidden]
-    o_proj: torch.Tensor  # [hidden, hidden]
+    o_proj: torch.Tensor | Int8Weight  # [hidden, hidden]
     o_bias: torch.Tensor  # [hidden]
     attention_norm: torch.Tensor  # [hidden] LayerNorm after the attention residual add
     attention_norm_bias: torch.Tensor  # [hidden]
-    up_proj: torch.Tensor  # [intermediate, hidden]
+    up_proj: torch.Tensor | Int8Weight  # [intermediate, hidden]
     up_bias: torch.Tensor  # [intermediate]
-    down_proj: torch.Tensor  # [hidden, intermediate]
+    down_proj: torch.Tensor | Int8Weight  # [hidden, intermediate]
     down_bias: torch.Tensor  # [hidden]
     mlp_norm: torch.Tensor  # [hidden] LayerNorm after the MLP residual add
     mlp_norm_bias: torch.Tensor  # [hidden]
@@ -103,12 +107,18 @@ _LAYER_NAMES = {
 }
 
 
+_PROJECTIONS = ("qkv_proj", "o_proj", "up_proj", "down_proj")
+
+
 class BertModel:
     def __init__(self, config: BertConfig, dtype: torch.dtype = torch.float32,
-                 device: torch.device | str = "cpu") -> None:
+                 device: torch.device | str = "cpu", quantization: str | None = None) -> None:
         self.config = config
         self.dtype = dtype
         self.device = torch.device(device)
+        # how the encoder layers' projections run (the embeddings and the classification
+        # head stay in dtype: they are a small share of the work)
+        self.linear: LinearMethod = linear_method(quantization)
         self.word_embeddings: torch.Tensor | None = None  # [vocab, hidden]
         self.position_embeddings: torch.Tensor | None = None  # [max_positions, hidden]
         self.token_type_embeddings: torch.Tensor | None = None  # [type_vocab, hidden]
@@ -146,6 +156,15 @@ class BertModel:
             self.pooler = self._pair(top, "pooler.dense")
             self.classifier = self._pair(top, "classifier")
 
+    def num_weight_bytes(self) -> int:
+        """Bytes of weights held (an int8 projection counted with its scales)."""
+        tensors = [self.word_embeddings, self.position_embeddings, self.token_type_embeddings,
+                   *(self.embedding_norm or ()), *(self.pooler or ()), *(self.classifier or ())]
+        for layer in self.layers:
+            for value in vars(layer).values():
+                tensors += [value.qweight, value.scale] if isinstance(value, Int8Weight) else [value]
+        return sum(t.numel() * t.element_size() for t in tensors if t is not None)
+
     def _pack_layer(self, t: dict[str, torch.Tensor]) -> BertLayerWeights:
         parts = ("query", "key", "value")
         packed = {
@@ -154,6 +173,8 @@ class BertModel:
         }
         for hf_name, (weight_field, bias_field) in _LAYER_NAMES.items():
             packed[weight_field], packed[bias_field] = self._pair(t, hf_name)
+        for name in _PROJECTIONS:
+            packed[name] = self.linear.prepare(packed[name])
         return BertLayerWeights(**packed)
 
     def _pair(self, tensors: dict[str, torch.Tensor], prefix: str) -> tuple[torch.Tensor, torch.Tensor]:
@@ -219,7 +240,8 @@ class BertModel:
     def _layer(self, layer: BertLayerWeights, hidden: torch.Tensor, cu_seqlens: list[int]) -> torch.Tensor:
         c = self.config
         # 1. attention, each sequence over itself; post-LayerNorm on the residual sum
-        qkv = F.linear(hidden, layer.qkv_proj, layer.qkv_bias)
+        linear = self.linear.apply
+        qkv = linear(hidden, layer.qkv_proj, layer.qkv_bias)
         attn = torch.empty_like(hidden)
         for start, end in zip(cu_seqlens, cu_seqlens[1:]):
             # [1, seq_len, 3, heads, head_dim] -> three [1, heads, seq_len, head_dim] views: torch's CPU
@@ -228,12 +250,12 @@ class BertModel:
                        qkv[start:end].view(1, end - start, 3, c.num_attention_heads, c.head_dim).unbind(2))
             out = F.scaled_dot_product_attention(q, k, v)  # bidirectional: no mask within a sequence
             attn[start:end] = out[0].transpose(0, 1).reshape(end - start, c.hidden_size)
-        attn = F.linear(attn, layer.o_proj, layer.o_bias)
+        attn = linear(attn, layer.o_proj, layer.o_bias)
         hidden = F.layer_norm(attn + hidden, (c.hidden_size,), layer.attention_norm, layer.attention_norm_bias,
                               c.layer_norm_eps)
         # 2. MLP with exact (erf) GELU; post-LayerNorm on the residual sum
-        x = F.gelu(F.linear(hidden, layer.up_proj, layer.up_bias))
-        x = F.linear(x, layer.down_proj, layer.down_bias)
+        x = F.gelu(linear(hidden, layer.up_proj, layer.up_bias))
+        x = linear(x, layer.down_proj, layer.down_bias)
         return F.layer_norm(x + hidden, (c.hidden_size,), layer.mlp_norm, layer.mlp_norm_bias, c.layer_norm_eps)
 
     def classify(self, hidden: torch.Tensor,  # [num_tokens, hidden] forward's output

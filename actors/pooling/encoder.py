@@ -94,12 +94,12 @@ class BertClassifierHead:
         return F.linear(hidden, *self.classifier).float()
 
 
-def build_encoder(model_config: ModelConfig, dtype, device, dummy: bool, seed: int, with_classifier: bool
-                  ) -> EncoderStep:
+def build_encoder(model_config: ModelConfig, dtype, device, dummy: bool, seed: int, with_classifier: bool,
+                  quantization: str | None = None) -> EncoderStep:
     from actors.pooling.bert import BertModel, read_bert_config
     from actors.worker.loader import iter_weights
 
-    model = BertModel(read_bert_config(model_config.model_path), dtype, device)
+    model = BertModel(read_bert_config(model_config.model_path), dtype, device, quantization)
     if dummy:
         model.init_dummy_weights(seed, with_classifier=with_classifier)
     else:
