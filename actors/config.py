@@ -60,8 +60,9 @@ class ModelConfig:
 
     @property
     def is_encoder(self) -> bool:
-        """A BERT-family encoder: bidirectional attention, whole prompts, no KV cache (actors/pooling/encoder.py)."""
-        return self.architecture.startswith("Bert")
+        """A BERT-family encoder (BERT, RoBERTa, XLM-RoBERTa): bidirectional attention, whole
+        prompts, no KV cache (actors/pooling/encoder.py)."""
+        return self.architecture.startswith(("Bert", "Roberta", "XLMRoberta"))
 
 
 @dataclass(frozen=True)

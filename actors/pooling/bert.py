@@ -1,5 +1,9 @@
 """A BERT encoder (Hugging Face BertModel) over a flat batch of whole sequences, and the
 head of BertForSequenceClassification (the shape sentence-transformers' CrossEncoder runs).
+RoBERTa and XLM-RoBERTa (e5-multilingual, bge-m3 shapes) are the same network: their
+positions start after the padding index (pad_token_id + 1), they have one token type, and
+their classification head (dense, tanh, out_proj over the first token) is BERT's pooler and
+classifier under other names.
 
 The batch is every token of every sequence in one [num_tokens, hidden] matrix, sequences
 delimited by cu_seqlens (sequence i is rows cu_seqlens[i] .. cu_seqlens[i + 1] - 1). Each
@@ -43,6 +47,11 @@ class BertConfig:
     type_vocab_size: int
     layer_norm_eps: float
     num_labels: int  # outputs of a sequence-classification head (unused by an embedding model)
+    position_offset: int = 0  # the first position's row: 0 for BERT, pad_token_id + 1 for RoBERTa
+
+    @property
+    def max_sequence_length(self) -> int:
+        return self.max_position_embeddings - self.position_offset
 
     @property
     def head_dim(self) -> int:
@@ -62,6 +71,10 @@ class BertConfig:
         if config["hidden_size"] % config["num_attention_heads"]:
             raise ValueError(f"{source}: hidden_size is not a multiple of num_attention_heads")
         num_labels = config.get("num_labels") or len(config.get("id2label") or {}) or 2
+        roberta = config.get("model_type") in ROBERTA_MODEL_TYPES
+        position_offset = int(config.get("pad_token_id", 1)) + 1 if roberta else 0
+        if position_offset >= config["max_position_embeddings"]:
+            raise ValueError(f"{source}: pad_token_id leaves no position embedding for the tokens")
         return cls(vocab_size=config["vocab_size"], hidden_size=config["hidden_size"],
                    num_hidden_layers=config["num_hidden_layers"],
                    num_attention_heads=config["num_attention_heads"],
@@ -69,7 +82,12 @@ class BertConfig:
                    max_position_embeddings=config["max_position_embeddings"],
                    type_vocab_size=config.get("type_vocab_size", 2),
                    layer_norm_eps=float(config.get("layer_norm_eps", 1e-12)),
-                   num_labels=int(num_labels))
+                   num_labels=int(num_labels), position_offset=position_offset)
+
+
+ROBERTA_MODEL_TYPES = ("roberta", "xlm-roberta")
+# a RoBERTa classifier's head under BERT's names: classifier.dense is the pooler's dense
+_ROBERTA_HEAD_NAMES = {"classifier.dense.": "pooler.dense.", "classifier.out_proj.": "classifier."}
 
 
 def read_bert_config(model_dir: str) -> BertConfig:
@@ -137,10 +155,13 @@ class BertModel:
         top: dict[str, torch.Tensor] = {}
         by_layer: list[dict[str, torch.Tensor]] = [{} for _ in range(self.config.num_hidden_layers)]
         for name, tensor in weights:
-            name = name.removeprefix("bert.")
+            name = name.removeprefix("bert.").removeprefix("roberta.")
+            for roberta_name, bert_name in _ROBERTA_HEAD_NAMES.items():
+                if name.startswith(roberta_name):
+                    name = bert_name + name[len(roberta_name):]
             # checkpoints from TensorFlow-era BERT call LayerNorm's parameters gamma and beta
             name = name.replace("LayerNorm.gamma", "LayerNorm.weight").replace("LayerNorm.beta", "LayerNorm.bias")
-            if name.startswith("cls.") or name.endswith("position_ids"):
+            if name.startswith(("cls.", "lm_head.")) or name.endswith(("position_ids", "token_type_ids")):
                 continue
             if name.startswith("encoder.layer."):
                 index, rest = name[len("encoder.layer."):].split(".", 1)
@@ -223,10 +244,12 @@ class BertModel:
         num_tokens = input_ids.shape[0]
         assert cu_seqlens[0] == 0 and cu_seqlens[-1] == num_tokens, (cu_seqlens, num_tokens)
         seq_lens = [end - start for start, end in zip(cu_seqlens, cu_seqlens[1:])]
-        if max(seq_lens) > c.max_position_embeddings:
+        if max(seq_lens) > c.max_sequence_length:
+            reserved = f", less {c.position_offset} before the first token" if c.position_offset else ""
             raise ValueError(f"a sequence of {max(seq_lens)} tokens is longer than the model's "
-                             f"max_position_embeddings {c.max_position_embeddings}")
-        positions = torch.cat([torch.arange(seq_len, device=self.device) for seq_len in seq_lens])
+                             f"max_position_embeddings {c.max_position_embeddings}{reserved}")
+        positions = torch.cat([torch.arange(c.position_offset, c.position_offset + seq_len, device=self.device)
+                               for seq_len in seq_lens])
         hidden = self.word_embeddings[input_ids] + self.position_embeddings[positions]
         if token_type_ids is None:
             hidden = hidden + self.token_type_embeddings[0]
