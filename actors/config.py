@@ -61,8 +61,9 @@ class ModelConfig:
 
     @property
     def is_encoder(self) -> bool:
-        """A BERT-family encoder: bidirectional attention, whole prompts, no KV cache (actors/pooling/encoder.py)."""
-        return self.architecture.startswith("Bert")
+        """A BERT-family encoder (BERT, RoBERTa, XLM-RoBERTa): bidirectional attention, whole
+        prompts, no KV cache (actors/pooling/encoder.py)."""
+        return self.architecture.startswith(("Bert", "Roberta", "XLMRoberta"))
 
 
 @dataclass(frozen=True)
@@ -149,6 +150,7 @@ class EngineConfig:
     tokenizer_path: str = ""  # directory holding the tokenizer files; defaults to model_path
     attention_backend: str = "auto"  # "auto" (Triton on CUDA, torch on CPU) | "triton" | "torch"
     load_format: str = "auto"  # "auto" (the checkpoint) | "dummy" (random weights, benchmarks)
+    quantization: str | None = None  # how linear layers run (actors/quantization): None, "int8"
     max_logprobs: int = 20  # the most logprobs / prompt_logprobs a request may ask for (vLLM's default)
     structured_outputs_backend: str = "auto"  # "auto" (xgrammar) | "xgrammar" | "guidance"
     reasoning_parser: str | None = None  # "deepseek_r1" | "qwen3": output starts with <think>...</think>

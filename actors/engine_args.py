@@ -26,6 +26,7 @@ from actors.config import (CacheConfig, EngineConfig, LoRAConfig, ParallelConfig
                            check_tensor_parallel_size, parse_size)
 from actors.pooling.engine import (CONVERTS, RUNNERS, TASKS, check_pooling_args, override_architecture,
                                   parse_hf_overrides, pooler_for)
+from actors.quantization import QUANTIZATION_METHODS, check_quantization
 from actors.spec_decode.config import check_engine_fit, parse_speculative_config
 from actors.worker.loader import load_model_config, resolve_model
 
@@ -106,6 +107,10 @@ class EngineArgs:
                                      group="model", metavar="TOKENS", parse=int)
     load_format: str = _arg("auto", "'dummy' runs random weights, for benchmarks", group="model",
                             choices=LOAD_FORMATS)
+    quantization: str | None = _arg(
+        None, "'int8': weights quantized to int8 at load time, activations per token as they come (W8A8; "
+              "BERT-family encoders so far); 'none' or unset: the checkpoint's dtype", group="model",
+        choices=("none",) + QUANTIZATION_METHODS)
     seed: int = _arg(0, "the engine's random seed", group="model")
     max_logprobs: int = _arg(20, "the most logprobs / prompt_logprobs a request may ask for", group="model",
                              metavar="N")  # vLLM's default
@@ -242,6 +247,9 @@ class EngineArgs:
         if not 0 <= self.node_rank < self.nnodes:
             raise ValueError(f"node_rank must be in [0, {self.nnodes}), got {self.node_rank}")
         check_pooling_args(self.runner, self.convert, self.task, self.pooler_config)
+        if self.quantization not in (None, "none") + QUANTIZATION_METHODS:
+            raise ValueError(f"quantization must be one of {', '.join(('none',) + QUANTIZATION_METHODS)}, "
+                             f"got {self.quantization!r}")
         parse_hf_overrides(self.hf_overrides)
         parse_speculative_config(self.speculative_config)
 
@@ -266,6 +274,7 @@ class EngineArgs:
         pooler = pooler_for(model_config, args.runner, args.convert, args.task, args.pooler_config, hf_overrides)
         if pooler is not None and pooler.classifier_from_token and args.tensor_parallel_size != 1:
             raise ValueError("tensor_parallel_size: a classifier made from the LM head's rows runs on one device")
+        quantization = check_quantization(args.quantization, model_config.is_encoder)
         if model_config.is_encoder:  # whole prompts, one step each; attention both ways shares no prefix
             if args.tensor_parallel_size != 1:
                 raise ValueError("tensor_parallel_size: an encoder model runs on one device")
@@ -288,7 +297,8 @@ class EngineArgs:
                                     node_rank=args.node_rank, master_addr=args.master_addr,
                                     master_port=args.master_port),
             dtype=args.dtype, device=args.device, seed=args.seed, tokenizer_path=model_dir,
-            attention_backend=args.attention_backend, load_format=args.load_format, max_logprobs=args.max_logprobs,
+            attention_backend=args.attention_backend, load_format=args.load_format, quantization=quantization,
+            max_logprobs=args.max_logprobs,
             structured_outputs_backend=args.structured_outputs_backend, reasoning_parser=args.reasoning_parser,
             lora=args._lora_config(),
             pooler=pooler, speculative=speculative)

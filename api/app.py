@@ -73,19 +73,40 @@ class _InvocationKind(msgspec.Struct):
 
     prompt: Any = None
     messages: Any = None
+    input: Any = None
+    query: Any = None
+    documents: Any = None
+    text_1: Any = None
+    queries: Any = None
+
+
+def _invocation_endpoint(ctx: ServingContext, kind: _InvocationKind) -> Callable[..., Awaitable[Response]]:
+    """The endpoint a body's fields ask for, as vLLM's /invocations tries its request types:
+    chat and completion bodies, then the pooling ones (input: embeddings, classification or
+    pooling by the model's task), rerank (query and documents) and score."""
+    if kind.messages is not None:
+        return create_chat_completion
+    if kind.prompt is not None:
+        return create_completion
+    if kind.input is not None:
+        pooler = ctx.client.config.pooler
+        if pooler is None:
+            raise bad_request("/invocations: 'input' is for a pooling model; this model generates: send "
+                              "'messages' (a chat completion) or 'prompt' (a completion)", param="input")
+        return {"embed": create_embedding, "classify": create_classification}.get(pooler.task, create_pooling)
+    if kind.query is not None and kind.documents is not None:
+        return create_rerank
+    if kind.text_1 is not None or kind.queries is not None:
+        return create_score
+    raise bad_request("/invocations needs 'messages' (a chat completion), 'prompt' (a completion), 'input' "
+                      "(embeddings or classification), 'query' and 'documents' (rerank), or 'text_1' / 'queries' "
+                      "(score)")
 
 
 async def invocations(ctx: ServingContext, request: Request) -> Response:
-    """SageMaker's POST /invocations: a chat completion for a body with messages, a
-    completion for one with a prompt (vLLM tries chat first too)."""
+    """SageMaker's POST /invocations: the endpoint the body's fields ask for."""
     body = await read_body(request, ctx.settings.max_body_bytes)
-    kind = decode_json(body, _InvocationKind)
-    if kind.messages is not None:
-        endpoint = create_chat_completion
-    elif kind.prompt is not None:
-        endpoint = create_completion
-    else:
-        raise bad_request("/invocations needs 'messages' (a chat completion) or 'prompt' (a completion)")
+    endpoint = _invocation_endpoint(ctx, decode_json(body, _InvocationKind))
     return await endpoint(ctx, Request(request.scope, _replay(body, request.receive)))
 
 

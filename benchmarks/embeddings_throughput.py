@@ -6,6 +6,10 @@ weights, written once to a temporary directory so both read the same file. Runs 
 
     python benchmarks/embeddings_throughput.py                 # BERT-base shape, 1000 texts
     python benchmarks/embeddings_throughput.py --num-texts 200 --layers 4
+    python benchmarks/embeddings_throughput.py --quantization int8   # troupe W8A8, s-t in fp32
+
+It also prints how close troupe's embeddings are to sentence-transformers' (cosine per text,
+min and mean): 1.0 up to float rounding in fp32, what 8 bits cost with --quantization int8.
 
 Both sides get the same CPU threads (--threads, default all): sentence-transformers through
 torch.set_num_threads in its process, troupe's worker by the same limit (its other actors
@@ -62,8 +66,9 @@ def make_texts(num: int, seed: int) -> list[str]:
     return [" ".join(f"w{rng.randrange(_WORDS)}" for _ in range(rng.randint(14, 254))) for _ in range(num)]
 
 
-def time_sentence_transformers(model_dir: str, texts_path: str, threads: int, batch: int) -> float:
-    """encode() in a fresh process (as troupe's side starts fresh), timed around the call only."""
+def time_sentence_transformers(model_dir: str, texts_path: str, threads: int, batch: int, out_path: str) -> float:
+    """encode() in a fresh process (as troupe's side starts fresh), timed around the call only;
+    the embeddings saved to out_path (.npy)."""
     code = f"""
 import json, time, torch
 torch.set_num_threads({threads})
@@ -72,35 +77,50 @@ texts = json.load(open({texts_path!r}))
 model = SentenceTransformer({model_dir!r}, device="cpu")
 model.encode(texts[:8], batch_size=8)
 start = time.perf_counter()
-model.encode(texts, batch_size={batch})
+embeddings = model.encode(texts, batch_size={batch})
 print(time.perf_counter() - start)
+import numpy
+numpy.save({out_path!r}, embeddings)
 """
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     return float(result.stdout.strip().splitlines()[-1])
 
 
-def time_troupe(server, model: str, texts: list[str], batch: int, concurrency: int) -> float:
+def time_troupe(server, model: str, texts: list[str], batch: int, concurrency: int) -> tuple[float, list]:
+    """Seconds for all texts, and their embeddings in text order."""
     import asyncio
 
     from openai import AsyncOpenAI
+
+    embeddings: list = [None] * len(texts)
 
     async def run() -> float:
         client = AsyncOpenAI(base_url=f"{server.url}/v1", api_key="none", timeout=600)
         limit = asyncio.Semaphore(concurrency)
 
-        async def send(chunk: list[str]) -> None:
+        async def send(first: int, chunk: list[str]) -> None:
             async with limit:
                 response = await client.embeddings.create(model=model, input=chunk)
                 assert len(response.data) == len(chunk)
+                for item in response.data:
+                    embeddings[first + item.index] = item.embedding
 
-        await send(texts[:8])  # warm-up
+        await send(0, texts[:8])  # warm-up
         start = time.perf_counter()
-        await asyncio.gather(*(send(texts[i:i + batch]) for i in range(0, len(texts), batch)))
+        await asyncio.gather(*(send(i, texts[i:i + batch]) for i in range(0, len(texts), batch)))
         elapsed = time.perf_counter() - start
         await client.close()
         return elapsed
 
-    return asyncio.run(run())
+    return asyncio.run(run()), embeddings
+
+
+def cosine_summary(troupe: list, reference_path: str) -> str:
+    import numpy
+
+    a, b = numpy.asarray(troupe, dtype=numpy.float64), numpy.load(reference_path).astype(numpy.float64)
+    cosine = (a * b).sum(1) / (numpy.linalg.norm(a, axis=1) * numpy.linalg.norm(b, axis=1))
+    return f"cosine troupe vs sentence-transformers per text: min {cosine.min():.6f}, mean {cosine.mean():.6f}"
 
 
 def main() -> None:
@@ -113,6 +133,8 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=os.cpu_count())
     parser.add_argument("--max-num-batched-tokens", type=int, default=4096,
                         help="troupe's step budget (an encoder has no decodes to keep responsive; ~ one 32-text batch)")
+    parser.add_argument("--quantization", choices=("none", "int8"), default="none",
+                        help="troupe's --quantization (sentence-transformers runs fp32 either way)")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
@@ -126,19 +148,25 @@ def main() -> None:
             json.dump(texts, texts_file)
         os.environ["OMP_NUM_THREADS"] = str(args.threads)
         server = Server(["--model", model_dir, "--served-model-name", "embedder",
-                         "--max-num-batched-tokens", str(args.max_num_batched_tokens)], [])
+                         "--max-num-batched-tokens", str(args.max_num_batched_tokens),
+                         "--quantization", args.quantization], [])
         try:
             server.wait_ready()
             troupe, reference = [], []
+            reference_path = os.path.join(work, "reference.npy")
             for _ in range(args.repeats):
-                troupe.append(time_troupe(server, "embedder", texts, args.batch, args.concurrency))
-                reference.append(time_sentence_transformers(model_dir, texts_path, args.threads, args.batch))
+                seconds, embeddings = time_troupe(server, "embedder", texts, args.batch, args.concurrency)
+                troupe.append(seconds)
+                reference.append(time_sentence_transformers(model_dir, texts_path, args.threads, args.batch,
+                                                            reference_path))
                 print(f"troupe {troupe[-1]:.2f} s, sentence-transformers {reference[-1]:.2f} s", flush=True)
+            similarity = cosine_summary(embeddings, reference_path)
         finally:
             server.stop()
     t, r = statistics.median(troupe), statistics.median(reference)
+    print(similarity)
     print(f"{args.num_texts} texts, {args.layers} layers, {args.threads} threads, troupe steps of "
-          f"{args.max_num_batched_tokens} tokens: troupe median {t:.2f} s "
+          f"{args.max_num_batched_tokens} tokens, quantization {args.quantization}: troupe median {t:.2f} s "
           f"({args.num_texts / t:.1f} texts/s), sentence-transformers median {r:.2f} s "
           f"({args.num_texts / r:.1f} texts/s); throughput ratio troupe / sentence-transformers {r / t:.2f}")
 

@@ -1,5 +1,9 @@
 """A BERT encoder (Hugging Face BertModel) over a flat batch of whole sequences, and the
 head of BertForSequenceClassification (the shape sentence-transformers' CrossEncoder runs).
+RoBERTa and XLM-RoBERTa (e5-multilingual, bge-m3 shapes) are the same network: their
+positions start after the padding index (pad_token_id + 1), they have one token type, and
+their classification head (dense, tanh, out_proj over the first token) is BERT's pooler and
+classifier under other names.
 
 The batch is every token of every sequence in one [num_tokens, hidden] matrix, sequences
 delimited by cu_seqlens (sequence i is rows cu_seqlens[i] .. cu_seqlens[i + 1] - 1). Each
@@ -30,6 +34,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from actors.quantization.linear import Int8Weight, LinearMethod, linear_method
+
 @dataclass(frozen=True)
 class BertConfig:
     vocab_size: int
@@ -41,6 +47,11 @@ class BertConfig:
     type_vocab_size: int
     layer_norm_eps: float
     num_labels: int  # outputs of a sequence-classification head (unused by an embedding model)
+    position_offset: int = 0  # the first position's row: 0 for BERT, pad_token_id + 1 for RoBERTa
+
+    @property
+    def max_sequence_length(self) -> int:
+        return self.max_position_embeddings - self.position_offset
 
     @property
     def head_dim(self) -> int:
@@ -60,6 +71,10 @@ class BertConfig:
         if config["hidden_size"] % config["num_attention_heads"]:
             raise ValueError(f"{source}: hidden_size is not a multiple of num_attention_heads")
         num_labels = config.get("num_labels") or len(config.get("id2label") or {}) or 2
+        roberta = config.get("model_type") in ROBERTA_MODEL_TYPES
+        position_offset = int(config.get("pad_token_id", 1)) + 1 if roberta else 0
+        if position_offset >= config["max_position_embeddings"]:
+            raise ValueError(f"{source}: pad_token_id leaves no position embedding for the tokens")
         return cls(vocab_size=config["vocab_size"], hidden_size=config["hidden_size"],
                    num_hidden_layers=config["num_hidden_layers"],
                    num_attention_heads=config["num_attention_heads"],
@@ -67,7 +82,12 @@ class BertConfig:
                    max_position_embeddings=config["max_position_embeddings"],
                    type_vocab_size=config.get("type_vocab_size", 2),
                    layer_norm_eps=float(config.get("layer_norm_eps", 1e-12)),
-                   num_labels=int(num_labels))
+                   num_labels=int(num_labels), position_offset=position_offset)
+
+
+ROBERTA_MODEL_TYPES = ("roberta", "xlm-roberta")
+# a RoBERTa classifier's head under BERT's names: classifier.dense is the pooler's dense
+_ROBERTA_HEAD_NAMES = {"classifier.dense.": "pooler.dense.", "classifier.out_proj.": "classifier."}
 
 
 def read_bert_config(model_dir: str) -> BertConfig:
@@ -79,15 +99,17 @@ def read_bert_config(model_dir: str) -> BertConfig:
 
 @dataclass
 class BertLayerWeights:
-    qkv_proj: torch.Tensor  # [3 * hidden, hidden] query, key, value stacked
+    """One layer's weights; the four projections as the model's LinearMethod prepared them."""
+
+    qkv_proj: torch.Tensor | Int8Weight  # [3 * hidden, hidden] query, key, value stacked
     qkv_bias: torch.Tensor  # [3 * hidden]
-    o_proj: torch.Tensor  # [hidden, hidden]
+    o_proj: torch.Tensor | Int8Weight  # [hidden, hidden]
     o_bias: torch.Tensor  # [hidden]
     attention_norm: torch.Tensor  # [hidden] LayerNorm after the attention residual add
     attention_norm_bias: torch.Tensor  # [hidden]
-    up_proj: torch.Tensor  # [intermediate, hidden]
+    up_proj: torch.Tensor | Int8Weight  # [intermediate, hidden]
     up_bias: torch.Tensor  # [intermediate]
-    down_proj: torch.Tensor  # [hidden, intermediate]
+    down_proj: torch.Tensor | Int8Weight  # [hidden, intermediate]
     down_bias: torch.Tensor  # [hidden]
     mlp_norm: torch.Tensor  # [hidden] LayerNorm after the MLP residual add
     mlp_norm_bias: torch.Tensor  # [hidden]
@@ -103,12 +125,18 @@ _LAYER_NAMES = {
 }
 
 
+_PROJECTIONS = ("qkv_proj", "o_proj", "up_proj", "down_proj")
+
+
 class BertModel:
     def __init__(self, config: BertConfig, dtype: torch.dtype = torch.float32,
-                 device: torch.device | str = "cpu") -> None:
+                 device: torch.device | str = "cpu", quantization: str | None = None) -> None:
         self.config = config
         self.dtype = dtype
         self.device = torch.device(device)
+        # how the encoder layers' projections run (the embeddings and the classification
+        # head stay in dtype: they are a small share of the work)
+        self.linear: LinearMethod = linear_method(quantization)
         self.word_embeddings: torch.Tensor | None = None  # [vocab, hidden]
         self.position_embeddings: torch.Tensor | None = None  # [max_positions, hidden]
         self.token_type_embeddings: torch.Tensor | None = None  # [type_vocab, hidden]
@@ -127,10 +155,13 @@ class BertModel:
         top: dict[str, torch.Tensor] = {}
         by_layer: list[dict[str, torch.Tensor]] = [{} for _ in range(self.config.num_hidden_layers)]
         for name, tensor in weights:
-            name = name.removeprefix("bert.")
+            name = name.removeprefix("bert.").removeprefix("roberta.")
+            for roberta_name, bert_name in _ROBERTA_HEAD_NAMES.items():
+                if name.startswith(roberta_name):
+                    name = bert_name + name[len(roberta_name):]
             # checkpoints from TensorFlow-era BERT call LayerNorm's parameters gamma and beta
             name = name.replace("LayerNorm.gamma", "LayerNorm.weight").replace("LayerNorm.beta", "LayerNorm.bias")
-            if name.startswith("cls.") or name.endswith("position_ids"):
+            if name.startswith(("cls.", "lm_head.")) or name.endswith(("position_ids", "token_type_ids")):
                 continue
             if name.startswith("encoder.layer."):
                 index, rest = name[len("encoder.layer."):].split(".", 1)
@@ -146,6 +177,15 @@ class BertModel:
             self.pooler = self._pair(top, "pooler.dense")
             self.classifier = self._pair(top, "classifier")
 
+    def num_weight_bytes(self) -> int:
+        """Bytes of weights held (an int8 projection counted with its scales)."""
+        tensors = [self.word_embeddings, self.position_embeddings, self.token_type_embeddings,
+                   *(self.embedding_norm or ()), *(self.pooler or ()), *(self.classifier or ())]
+        for layer in self.layers:
+            for value in vars(layer).values():
+                tensors += [value.qweight, value.scale] if isinstance(value, Int8Weight) else [value]
+        return sum(t.numel() * t.element_size() for t in tensors if t is not None)
+
     def _pack_layer(self, t: dict[str, torch.Tensor]) -> BertLayerWeights:
         parts = ("query", "key", "value")
         packed = {
@@ -154,6 +194,8 @@ class BertModel:
         }
         for hf_name, (weight_field, bias_field) in _LAYER_NAMES.items():
             packed[weight_field], packed[bias_field] = self._pair(t, hf_name)
+        for name in _PROJECTIONS:
+            packed[name] = self.linear.prepare(packed[name])
         return BertLayerWeights(**packed)
 
     def _pair(self, tensors: dict[str, torch.Tensor], prefix: str) -> tuple[torch.Tensor, torch.Tensor]:
@@ -202,10 +244,12 @@ class BertModel:
         num_tokens = input_ids.shape[0]
         assert cu_seqlens[0] == 0 and cu_seqlens[-1] == num_tokens, (cu_seqlens, num_tokens)
         seq_lens = [end - start for start, end in zip(cu_seqlens, cu_seqlens[1:])]
-        if max(seq_lens) > c.max_position_embeddings:
+        if max(seq_lens) > c.max_sequence_length:
+            reserved = f", less {c.position_offset} before the first token" if c.position_offset else ""
             raise ValueError(f"a sequence of {max(seq_lens)} tokens is longer than the model's "
-                             f"max_position_embeddings {c.max_position_embeddings}")
-        positions = torch.cat([torch.arange(seq_len, device=self.device) for seq_len in seq_lens])
+                             f"max_position_embeddings {c.max_position_embeddings}{reserved}")
+        positions = torch.cat([torch.arange(c.position_offset, c.position_offset + seq_len, device=self.device)
+                               for seq_len in seq_lens])
         hidden = self.word_embeddings[input_ids] + self.position_embeddings[positions]
         if token_type_ids is None:
             hidden = hidden + self.token_type_embeddings[0]
@@ -219,7 +263,8 @@ class BertModel:
     def _layer(self, layer: BertLayerWeights, hidden: torch.Tensor, cu_seqlens: list[int]) -> torch.Tensor:
         c = self.config
         # 1. attention, each sequence over itself; post-LayerNorm on the residual sum
-        qkv = F.linear(hidden, layer.qkv_proj, layer.qkv_bias)
+        linear = self.linear.apply
+        qkv = linear(hidden, layer.qkv_proj, layer.qkv_bias)
         attn = torch.empty_like(hidden)
         for start, end in zip(cu_seqlens, cu_seqlens[1:]):
             # [1, seq_len, 3, heads, head_dim] -> three [1, heads, seq_len, head_dim] views: torch's CPU
@@ -228,12 +273,12 @@ class BertModel:
                        qkv[start:end].view(1, end - start, 3, c.num_attention_heads, c.head_dim).unbind(2))
             out = F.scaled_dot_product_attention(q, k, v)  # bidirectional: no mask within a sequence
             attn[start:end] = out[0].transpose(0, 1).reshape(end - start, c.hidden_size)
-        attn = F.linear(attn, layer.o_proj, layer.o_bias)
+        attn = linear(attn, layer.o_proj, layer.o_bias)
         hidden = F.layer_norm(attn + hidden, (c.hidden_size,), layer.attention_norm, layer.attention_norm_bias,
                               c.layer_norm_eps)
         # 2. MLP with exact (erf) GELU; post-LayerNorm on the residual sum
-        x = F.gelu(F.linear(hidden, layer.up_proj, layer.up_bias))
-        x = F.linear(x, layer.down_proj, layer.down_bias)
+        x = F.gelu(linear(hidden, layer.up_proj, layer.up_bias))
+        x = linear(x, layer.down_proj, layer.down_bias)
         return F.layer_norm(x + hidden, (c.hidden_size,), layer.mlp_norm, layer.mlp_norm_bias, c.layer_norm_eps)
 
     def classify(self, hidden: torch.Tensor,  # [num_tokens, hidden] forward's output

@@ -14,7 +14,8 @@ import os
 
 from actors.config import ModelConfig
 
-ENCODER_ARCHITECTURES = ("BertModel", "BertForSequenceClassification")
+ENCODER_ARCHITECTURES = ("BertModel", "BertForSequenceClassification", "RobertaModel",
+                         "RobertaForSequenceClassification", "XLMRobertaModel", "XLMRobertaForSequenceClassification")
 
 
 def encoder_model_config(model_dir: str, config: dict, config_path: str) -> ModelConfig:
@@ -27,7 +28,7 @@ def encoder_model_config(model_dir: str, config: dict, config_path: str) -> Mode
         hidden_size=bert.hidden_size, intermediate_size=bert.intermediate_size,
         num_hidden_layers=bert.num_hidden_layers, num_attention_heads=bert.num_attention_heads,
         num_key_value_heads=bert.num_attention_heads, head_dim=bert.head_dim, rms_norm_eps=bert.layer_norm_eps,
-        rope_theta=0.0, rope_scaling=None, max_position_embeddings=bert.max_position_embeddings,
+        rope_theta=0.0, rope_scaling=None, max_position_embeddings=bert.max_sequence_length,
         tie_word_embeddings=False, attention_bias=True, qk_norm=False, eos_token_ids=(),
         sep_token_id=_sep_token_id(model_dir))
 
@@ -94,12 +95,12 @@ class BertClassifierHead:
         return F.linear(hidden, *self.classifier).float()
 
 
-def build_encoder(model_config: ModelConfig, dtype, device, dummy: bool, seed: int, with_classifier: bool
-                  ) -> EncoderStep:
+def build_encoder(model_config: ModelConfig, dtype, device, dummy: bool, seed: int, with_classifier: bool,
+                  quantization: str | None = None) -> EncoderStep:
     from actors.pooling.bert import BertModel, read_bert_config
     from actors.worker.loader import iter_weights
 
-    model = BertModel(read_bert_config(model_config.model_path), dtype, device)
+    model = BertModel(read_bert_config(model_config.model_path), dtype, device, quantization)
     if dummy:
         model.init_dummy_weights(seed, with_classifier=with_classifier)
     else:

@@ -40,7 +40,7 @@ class WorkerActor(Actor):
 
     def ready_info(self) -> dict:
         return {"num_kv_blocks": self.num_kv_blocks, "rank": self.rank,
-                "weight_bytes": self.runner.model.num_weight_bytes()}
+                "weight_bytes": self.runner.num_weight_bytes()}
 
     def handle(self, message: StepPlan) -> None:
         result = self.runner.execute(message)

@@ -96,7 +96,7 @@ class ModelRunner:
         if engine.model.is_encoder:
             classify = engine.pooler is not None and engine.pooler.task == "classify"
             self.encoder = build_encoder(engine.model, self.dtype, self.device, load_format == "dummy", engine.seed,
-                                         classify)
+                                         classify, engine.quantization)
             if classify:
                 encoder_head = BertClassifierHead(self.encoder.model.pooler, self.encoder.model.classifier)
         else:
@@ -180,6 +180,10 @@ class ModelRunner:
                              f"weights and a step's activations take {(peak + outside_torch) / gib:.2f} GiB; "
                              "raise gpu_memory_utilization or lower max_num_batched_tokens")
         return budget // block_bytes
+
+    def num_weight_bytes(self) -> int:
+        """Bytes of weights this rank holds: the decoder's, or the encoder's."""
+        return self.encoder.model.num_weight_bytes() if self.encoder is not None else self.model.num_weight_bytes()
 
     def update_states(self, plan: StepPlan) -> None:
         for request_id in plan.finished_request_ids:

@@ -250,3 +250,25 @@ def test_a_generative_model_refuses_pooling_routes_naming_the_flag(generative_ht
         assert route in message and "--runner pooling" in message
     response = generative_http.post("/score", json={"text_1": "a", "text_2": "b"})
     assert response.status_code == 400 and "/score" in response.json()["error"]["message"]
+    invoked = generative_http.post("/invocations", json={"input": "hello"})
+    assert invoked.status_code == 400 and invoked.json()["error"]["param"] == "input"
+
+
+def test_invocations_dispatch_pooling_bodies_by_their_fields(http, cross_encoder_http):
+    """SageMaker's /invocations answers as the route the body's fields ask for."""
+    invoked, direct = (torch.tensor([d["embedding"] for d in http.post(route, json={"input": PROMPTS[:2]}).json()["data"]])
+                       for route in ("/invocations", "/v1/embeddings"))
+    torch.testing.assert_close(invoked, direct, rtol=1e-5, atol=1e-6)
+    rerank = {"query": PROMPTS[0], "documents": PROMPTS[1:]}
+    invoked, direct = (http.post(route, json=rerank).json()["results"] for route in ("/invocations", "/rerank"))
+    assert [r["index"] for r in invoked] == [r["index"] for r in direct]
+    # (scores within float rounding: the batch each text's embedding rode in may differ)
+    assert [r["relevance_score"] for r in invoked] == pytest.approx([r["relevance_score"] for r in direct], rel=1e-5)
+    score = {"text_1": PROMPTS[0], "text_2": PROMPTS[1:]}
+    invoked, direct = (http.post(route, json=score).json()["data"] for route in ("/invocations", "/score"))
+    assert [d["score"] for d in invoked] == pytest.approx([d["score"] for d in direct], rel=1e-5)
+    invoked, direct = (cross_encoder_http.post(route, json={"input": PROMPTS[:2]}).json()["data"]
+                       for route in ("/invocations", "/classify"))
+    assert [d["label"] for d in invoked] == [d["label"] for d in direct]
+    assert [d["probs"] for d in invoked] == [pytest.approx(d["probs"], rel=1e-5) for d in direct]
+    assert http.post("/invocations", json={"documents": ["a"]}).status_code == 400

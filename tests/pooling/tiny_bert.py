@@ -19,27 +19,32 @@ TINY_BERT = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, int
                  initializer_range=0.2)  # 10x the default: activations of order 1, where GELU variants differ
 
 
-def save_tokenizer(model_dir: str) -> None:
+def save_tokenizer(model_dir: str, token_types: bool = True) -> None:
     from transformers import BertTokenizerFast
 
     os.makedirs(model_dir, exist_ok=True)
     vocab_path = os.path.join(model_dir, "vocab.txt")
     with open(vocab_path, "w") as vocab_file:
         vocab_file.write("\n".join(VOCAB) + "\n")
-    BertTokenizerFast(vocab_file=vocab_path).save_pretrained(model_dir)
+    # without token types the tokenizer marks no second segment, as RoBERTa's do
+    names = {} if token_types else {"model_input_names": ["input_ids", "attention_mask"]}
+    BertTokenizerFast(vocab_file=vocab_path, **names).save_pretrained(model_dir)
 
 
-def save_bert(model_dir: str, seed: int, num_labels: int | None = None) -> str:
+def save_bert(model_dir: str, seed: int, num_labels: int | None = None, family: str = "bert") -> str:
     """A random BertModel (num_labels None) or BertForSequenceClassification with its
-    tokenizer, saved to model_dir."""
-    from transformers import BertConfig as HFBertConfig, BertForSequenceClassification, BertModel as HFBertModel
+    tokenizer, saved to model_dir; family "roberta" or "xlm-roberta" for those models (one
+    token type, positions after pad_token_id, which is [PAD]'s id 0 in this vocabulary)."""
+    import transformers
 
     torch.manual_seed(seed)
-    save_tokenizer(model_dir)
-    if num_labels is None:
-        model = HFBertModel(HFBertConfig(vocab_size=len(VOCAB), **TINY_BERT))
-    else:
-        model = BertForSequenceClassification(HFBertConfig(vocab_size=len(VOCAB), num_labels=num_labels, **TINY_BERT))
+    save_tokenizer(model_dir, token_types=family == "bert")
+    prefix = {"bert": "Bert", "roberta": "Roberta", "xlm-roberta": "XLMRoberta"}[family]
+    shape = dict(TINY_BERT) if family == "bert" else {**TINY_BERT, "type_vocab_size": 1, "pad_token_id": 0}
+    config = getattr(transformers, f"{prefix}Config")(vocab_size=len(VOCAB), **shape,
+                                                      **({} if num_labels is None else {"num_labels": num_labels}))
+    kind = "Model" if num_labels is None else "ForSequenceClassification"
+    model = getattr(transformers, f"{prefix}{kind}")(config)
     # random LayerNorm parameters too, so a LayerNorm weight or bias mix-up shows
     with torch.no_grad():
         for name, parameter in model.named_parameters():

@@ -1,0 +1,28 @@
+"""Quantized weights: the `--quantization` methods and the linear layers that run them.
+
+A model keeps each linear layer's weight as the method prepared it (linear.py:
+LinearMethod.prepare) and calls the method to apply it; `None` (the default) runs the
+checkpoint's own dtype. Torch-free here, so the config can check the flag in any process."""
+
+from __future__ import annotations
+
+# vLLM's `--quantization` values that troupe runs, and where:
+#   int8: weights quantized at load time to int8 per output channel, activations per
+#         token at run time (W8A8, dynamic); BERT-family encoders so far (issue #21 has
+#         the decoder's kernels)
+QUANTIZATION_METHODS = ("int8",)
+ENCODER_ONLY_METHODS = ("int8",)
+
+
+def check_quantization(method: str | None, is_encoder: bool) -> str | None:
+    """The method, normalised (None and "none" mean unquantized); ValueError naming the flag
+    for a method troupe does not run, or does not run for this kind of model."""
+    if method is None or method == "none":
+        return None
+    if method not in QUANTIZATION_METHODS:
+        raise ValueError(f"quantization {method!r} is not supported; choose from "
+                         f"{', '.join(('none',) + QUANTIZATION_METHODS)}")
+    if method in ENCODER_ONLY_METHODS and not is_encoder:
+        raise ValueError(f"quantization {method!r} runs BERT-family encoders (runner 'pooling') so far; "
+                         "decoder models run unquantized")
+    return method
