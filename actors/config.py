@@ -87,6 +87,9 @@ class SchedulerConfig:
     async_scheduling: bool = True
     # Split a long prompt over steps; off for encoders, whose tokens attend to the whole prompt
     enable_chunked_prefill: bool = True
+    # "fcfs": first come, first served; "priority": by each request's priority (lower first),
+    # then arrival, preempting less urgent running requests (actors/scheduler/priority.py)
+    scheduling_policy: str = "fcfs"
 
 
 @dataclass(frozen=True)

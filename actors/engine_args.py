@@ -34,6 +34,7 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEVICES = ("auto", "cpu", "cuda")
 ATTENTION_BACKENDS = ("auto", "cpu", "torch", "triton")
 LOAD_FORMATS = ("auto", "dummy")
+SCHEDULING_POLICIES = ("fcfs", "priority")  # actors/scheduler/priority.py
 # the grammar library behind structured outputs: "auto" is xgrammar (actors/structured_output)
 STRUCTURED_OUTPUTS_BACKENDS = ("auto", "xgrammar", "guidance")
 # how a reasoning model marks its thinking: <think>...</think> for both
@@ -141,6 +142,9 @@ class EngineArgs:
                                      metavar="N")
     # two plans in flight (the actor engine; LLM with one device runs one step at a time)
     async_scheduling: bool = _arg(True, "build the next step's plan while the workers run the current one")
+    scheduling_policy: str = _arg(
+        "fcfs", "'fcfs': first come, first served; 'priority': by each request's priority (lower first), then "
+                "arrival, preempting less urgent requests", choices=SCHEDULING_POLICIES)
     structured_outputs_backend: str = _arg(
         "auto", "the grammar library of structured outputs; 'auto': xgrammar", choices=STRUCTURED_OUTPUTS_BACKENDS)
     speculative_config: str | dict | None = _arg(
@@ -231,6 +235,7 @@ class EngineArgs:
         if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
             raise ValueError(f"max_cpu_loras ({self.max_cpu_loras}) must be at least max_loras ({self.max_loras})")
         for name, allowed in (("dtype", DTYPES), ("device", DEVICES), ("attention_backend", ATTENTION_BACKENDS),
+                              ("scheduling_policy", SCHEDULING_POLICIES),
                               ("load_format", LOAD_FORMATS),
                               ("structured_outputs_backend", STRUCTURED_OUTPUTS_BACKENDS),
                               ("reasoning_parser", REASONING_PARSERS)):
@@ -292,6 +297,7 @@ class EngineArgs:
             scheduler=SchedulerConfig(max_num_seqs=args.max_num_seqs,
                                       max_num_batched_tokens=args.max_num_batched_tokens,
                                       max_model_len=max_model_len, async_scheduling=args.async_scheduling,
+                                      scheduling_policy=args.scheduling_policy,
                                       enable_chunked_prefill=not model_config.is_encoder),
             parallel=ParallelConfig(tensor_parallel_size=args.tensor_parallel_size, nnodes=args.nnodes,
                                     node_rank=args.node_rank, master_addr=args.master_addr,

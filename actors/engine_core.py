@@ -9,7 +9,7 @@ import logging
 from actors.config import EngineConfig
 from actors.detokenizer import OutputProcessor, merge_delta
 from actors.pooling.outputs import pooling_request_output
-from actors.scheduler.scheduler import Scheduler
+from actors.scheduler.priority import make_scheduler
 from actors.worker.device_config import resolve_device
 from actors.worker.model_runner import build_model_runner
 from messages.common import RequestOutput, SamplingParams
@@ -24,10 +24,10 @@ class EngineCore:
         engine = resolve_device(engine)
         self.config = engine
         self.runner, self.num_blocks = build_model_runner(engine)
-        self.scheduler = Scheduler(engine.scheduler, engine.cache, self.num_blocks, engine.model.eos_token_ids,
-                                   max_loras=engine.lora.max_loras if engine.lora else 0,
-                                   pooling_type=engine.pooler.pooling_type if engine.pooler else None,
-                                   generates=engine.model.can_generate, speculative=engine.speculative)
+        self.scheduler = make_scheduler(engine.scheduler, engine.cache, self.num_blocks, engine.model.eos_token_ids,
+                                        max_loras=engine.lora.max_loras if engine.lora else 0,
+                                        pooling_type=engine.pooler.pooling_type if engine.pooler else None,
+                                        generates=engine.model.can_generate, speculative=engine.speculative)
         self.outputs = OutputProcessor(tokenizer)
         self._accumulated: dict[str, RequestOutput] = {}  # request_id -> its output so far
         self._pooling_ids: set[str] = set()  # live pooling requests (the output processor never sees them)
@@ -35,11 +35,12 @@ class EngineCore:
 
     def add_request(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
                     params: SamplingParams, cache_salt: str | None = None,
-                    lora_request: LoRARequest | None = None, pooling_params: PoolingParams | None = None) -> None:
+                    lora_request: LoRARequest | None = None, pooling_params: PoolingParams | None = None,
+                    priority: int = 0) -> None:
         """A generation request, or with pooling_params a pooling one (no text: the
         detokenizer never sees it)."""
         self.scheduler.add_request(request_id, prompt_token_ids, params, cache_salt=cache_salt,
-                                   lora_request=lora_request, pooling_params=pooling_params)
+                                   lora_request=lora_request, pooling_params=pooling_params, priority=priority)
         if pooling_params is not None:
             self._pooling_ids.add(request_id)
         else:

@@ -41,7 +41,8 @@ class InputProcessor:
 
     def __init__(self, tokenizer, vocab_size: int, max_model_len: int, max_logprobs: int = MAX_LOGPROBS,
                  structured_outputs_backend: str = "auto", lora: LoRAChecker | None = None,
-                 pooler: PoolerConfig | None = None, hidden_size: int | None = None, generates: bool = True) -> None:
+                 pooler: PoolerConfig | None = None, hidden_size: int | None = None, generates: bool = True,
+                 priority_scheduling: bool = False) -> None:
         self.tokenizer = tokenizer
         self.pooler = pooler  # a pooling model's pooler: it takes pooling requests only
         self.hidden_size = hidden_size
@@ -51,6 +52,7 @@ class InputProcessor:
         self.max_logprobs = max_logprobs
         self.structured_outputs_backend = structured_outputs_backend
         self.lora = lora  # None: the engine runs no adapters
+        self.priority_scheduling = priority_scheduling  # requests may carry a priority other than 0
 
     def process(self, prompt: Prompt | None, params: SamplingParams, *, messages: list[dict] | None = None,
                 chat: ChatOptions | None = None, add_special_tokens: bool | None = None, priority: int = 0,
@@ -63,7 +65,7 @@ class InputProcessor:
         params.validate()
         self.check_params(params)
         self.check_pooling(pooling_params)
-        check_request_options(priority, cache_salt)
+        check_request_options(priority, cache_salt, self.priority_scheduling)
         self.check_lora(lora_request)
         if messages is not None:
             text = None
@@ -192,13 +194,14 @@ class InputProcessor:
                 param="prompt")
 
 
-def check_request_options(priority: int, cache_salt: str | None) -> None:
-    """priority and cache_salt, the request's options beside its sampling parameters."""
+def check_request_options(priority: int, cache_salt: str | None, priority_scheduling: bool = False) -> None:
+    """priority and cache_salt, the request's options beside its sampling parameters
+    (priority_scheduling: the engine's scheduling_policy is 'priority')."""
     if isinstance(priority, bool) or not isinstance(priority, int):
         raise InvalidRequestError(f"priority must be an integer, got {priority!r}", param="priority")
-    if priority != 0:
+    if priority != 0 and not priority_scheduling:
         # as vLLM with its default policy: a priority that would be silently ignored is refused
-        raise InvalidRequestError(f"priority {priority} needs priority scheduling, and this engine schedules "
+        raise InvalidRequestError(f"priority {priority} needs --scheduling-policy priority, and this engine serves "
                                   "first come, first served; send priority 0 or none", param="priority")
     if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt):
         raise InvalidRequestError("cache_salt must be a non-empty string", param="cache_salt")
@@ -233,7 +236,7 @@ class InputProcessorActor(Actor):
         processor = InputProcessor(tokenizer, engine.model.vocab_size, engine.scheduler.max_model_len,
                                    engine.max_logprobs, engine.structured_outputs_backend,
                                    LoRAChecker(engine.model, engine.lora), engine.pooler, engine.model.hidden_size,
-                                   engine.model.can_generate)
+                                   engine.model.can_generate, engine.scheduler.scheduling_policy == "priority")
         return cls(spec.name, spec.addresses, sockets, processor)
 
     def handle(self, message: AddRequest) -> None:

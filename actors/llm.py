@@ -49,7 +49,8 @@ class LLM(LLMPoolingMixin):
                                      self.config.scheduler.max_model_len, self.config.max_logprobs,
                                      self.config.structured_outputs_backend,
                                      LoRAChecker(self.config.model, self.config.lora), self.config.pooler,
-                                     self.config.model.hidden_size, self.config.model.can_generate)
+                                     self.config.model.hidden_size, self.config.model.can_generate,
+                                     self.config.scheduler.scheduling_policy == "priority")
         self._request_counter = itertools.count()
 
     def get_tokenizer(self):
@@ -99,23 +100,24 @@ class LLM(LLMPoolingMixin):
             params_list = [p.with_pickled_processors() for p in params_list]
             tokens_prompts = [{"prompt_token_ids": ids, **({"cache_salt": salt} if salt else {})}
                               for (_, ids), (_, salt) in zip(processed, split)]
-            outputs = self._remote.generate_batch(tokens_prompts, params_list, use_tqdm, loras)
+            outputs = self._remote.generate_batch(tokens_prompts, params_list, use_tqdm, loras, priorities)
             for output, (text, _) in zip(outputs, processed):
                 output.prompt = text
             return outputs
-        return self._run(self._add_requests((text, token_ids, params, salt, lora, None)
-                                            for (text, token_ids), params, (_, salt), lora
-                                            in zip(processed, params_list, split, loras)), use_tqdm)
+        return self._run(self._add_requests((text, token_ids, params, salt, lora, None, prio)
+                                            for (text, token_ids), params, (_, salt), lora, prio
+                                            in zip(processed, params_list, split, loras, priorities)), use_tqdm)
 
     def _add_requests(self, requests: Iterable[tuple]) -> list[str]:
-        """Adds every (text, token ids, sampling params, cache salt, LoRA, pooling params) to
-        the engine core, or none: one the scheduler refuses aborts those added before it."""
+        """Adds every (text, token ids, sampling params, cache salt, LoRA, pooling params[,
+        priority]) to the engine core, or none: one the scheduler refuses aborts those added
+        before it."""
         request_ids: list[str] = []
         try:
-            for text, token_ids, params, salt, lora, pooling in requests:
+            for text, token_ids, params, salt, lora, pooling, *priority in requests:
                 request_id = str(next(self._request_counter))
                 self.engine.add_request(request_id, text, token_ids, params, cache_salt=salt, lora_request=lora,
-                                        pooling_params=pooling)
+                                        pooling_params=pooling, priority=priority[0] if priority else 0)
                 request_ids.append(request_id)
         except ValueError:
             for request_id in request_ids:
@@ -200,8 +202,9 @@ class ThreadedClient:
         return asyncio.run_coroutine_threadsafe(coroutine, self._loop).result()
 
     def generate_batch(self, prompts: list[list[int]], params: list[SamplingParams], use_tqdm: bool,
-                       loras: list[LoRARequest | None]) -> list[RequestOutput]:
-        return self._call(self.client.generate_batch(prompts, params, use_tqdm=use_tqdm, lora_request=loras))
+                       loras: list[LoRARequest | None], priorities: list[int]) -> list[RequestOutput]:
+        return self._call(self.client.generate_batch(prompts, params, use_tqdm=use_tqdm, lora_request=loras,
+                                                     priority=priorities))
 
     def encode_batch(self, prompts: list[list[int]], params: list[PoolingParams],
                      loras: list[LoRARequest | None]) -> list[PoolingRequestOutput]:

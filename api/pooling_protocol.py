@@ -31,7 +31,7 @@ class InputRequest(msgspec.Struct, kw_only=True):
     user: str | None = None  # accepted and ignored, as OpenAI: troupe keeps no per-user state
     truncate_prompt_tokens: int | None = None  # keep the last k tokens; -1: as many as the model takes
     add_special_tokens: bool | None = True  # the tokenizer's special tokens around a text input
-    priority: int | None = 0  # only 0: the scheduler is FCFS (the engine refuses others by name)
+    priority: int | None = 0  # lower first under --scheduling-policy priority; else only 0 (others refused by name)
     request_id: str | None = None  # the response's id (after its prefix); X-Request-Id wins
 
     def prompts(self) -> list[Prompt]:

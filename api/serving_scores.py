@@ -33,8 +33,9 @@ async def create_score(ctx: ServingContext, request: Request) -> Response:
     model, lora_request = ctx.resolve_model(body.model)
     first, second, names = body.sides()
     firsts, seconds = score_pairs(first, second, names)
-    check_request_options(body.priority or 0, None)  # score requests have no priority of their own
-    outputs = await _score(ctx, request, route, pooler, firsts, seconds, body.truncate_prompt_tokens, lora_request)
+    check_request_options(body.priority or 0, None, ctx.client.config.scheduler.scheduling_policy == "priority")
+    outputs = await _score(ctx, request, route, pooler, firsts, seconds, body.truncate_prompt_tokens, lora_request,
+                           body.priority or 0)
     response_id, _ = ctx.request_ids(request, body.request_id, "score", 0)
     data = [ScoreData(index=index, score=output.outputs.score) for index, output in enumerate(outputs)]
     return json_response(ScoreResponse(id=response_id, model=model, data=data, usage=pooling_usage(request, outputs)))
@@ -47,8 +48,9 @@ async def create_rerank(ctx: ServingContext, request: Request) -> Response:
     model, lora_request = ctx.resolve_model(body.model)
     num_results = body.num_results()
     firsts, seconds = score_pairs(body.query, body.documents, ("query", "documents"))
-    check_request_options(body.priority or 0, None)
-    outputs = await _score(ctx, request, route, pooler, firsts, seconds, body.truncate_prompt_tokens, lora_request)
+    check_request_options(body.priority or 0, None, ctx.client.config.scheduler.scheduling_policy == "priority")
+    outputs = await _score(ctx, request, route, pooler, firsts, seconds, body.truncate_prompt_tokens, lora_request,
+                           body.priority or 0)
     response_id, _ = ctx.request_ids(request, body.request_id, "rerank", 0)
     # sorted() is stable: documents of equal score keep their order
     ranked = sorted(range(len(outputs)), key=lambda index: outputs[index].outputs.score, reverse=True)
@@ -62,7 +64,7 @@ async def create_rerank(ctx: ServingContext, request: Request) -> Response:
 
 async def _score(ctx: ServingContext, request: Request, route: str, pooler: PoolerConfig, firsts: list[str],
                  seconds: list[str], truncate_prompt_tokens: int | None,
-                 lora_request: LoRARequest | None) -> list[ScoringRequestOutput]:
+                 lora_request: LoRARequest | None, priority: int) -> list[ScoringRequestOutput]:
     try:
         mode = scoring_mode(pooler)
     except InvalidRequestError as error:  # a classifier of several labels: no one score per pair
@@ -71,7 +73,8 @@ async def _score(ctx: ServingContext, request: Request, route: str, pooler: Pool
     num_requests = len(distinct_texts(firsts, seconds)) if mode == "cosine" else len(firsts)
     start = time.monotonic()
     outputs = await run_pooling(ctx, request, lambda: ctx.client.score(
-        firsts, seconds, truncate_prompt_tokens=truncate_prompt_tokens, lora_request=lora_request), num_requests)
+        firsts, seconds, truncate_prompt_tokens=truncate_prompt_tokens, lora_request=lora_request, priority=priority),
+        num_requests)
     elapsed = time.monotonic() - start
     # a score counts as one pooling request in /metrics, with its usage's tokens (a cosine's: both texts')
     for output in outputs:

@@ -75,15 +75,16 @@ class PoolingClientMixin:
         return classification_output(await self.encode(prompt, params, request_id, lora_request=lora_request))
 
     async def score(self, data_1: str | Sequence[str], data_2: str | Sequence[str], /, *,
-                    truncate_prompt_tokens: int | None = None,
-                    lora_request: LoRARequest | None = None) -> list[ScoringRequestOutput]:
+                    truncate_prompt_tokens: int | None = None, lora_request: LoRARequest | None = None,
+                    priority: int = 0) -> list[ScoringRequestOutput]:
         """The score of each pair, as LLM.score: data_1[i] with data_2[i], or one data_1 with
         every data_2; the cosine of two embeddings, or a cross-encoder's output over the pair."""
         firsts, seconds = score_pairs(data_1, data_2)
         params = PoolingParams(task="score")
 
         def pool(prompt: str | list[int]) -> PoolingStream:
-            return self.encode(prompt, params, lora_request=lora_request, truncate_prompt_tokens=truncate_prompt_tokens)
+            return self.encode(prompt, params, lora_request=lora_request, truncate_prompt_tokens=truncate_prompt_tokens,
+                               priority=priority)
 
         if scoring_mode(self.config.pooler) == "cosine":
             texts = distinct_texts(firsts, seconds)

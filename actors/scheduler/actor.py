@@ -17,6 +17,7 @@ from collections import OrderedDict, deque
 from actors.actor import Actor, ActorSpec
 from actors.config import SchedulerConfig
 from actors.executor import Executor
+from actors.scheduler.priority import make_scheduler
 from actors.scheduler.scheduler import Scheduler
 from actors.scheduler.step_timing import StepTimer
 from messages.detokenizer import StepOutputs, TrackRequest
@@ -52,10 +53,10 @@ class SchedulerActor(Actor):
     @classmethod
     def from_spec(cls, spec: ActorSpec, sockets: Sockets) -> SchedulerActor:
         engine = spec.engine
-        scheduler = Scheduler(engine.scheduler, engine.cache, spec.options["num_kv_blocks"],
-                              engine.model.eos_token_ids, max_loras=engine.lora.max_loras if engine.lora else 0,
-                              pooling_type=engine.pooler.pooling_type if engine.pooler else None,
-                              generates=engine.model.can_generate, speculative=engine.speculative)
+        scheduler = make_scheduler(engine.scheduler, engine.cache, spec.options["num_kv_blocks"],
+                                   engine.model.eos_token_ids, max_loras=engine.lora.max_loras if engine.lora else 0,
+                                   pooling_type=engine.pooler.pooling_type if engine.pooler else None,
+                                   generates=engine.model.can_generate, speculative=engine.speculative)
         executor = Executor(sockets, spec.addresses, engine.parallel.tensor_parallel_size)
         return cls(spec.name, spec.addresses, sockets, scheduler, engine.scheduler, executor)
 
@@ -93,7 +94,7 @@ class SchedulerActor(Actor):
         try:
             self.scheduler.add_request(request.request_id, request.prompt_token_ids, request.params,
                                        cache_salt=request.cache_salt, lora_request=request.lora_request,
-                                       pooling_params=request.pooling_params)
+                                       pooling_params=request.pooling_params, priority=request.priority)
         except ValueError as error:
             self.to_frontend.send(RequestRejected(request_id=request.request_id, message=str(error),
                                                   param=getattr(error, "param", None)))

@@ -74,6 +74,8 @@ class Sequence:
         self.pooling_params: PoolingParams | None = None  # a pooling request: prefill only, then pooled
         self.pools_every_token = False  # its pooling reads every prompt row (MEAN, CLS, ALL), not just the last
         self.times_overtaken = 0  # later sequences admitted while max_loras held it back
+        self.priority = 0  # lower is served first (the priority policy; 0 under FCFS)
+        self.arrival_order = 0  # the scheduler's count of requests added before this one
         self.sent_to_worker = False  # the worker holds state for seq_id
         self.num_cached_tokens = 0  # prompt tokens served from the prefix cache at first admission
         self.was_admitted = False

@@ -82,7 +82,7 @@ class Scheduler:
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                     cache_salt: str | None = None, lora_request: LoRARequest | None = None,
-                    pooling_params: PoolingParams | None = None) -> None:
+                    pooling_params: PoolingParams | None = None, priority: int = 0) -> None:
         """Queues a request; params.n > 1 makes n sequences that share the prompt's blocks.
         A cache_salt keeps its prefix-cache entries apart from those of other salts (or
         none), as a LoRA adapter does from other adapters' and the base model's. A pooling
@@ -99,6 +99,8 @@ class Scheduler:
             raise ValueError("this engine runs a generative model: pooling needs runner='pooling'")
         if pooling_params is None and not self.generates:
             raise ValueError("this engine runs a pooling model, which cannot generate text")
+        if priority:  # PriorityScheduler (priority.py) orders by it; FCFS would ignore it
+            raise ValueError(f"priority {priority} needs scheduling_policy 'priority' (this engine is FCFS)")
         adapter_id = lora_request.cache_key if lora_request is not None else None
         extra_hash_keys = ExtraHashKeys(adapter_id=adapter_id, cache_salt=cache_salt) \
             if cache_salt is not None or adapter_id is not None else None

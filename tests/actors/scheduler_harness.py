@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 
 from actors.config import CacheConfig, SchedulerConfig
 from actors.scheduler import Scheduler
+from actors.scheduler.priority import make_scheduler as build_scheduler
 from messages.common import SamplingParams
 from messages.scheduler import StepResult, TokenLogprobs
 from messages.worker import StepPlan
@@ -21,11 +22,11 @@ SAMPLED = 7  # the token the default FakeWorker samples
 
 def make_scheduler(num_blocks: int = 64, block_size: int = 4, max_num_batched_tokens: int = 64,
                    max_num_seqs: int = 8, max_model_len: int = 256,
-                   enable_prefix_caching: bool = True) -> Scheduler:
-    return Scheduler(SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-                                     max_model_len=max_model_len),
-                     CacheConfig(block_size=block_size, enable_prefix_caching=enable_prefix_caching),
-                     num_blocks=num_blocks, eos_token_ids=(EOS,))
+                   enable_prefix_caching: bool = True, scheduling_policy: str = "fcfs") -> Scheduler:
+    return build_scheduler(SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+                                           max_model_len=max_model_len, scheduling_policy=scheduling_policy),
+                           CacheConfig(block_size=block_size, enable_prefix_caching=enable_prefix_caching),
+                           num_blocks=num_blocks, eos_token_ids=(EOS,))
 
 
 def make_params(max_tokens: int | None = 4, ignore_eos: bool = True, **kwargs) -> SamplingParams:
