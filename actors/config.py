@@ -153,6 +153,8 @@ class EngineConfig:
     reasoning_parser: str | None = None  # "deepseek_r1" | "qwen3": output starts with <think>...</think>
     lora: LoRAConfig | None = None  # None: LoRA adapters off (enable_lora=False)
     pooler: PoolerConfig | None = None  # a pooling model (runner "pooling"): how it pools; None: it generates
+    otlp_traces_endpoint: str | None = None  # OTLP collector of request spans (actors/tracing.py); None: off
+    collect_detailed_traces: str | None = None  # "model" | "worker" | "all": prefill and decode times too
     extra: dict = field(default_factory=dict)
 
 

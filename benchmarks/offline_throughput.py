@@ -52,7 +52,7 @@ def run_troupe(args, prompts):
     from actors import LLM, SamplingParams
 
     llm = LLM(args.model, max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-              kv_cache_memory=args.kv_cache_memory, seed=0)
+              kv_cache_memory=args.kv_cache_memory, seed=0, otlp_traces_endpoint=args.otlp_traces_endpoint)
     params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
     llm.generate(prompts[:2], SamplingParams(temperature=0.0, max_tokens=4), use_tqdm=False)  # warm-up
 
@@ -164,6 +164,8 @@ def main() -> None:
     parser.add_argument("--floor-repeats", type=int, default=1, help="floor timings after each troupe run")
     parser.add_argument("--actors", action="store_true",
                         help="also run the workload through AsyncClient (the actor processes)")
+    parser.add_argument("--otlp-traces-endpoint", default=None, metavar="URL",
+                        help="export a span per request (the cost of tracing; a collector need not listen)")
     parser.add_argument("--quiet", action="store_true")
     args = parser.parse_args()
     torch.manual_seed(args.seed)
