@@ -160,6 +160,8 @@ class EngineConfig:
     lora: LoRAConfig | None = None  # None: LoRA adapters off (enable_lora=False)
     pooler: PoolerConfig | None = None  # a pooling model (runner "pooling"): how it pools; None: it generates
     speculative: SpeculativeConfig | None = None  # speculative decoding (--speculative-config); None: off
+    otlp_traces_endpoint: str | None = None  # OTLP collector of request spans (actors/tracing.py); None: off
+    collect_detailed_traces: str | None = None  # "model" | "worker" | "all": prefill and decode times too
     extra: dict = field(default_factory=dict)
 
 

@@ -28,6 +28,7 @@ from actors.pooling.engine import (CONVERTS, RUNNERS, TASKS, check_pooling_args,
                                   parse_hf_overrides, pooler_for)
 from actors.quantization import QUANTIZATION_METHODS, check_quantization
 from actors.spec_decode.config import check_engine_fit, parse_speculative_config
+from actors.tracing import DETAILED_TRACES, check_tracing_available
 from actors.worker.loader import load_model_config, resolve_model
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
@@ -155,6 +156,13 @@ class EngineArgs:
         None, "the model thinks between <think> and </think> first: the API splits that into reasoning_content, "
               "and a request's structured output constrains only what follows", choices=REASONING_PARSERS)
 
+    otlp_traces_endpoint: str | None = _arg(
+        None, "export a span per request to this OpenTelemetry collector (OTLP over gRPC, or HTTP/protobuf by "
+              "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL); needs troupe[tracing]", metavar="URL")
+    collect_detailed_traces: str | None = _arg(
+        None, "with --otlp-traces-endpoint: each span also gets the request's prefill and decode times",
+        choices=DETAILED_TRACES)
+
     enable_lora: bool = _arg(False, "serve LoRA adapters", group="lora")
     max_loras: int = _arg(1, "adapters a step may mix (each worker holds this many in its slots)", group="lora",
                           metavar="N")
@@ -255,6 +263,11 @@ class EngineArgs:
         if self.quantization not in (None, "none") + QUANTIZATION_METHODS:
             raise ValueError(f"quantization must be one of {', '.join(('none',) + QUANTIZATION_METHODS)}, "
                              f"got {self.quantization!r}")
+        if self.collect_detailed_traces is not None and self.collect_detailed_traces not in DETAILED_TRACES:
+            raise ValueError(f"collect_detailed_traces must be one of {', '.join(DETAILED_TRACES)}, got "
+                             f"{self.collect_detailed_traces!r}")
+        if self.otlp_traces_endpoint:
+            check_tracing_available()  # the packages are an extra: say so before anything starts
         parse_hf_overrides(self.hf_overrides)
         parse_speculative_config(self.speculative_config)
 
@@ -306,6 +319,7 @@ class EngineArgs:
             attention_backend=args.attention_backend, load_format=args.load_format, quantization=quantization,
             max_logprobs=args.max_logprobs,
             structured_outputs_backend=args.structured_outputs_backend, reasoning_parser=args.reasoning_parser,
+            otlp_traces_endpoint=args.otlp_traces_endpoint or None, collect_detailed_traces=args.collect_detailed_traces,
             lora=args._lora_config(),
             pooler=pooler, speculative=speculative)
 

@@ -29,6 +29,13 @@ class EngineCore:
                                         pooling_type=engine.pooler.pooling_type if engine.pooler else None,
                                         generates=engine.model.can_generate, speculative=engine.speculative)
         self.outputs = OutputProcessor(tokenizer)
+        self.traces = None  # request spans, with otlp_traces_endpoint
+        if engine.otlp_traces_endpoint:
+            from actors.tracing import EngineRequestTraces, RequestTracer
+
+            self.traces = EngineRequestTraces(RequestTracer(engine.otlp_traces_endpoint,
+                                                            engine.collect_detailed_traces is not None),
+                                              engine.model.model_path)
         self._accumulated: dict[str, RequestOutput] = {}  # request_id -> its output so far
         self._pooling_ids: set[str] = set()  # live pooling requests (the output processor never sees them)
         logger.info("KV cache: %d blocks of %d tokens", self.num_blocks, engine.cache.block_size)
@@ -45,9 +52,13 @@ class EngineCore:
             self._pooling_ids.add(request_id)
         else:
             self.outputs.add_request(request_id, prompt, prompt_token_ids, params)
+            if self.traces is not None:
+                self.traces.added(request_id, params, len(prompt_token_ids))
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
         self.scheduler.abort_request(request_id)
+        if self.traces is not None:
+            self.traces.finished(request_id)
         if request_id in self._pooling_ids:
             self._pooling_ids.discard(request_id)
             return None
@@ -71,6 +82,8 @@ class EngineCore:
         for stop in stops:
             self.scheduler.finish_sequence(stop.request_id, stop.index, "stop", stop.stop)
         for delta in deltas:
+            if self.traces is not None:
+                self.traces.delta(delta)
             whole = merge_delta(self._accumulated.get(delta.request_id), delta)
             if delta.finished:
                 self._accumulated.pop(delta.request_id, None)

@@ -14,10 +14,11 @@ from collections.abc import AsyncIterator, Callable
 from contextlib import aclosing
 
 from actors.errors import InvalidRequestError
+from actors.tracing import RequestTracer
 from api.errors import server_busy
-from api.metrics import RequestStats, ServerMetrics
+from api.metrics import RequestSpanInfo, RequestStats, ServerMetrics
 from api.responses import Usage
-from messages.common import RequestOutput
+from messages.common import RequestOutput, SamplingParams
 
 # How long a client turned away by back-pressure is told to wait.
 RETRY_AFTER_S = 1
@@ -47,7 +48,8 @@ class EngineRequests:
 
     def __init__(self, request_ids: list[str], streams: list[AsyncIterator[RequestOutput]], *, max_model_len: int,
                  max_tokens: int | None, metrics: ServerMetrics,
-                 on_close: Callable[[EngineRequests], None], n: int = 1) -> None:
+                 on_close: Callable[[EngineRequests], None], n: int = 1,
+                 tracing: tuple[RequestTracer, str, SamplingParams, dict[str, str] | None] | None = None) -> None:
         self.request_ids = request_ids  # the engine's ids, in prompt order
         self.num_requests = len(streams)
         self.usage = Usage()
@@ -57,6 +59,7 @@ class EngineRequests:
         self._n = n  # completions per engine request
         self._metrics = metrics
         self._on_close = on_close
+        self._tracing = tracing  # (tracer, model name, params, trace headers): a span per engine request
         # (prompt index, a delta | the error that ended the stream | None once it finished)
         self._queue: asyncio.Queue[tuple[int, RequestOutput | BaseException | None]] = asyncio.Queue()
         self._ready: deque[tuple[int, RequestOutput]] = deque()  # taken from the queue by start()
@@ -112,7 +115,11 @@ class EngineRequests:
         self._on_close(self)
 
     async def _pump(self, index: int, stream: AsyncIterator[RequestOutput]) -> None:
-        stats = RequestStats(self._metrics, self._n, self._max_tokens)
+        trace = None
+        if self._tracing is not None:
+            tracer, model, params, headers = self._tracing
+            trace = RequestSpanInfo(tracer, self.request_ids[index], model, params, headers)
+        stats = RequestStats(self._metrics, self._n, self._max_tokens, trace)
         try:
             async with aclosing(stream):
                 async for delta in stream:

@@ -23,13 +23,15 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.utils import floatToGoString
 
 from actors.config import EngineConfig
-from messages.common import RequestOutput
+from actors.tracing import RequestTrace, RequestTracer
+from messages.common import RequestOutput, SamplingParams
 from messages.frontend import HistogramSnapshot
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
@@ -225,13 +227,37 @@ class ServerMetrics:
         return generate_latest(self.registry)
 
 
+@dataclass(frozen=True)
+class RequestSpanInfo:
+    """With tracing on, one engine request's span: its tracer, ids and parameters."""
+
+    tracer: RequestTracer
+    request_id: str
+    model: str
+    params: SamplingParams
+    trace_headers: dict[str, str] | None  # the HTTP request's traceparent / tracestate
+
+    def record(self, stats: RequestStats, scheduled: float, first_token: float, last_token: float,
+               end: float) -> None:
+        params = self.params
+        self.tracer.record(RequestTrace(
+            request_id=self.request_id, model=self.model, max_tokens=params.max_tokens,
+            temperature=params.temperature, top_p=params.top_p, n=params.n,
+            num_prompt_tokens=stats.num_prompt_tokens,
+            num_completion_tokens=sum(stats.num_tokens_by_completion.values()), arrival=stats.arrival,
+            first_scheduled=scheduled, first_token=first_token, last_token=last_token, end=end),
+            self.trace_headers)
+
+
 class RequestStats:
     """One engine request's timeline as the API sees it (time.monotonic(), the clock of
     the scheduler's stamp too), observed into ServerMetrics as its deltas come: counters
     and token gaps at once, the per-request histograms when it ends."""
 
-    def __init__(self, metrics: ServerMetrics, n: int, max_tokens: int | None) -> None:
+    def __init__(self, metrics: ServerMetrics, n: int, max_tokens: int | None,
+                 trace: RequestSpanInfo | None = None) -> None:
         self._metrics = metrics
+        self._trace = trace  # with tracing on: what the request's span needs besides the timeline
         self._n = n
         self._max_tokens = max_tokens  # None: up to max_model_len
         self.arrival = time.monotonic()
@@ -306,3 +332,5 @@ class RequestStats:
         if max_tokens is None:
             max_tokens = max(metrics.max_model_len - self.num_prompt_tokens, 0)
         metrics.request_params_max_tokens.observe(max_tokens)
+        if self._trace is not None:
+            self._trace.record(self, scheduled, first_token, last_token, now)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -25,6 +25,7 @@ from actors.errors import EngineDeadError
 from actors.frontend import AsyncClient
 from actors.input_processor import InputProcessor
 from actors.pooling.config import class_labels
+from actors.tracing import RequestTracer, trace_headers_of
 from api.engine_requests import EngineRequests, RequestGate
 from api import structured_fields
 from api.fields import check_extra_fields
@@ -98,6 +99,10 @@ class ServingContext:
                              if pooler is not None and pooler.task == "classify" else [])
         structured_fields.warm_up()
         self.open_requests: set[EngineRequests] = set()  # what abort_all() ends
+        # a span per engine request (--otlp-traces-endpoint); shut down with the app
+        self.tracer = RequestTracer(client.config.otlp_traces_endpoint,
+                                    client.config.collect_detailed_traces is not None) \
+            if client.config.otlp_traces_endpoint else None
         # generation requests in flight, for GET /load; counted only with enable_server_load_tracking
         self.server_load = 0
 
@@ -155,9 +160,10 @@ class ServingContext:
             raise engine_unavailable(error) from error
 
     def open(self, request_ids: list[str], start: Callable[[str, int], AsyncIterator[RequestOutput]],
-             params: SamplingParams) -> EngineRequests:
+             params: SamplingParams, headers: Mapping[str, str] | None = None) -> EngineRequests:
         """Admits one engine request per id (503 past the waiting limit) and starts them:
-        start(request_id, index) returns the request's AsyncClient stream."""
+        start(request_id, index) returns the request's AsyncClient stream. headers: the HTTP
+        request's, where a traceparent makes the requests' spans children of the caller's."""
         self.check_health()
         self.gate.admit(len(request_ids))
         try:
@@ -165,9 +171,11 @@ class ServingContext:
         except BaseException:
             self.gate.release(len(request_ids))
             raise
+        tracing = None if self.tracer is None else (
+            self.tracer, self.model_name, params, trace_headers_of(headers) if headers is not None else None)
         requests = EngineRequests(request_ids, streams, max_model_len=self.max_model_len,
                                   max_tokens=params.max_tokens, metrics=self.metrics, on_close=self._closed,
-                                  n=params.n)
+                                  n=params.n, tracing=tracing)
         self.open_requests.add(requests)
         return requests
 

@@ -156,7 +156,7 @@ async def create_chat_completion(ctx: ServingContext, request: Request) -> Respo
         return beam_response(body.stream, whole, chunks)
     requests = ctx.open(engine_ids, lambda engine_id, _: ctx.client.chat(
         messages, params, request_id=engine_id, add_special_tokens=body.add_special_tokens, priority=body.priority,
-        cache_salt=body.cache_salt, **chat_kwargs), params)
+        cache_salt=body.cache_salt, **chat_kwargs), params, request.headers)
     return await respond(request, requests, body.stream,
                          lambda: _chunks(ctx, response_id, model, body, requests, reply),
                          lambda outputs: whole_response(outputs, ctx.usage(requests)))

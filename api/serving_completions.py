@@ -55,7 +55,7 @@ async def create_completion(ctx: ServingContext, request: Request) -> Response:
     requests = ctx.open(engine_ids, lambda engine_id, index: ctx.client.generate(
         ctx.engine_prompt(prompts[index], body.cache_salt), params, request_id=engine_id,
         add_special_tokens=body.add_special_tokens, priority=body.priority,
-        lora_request=lora_request), params)
+        lora_request=lora_request), params, request.headers)
     return await respond(request, requests, body.stream,
                          lambda: _chunks(ctx, response_id, model, body, requests, choices),
                          lambda outputs: whole_response(outputs, ctx.usage(requests)))

@@ -72,7 +72,7 @@ async def create_response(ctx: ServingContext, request: Request) -> Response:
     response_id = new_id("resp")
     _, engine_ids = ctx.request_ids(request, None, "resp", 1)
     requests = ctx.open(engine_ids, lambda engine_id, _: ctx.client.chat(
-        messages, params, request_id=engine_id, tools=tools, lora_request=lora_request), params)
+        messages, params, request_id=engine_id, tools=tools, lora_request=lora_request), params, request.headers)
     template = ResponseObject(
         id=response_id, model=model, status="in_progress", instructions=body.instructions,
         max_output_tokens=body.max_output_tokens, temperature=body.temperature, top_p=body.top_p,

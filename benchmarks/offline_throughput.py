@@ -53,7 +53,8 @@ def run_troupe(args, prompts):
     from actors.scheduler.speculation import acceptance_summary
 
     llm = LLM(args.model, max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-              kv_cache_memory=args.kv_cache_memory, seed=0, speculative_config=args.speculative_config)
+              kv_cache_memory=args.kv_cache_memory, seed=0, speculative_config=args.speculative_config,
+              otlp_traces_endpoint=args.otlp_traces_endpoint)
     params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
     llm.generate(prompts[:2], SamplingParams(temperature=0.0, max_tokens=4), use_tqdm=False)  # warm-up
 
@@ -173,6 +174,8 @@ def main() -> None:
     parser.add_argument("--speculative-config", default=None, metavar="JSON",
                         help="troupe with speculative decoding, e.g. '{\"method\": \"ngram\", "
                              "\"num_speculative_tokens\": 5}'")
+    parser.add_argument("--otlp-traces-endpoint", default=None, metavar="URL",
+                        help="export a span per request (the cost of tracing; a collector need not listen)")
     parser.add_argument("--quiet", action="store_true")
     args = parser.parse_args()
     torch.manual_seed(args.seed)
