@@ -12,6 +12,7 @@ from __future__ import annotations
 import msgspec
 
 from messages.common import Ping, SamplingParams, Shutdown
+from messages.control import WorkerControl
 from messages.lora import LoRARequest
 from messages.pooling import PoolingParams
 
@@ -52,4 +53,4 @@ class StepPlan(msgspec.Struct, array_like=True, frozen=True, gc=False, tag="plan
     finished_request_ids: list[str]  # drop their state (finished, aborted or preempted)
 
 
-WorkerInbox = StepPlan | Ping | Shutdown
+WorkerInbox = StepPlan | WorkerControl | Ping | Shutdown
