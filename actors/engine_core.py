@@ -36,6 +36,7 @@ class EngineCore:
             self.traces = EngineRequestTraces(RequestTracer(engine.otlp_traces_endpoint,
                                                             engine.collect_detailed_traces is not None),
                                               engine.model.model_path)
+        self.sleep_mode = None  # a SleepMode once asked to sleep (actors/worker/sleep_mode.py)
         self._accumulated: dict[str, RequestOutput] = {}  # request_id -> its output so far
         self._pooling_ids: set[str] = set()  # live pooling requests (the output processor never sees them)
         logger.info("KV cache: %d blocks of %d tokens", self.num_blocks, engine.cache.block_size)
@@ -46,6 +47,8 @@ class EngineCore:
                     priority: int = 0) -> None:
         """A generation request, or with pooling_params a pooling one (no text: the
         detokenizer never sees it)."""
+        if self.is_sleeping():
+            raise RuntimeError("the engine is asleep: call wake_up() before sending requests")
         self.scheduler.add_request(request_id, prompt_token_ids, params, cache_salt=cache_salt,
                                    lora_request=lora_request, pooling_params=pooling_params, priority=priority)
         if pooling_params is not None:
@@ -65,6 +68,31 @@ class EngineCore:
         delta = self.outputs.abort_request(request_id)
         accumulated = self._accumulated.pop(request_id, None)
         return merge_delta(accumulated, delta) if delta is not None else accumulated
+
+    def sleep(self, level: int = 1) -> None:
+        """Preempts every request (each resumes after wake_up, recomputed), forgets the
+        prefix cache and frees the runner's memory (actors/worker/sleep_mode.py)."""
+        from actors.scheduler.control import preempt_all
+        from actors.worker.sleep_mode import SleepMode
+
+        if level not in (1, 2):
+            raise ValueError(f"sleep level must be 1 or 2, got {level!r}")
+        preempt_all(self.scheduler)
+        self.scheduler.block_pool.reset_prefix_cache()
+        self.sleep_mode = self.sleep_mode or SleepMode(self.runner)
+        self.sleep_mode.sleep(level)
+
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        if self.sleep_mode is not None:
+            self.sleep_mode.wake_up(tags)
+
+    def is_sleeping(self) -> bool:
+        return self.sleep_mode is not None and bool(self.sleep_mode.asleep)
+
+    def reset_prefix_cache(self) -> bool:
+        from actors.scheduler.control import reset_prefix_cache
+
+        return reset_prefix_cache(self.scheduler)
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()

@@ -17,6 +17,7 @@ import zmq
 
 from messages.common import Shutdown
 from messages.transport import Outbox, Sockets, encode
+from messages.control import WorkerControl
 from messages.worker import StepPlan
 
 
@@ -27,8 +28,8 @@ class Executor:
         self.to_workers: list[Outbox] = [sockets.outbox(addresses[f"plans{rank}"], bind=True, blocking=True)
                                          for rank in range(num_workers)]
 
-    def submit(self, plan: StepPlan) -> None:
-        """Sends the plan to every rank, encoded once."""
+    def submit(self, plan: StepPlan | WorkerControl) -> None:
+        """Sends the plan (or an engine operation) to every rank, encoded once."""
         payload = encode(plan)
         for to_worker in self.to_workers:
             to_worker.send_bytes(payload)

@@ -1,12 +1,11 @@
 """The frontend: AsyncClient, in the caller's process and event loop.
 
-It starts the other actors as child processes (supervisor.py) and talks to them over
-ZeroMQ: AddRequest to the input processors, AbortRequest and GetStats to the scheduler;
-it receives RequestOutputs deltas from the detokenizer, RequestRejected from the input
-processors or the scheduler, and Stats. Each request gets an id and an output stream;
-giving up on a stream (breaking out of it, cancelling its task) aborts the request
-everywhere. When any actor process dies, every pending call raises EngineDeadError and
-new calls fail at once.
+It starts the other actors as child processes (supervisor.py) and talks to them over ZeroMQ: AddRequest to
+the input processors, AbortRequest, GetStats and EngineControl (sleep, wake, cache reset: engine_control.py)
+to the scheduler; it receives RequestOutputs deltas from the detokenizer, RequestRejected from the input
+processors or the scheduler, and Stats. Each request gets an id and an output stream; giving up on a stream
+(breaking out of it, cancelling its task) aborts the request everywhere. When any actor process dies, every
+pending call raises EngineDeadError and new calls fail at once.
 
     async with AsyncClient(model=path) as client:
         async for delta in client.generate("Hello", SamplingParams(max_tokens=16)):
@@ -29,6 +28,7 @@ from actors.beam_search import AsyncBeamSearch
 from actors.config import EngineConfig
 from actors.detokenizer import merge_delta
 from actors.engine_args import EngineArgs, takes_engine_args
+from actors.engine_control import EngineControlMixin
 from actors.lora.client import LoRAClientMixin
 from actors.pooling.client import PoolingClientMixin
 from actors.errors import EngineDeadError, InvalidRequestError
@@ -46,7 +46,7 @@ from messages.transport import Namespace, Sockets
 logger = logging.getLogger(__name__)
 
 Prompt = str | list[int]
-class AsyncClient(AsyncBeamSearch, LoRAClientMixin, PoolingClientMixin):
+class AsyncClient(AsyncBeamSearch, LoRAClientMixin, PoolingClientMixin, EngineControlMixin):
     """Starts and supervises a troupe engine; generate() streams RequestOutput deltas;
     beam_search() (actors/beam_search.py) returns a prompt's finished beams; add_lora()
     and the rest (actors/lora/client.py) manage LoRA adapters; encode() and embed()

@@ -20,6 +20,7 @@ from actors.prompts import PromptInput, per_prompt, prompt_list, split_prompt
 from actors.request_stream import broadcast_params
 from actors.worker.loader import load_tokenizer
 from messages.common import RequestOutput, SamplingParams
+from messages.control import check_wake_tags
 from messages.input_processor import ChatOptions
 from messages.lora import LoRARequest
 from messages.pooling import PoolingParams, PoolingRequestOutput
@@ -62,6 +63,28 @@ class LLM(LLMPoolingMixin):
         if self.engine is None:
             raise AttributeError("the scheduler runs in its own process when tensor_parallel_size > 1")
         return self.engine.scheduler
+
+    def sleep(self, level: int = 1) -> None:
+        """Frees the engine's memory until wake_up() (vLLM's sleep mode): level 1 drops the KV
+        cache and moves the weights to host memory, level 2 drops both (wake_up reloads
+        them). Requests cannot run meanwhile; greedy output after waking is unchanged."""
+        self._engine_call("sleep", level)
+
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        """Brings back what sleep() freed: "weights" and/or "kv_cache" (None: both)."""
+        self._engine_call("wake_up", check_wake_tags(tags))
+
+    def is_sleeping(self) -> bool:
+        return self._engine_call("is_sleeping")
+
+    def reset_prefix_cache(self) -> bool:
+        """Forgets the prefix cache; False (nothing changed) while requests hold KV blocks."""
+        return self._engine_call("reset_prefix_cache")
+
+    def _engine_call(self, name: str, *args):
+        if self.engine is not None:
+            return getattr(self.engine, name)(*args)
+        return self._remote._call(getattr(self._remote.client, name)(*args))
 
     def close(self) -> None:
         """Stops the engine's processes (tensor_parallel_size > 1); idempotent."""

@@ -38,6 +38,7 @@ from api.serving import ClientGone, ServerSettings, ServingContext, decode_json,
 from api.serving_chat import create_chat_completion
 from api.serving_responses import create_response, retrieve_response
 from api.serving_completions import create_completion
+from api import serving_ops
 from api.serving_models import list_models, load_lora_adapter, retrieve_model, unload_lora_adapter
 from api.serving_pooling import create_classification, create_embedding, create_pooling
 from api.serving_scores import create_rerank, create_score
@@ -182,6 +183,11 @@ def build_app(client: AsyncClient, settings: ServerSettings, models: ServedModel
     routes = list(ROUTES)
     if settings.enable_tokenizer_info_endpoint:  # off by default, as vLLM: it shows the server's tokenizer files
         routes.append(Route("/tokenizer_info", _with_context(tokenizer_info), methods=["GET"]))
+    if serving_ops.dev_mode():  # vLLM's development-mode routes: they free the engine's memory or drop its cache
+        routes += [Route("/sleep", _with_context(serving_ops.sleep), methods=["POST"]),
+                   Route("/wake_up", _with_context(serving_ops.wake_up), methods=["POST"]),
+                   Route("/is_sleeping", _with_context(serving_ops.is_sleeping), methods=["GET"]),
+                   Route("/reset_prefix_cache", _with_context(serving_ops.reset_prefix_cache), methods=["POST"])]
     if settings.allow_runtime_lora_updating and client.config.lora is not None:
         # as vLLM: the routes exist only when allowed, so an open server cannot be given new weights
         routes.append(Route("/v1/load_lora_adapter", _with_context(load_lora_adapter), methods=["POST"]))

@@ -6,6 +6,7 @@ from __future__ import annotations
 import msgspec
 
 from messages.common import Ping, SamplingParams, Shutdown
+from messages.control import EngineControl, WorkerControlDone
 from messages.lora import LoRARequest
 from messages.pooling import PooledData, PoolingParams
 
@@ -73,4 +74,5 @@ class GetStats(msgspec.Struct, array_like=True, frozen=True, tag="get_stats"):
     query_id: int
 
 
-SchedulerInbox = StepResult | TokenizedRequest | AbortRequest | FinishRequest | GetStats | Ping | Shutdown
+SchedulerInbox = (StepResult | TokenizedRequest | AbortRequest | FinishRequest | GetStats | EngineControl
+                  | WorkerControlDone | Ping | Shutdown)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import msgspec
 
 from messages.common import Ping, SamplingParams, Shutdown
+from messages.control import WorkerControl
 from messages.lora import LoRARequest
 from messages.pooling import PoolingParams
 
@@ -55,4 +56,4 @@ class StepPlan(msgspec.Struct, array_like=True, frozen=True, gc=False, tag="plan
     num_lookahead_tokens: dict[str, int] = msgspec.field(default_factory=dict)
 
 
-WorkerInbox = StepPlan | Ping | Shutdown
+WorkerInbox = StepPlan | WorkerControl | Ping | Shutdown

@@ -18,8 +18,10 @@ from actors.actor import Actor, ActorSpec
 from actors.config import SchedulerConfig
 from actors.executor import Executor
 from actors.scheduler.priority import make_scheduler
+from actors.scheduler.control import EngineControlState
 from actors.scheduler.scheduler import Scheduler
 from actors.scheduler.step_timing import StepTimer
+from messages.control import EngineControl, WorkerControlDone
 from messages.detokenizer import StepOutputs, TrackRequest
 from messages.frontend import PoolingOutputs, RequestRejected, Stats
 from messages.scheduler import (AbortRequest, FinishRequest, GetStats, SchedulerInbox, StepResult,
@@ -49,6 +51,7 @@ class SchedulerActor(Actor):
         self._early_aborts: OrderedDict[str, None] = OrderedDict()
         # Set when schedule() found nothing to do; any message may change that.
         self._nothing_to_schedule = False
+        self.control = EngineControlState(self)  # sleep, wake-up, prefix-cache reset
 
     @classmethod
     def from_spec(cls, spec: ActorSpec, sockets: Sockets) -> SchedulerActor:
@@ -83,6 +86,10 @@ class SchedulerActor(Actor):
                     self._remember_early_abort(request_id)
             case FinishRequest(request_id=request_id, index=index, stop=stop):
                 self.scheduler.finish_sequence(request_id, index, "stop", stop)
+            case EngineControl():
+                self.control.request(message)
+            case WorkerControlDone():
+                self.control.worker_done(message)
             case GetStats(query_id=query_id):
                 stats = {**self.scheduler.stats(), "num_plans_in_flight": len(self.plans_in_flight)}
                 self.to_frontend.send(Stats(query_id=query_id, stats=stats))
@@ -116,6 +123,7 @@ class SchedulerActor(Actor):
         pooled = self.scheduler.take_pooling_results()
         if pooled:
             self.to_frontend.send(PoolingOutputs(pooled))
+        self.control.progress()  # a sleep may have waited for this plan
 
     def _remember_early_abort(self, request_id: str) -> None:
         self._early_aborts[request_id] = None
@@ -125,7 +133,8 @@ class SchedulerActor(Actor):
     # ---- steps ----
 
     def has_work(self) -> bool:
-        if len(self.plans_in_flight) >= self.max_plans_in_flight or self._nothing_to_schedule:
+        if len(self.plans_in_flight) >= self.max_plans_in_flight or self._nothing_to_schedule \
+                or self.control.holds_steps:
             return False
         if not (self.scheduler.has_unfinished() or self.scheduler.has_pending_drops()):
             return False

@@ -1,15 +1,21 @@
 """The worker actor: one per device (one on the CPU).
 
-Receives StepPlans (from the scheduler's executor); rank 0 sends each plan's StepResult
-straight to the scheduler. Owns the model shard, the KV cache tensors and each request's state between
+Receives StepPlans and WorkerControls (sleep, wake-up) from the scheduler's executor; rank
+0 sends each plan's StepResult, and says when a WorkerControl is done, straight to the
+scheduler. Owns the model shard, the KV cache tensors and each request's state between
 steps (the ModelRunner). Reports its KV block count with its ready message: the launcher
 sizes the scheduler's block pool from it."""
 
 from __future__ import annotations
 
+import logging
+
 from actors.actor import Actor, ActorSpec
+from messages.control import WorkerControl, WorkerControlDone
 from messages.transport import Sockets
 from messages.worker import StepPlan, WorkerInbox
+
+logger = logging.getLogger(__name__)
 
 
 class WorkerActor(Actor):
@@ -23,6 +29,7 @@ class WorkerActor(Actor):
         self.runner = runner
         self.num_kv_blocks = num_kv_blocks
         self.to_scheduler = sockets.outbox(addresses["scheduler"]) if rank == 0 else None
+        self.sleep_mode = None  # a SleepMode once the engine has been asked to sleep
 
     @classmethod
     def from_spec(cls, spec: ActorSpec, sockets: Sockets) -> WorkerActor:
@@ -42,10 +49,31 @@ class WorkerActor(Actor):
         return {"num_kv_blocks": self.num_kv_blocks, "rank": self.rank,
                 "weight_bytes": self.runner.num_weight_bytes()}
 
-    def handle(self, message: StepPlan) -> None:
+    def handle(self, message: StepPlan | WorkerControl) -> None:
+        if isinstance(message, WorkerControl):
+            self._control(message)
+            return
         result = self.runner.execute(message)
         if message.num_scheduled_tokens and self.to_scheduler is not None:
             self.to_scheduler.send(result)
+
+    def _control(self, message: WorkerControl) -> None:
+        """Sleep or wake (actors/worker/sleep_mode.py); rank 0 answers the scheduler."""
+        from actors.worker.sleep_mode import SleepMode
+
+        if self.sleep_mode is None:
+            self.sleep_mode = SleepMode(self.runner)
+        error = None
+        try:
+            if message.op == "sleep":
+                self.sleep_mode.sleep(message.level)
+            else:
+                self.sleep_mode.wake_up(message.tags)
+        except Exception as failure:  # noqa: BLE001 - reported to the scheduler, which answers the caller
+            logger.exception("worker %s: %s failed", self.name, message.op)
+            error = f"{type(failure).__name__}: {failure}"
+        if self.to_scheduler is not None:
+            self.to_scheduler.send(WorkerControlDone(message.op, error))
 
 
 def _join_group(engine, parallel, init_method: str) -> None:

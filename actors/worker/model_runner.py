@@ -87,40 +87,21 @@ class ModelRunner:
         self.block_size = engine.cache.block_size
         self.backend = make_backend(attention_backend, self.device)
         self.parallel = parallel
+        self.engine = engine
+        self.load_format = load_format
         # a decoder (LlamaModel), or an encoder (BERT) that runs whole prompts through its own
         # forward and keeps no KV cache
         self.model: LlamaModel | None = None
         self.encoder: EncoderStep | None = None
         head_weights: dict[str, object] = {}  # a classifier's score weight, split off the decoder's
-        encoder_head = None  # BERT's classification head: its pooler and classifier, not a score weight
-        if engine.model.is_encoder:
-            classify = engine.pooler is not None and engine.pooler.task == "classify"
-            self.encoder = build_encoder(engine.model, self.dtype, self.device, load_format == "dummy", engine.seed,
-                                         classify, engine.quantization)
-            if classify:
-                encoder_head = BertClassifierHead(self.encoder.model.pooler, self.encoder.model.classifier)
-        else:
-            self.model = LlamaModel(engine.model, self.dtype, self.device, self.backend, parallel)
-            if load_format == "dummy":
-                self.model.init_dummy_weights(engine.seed)
-            else:
-                from actors.worker.loader import iter_weight_slices
-
-                self.model.load_weights((name, parallel.shard(name, weight_slice, engine.model))
-                                        for name, weight_slice in split_score_weight(
-                                            iter_weight_slices(engine.model.model_path), head_weights))
+        self.load_weights(head_weights)
+        # BERT's classification head: its pooler and classifier, not a score weight
+        encoder_head = BertClassifierHead(self.encoder.model.pooler, self.encoder.model.classifier) \
+            if self.encoder is not None and self.encoder.model.classifier is not None else None
         self.pooling: PoolingRunner | None = None if engine.pooler is None else pooling_runner(
             engine.pooler, engine.model.hidden_size, head_weights.get(SCORE_WEIGHT), load_format == "dummy",
             self.dtype, self.device, engine.seed, self.model.lm_head if self.model is not None else None,
             engine.tokenizer_path, head=encoder_head)
-        self.engine = engine
-        if self.encoder is None and self.backend.name == "cpu" and self.backend.native is not None \
-                and self.dtype == torch.float32:
-            # past this many rows sgemm beats the C++ linear, which depends on the CPU's vectors
-            self.backend.few_rows = tune_few_rows(self.backend.native, self.model.layers, MAX_FEW_ROWS)
-        # the whole-step fast path where there is one for this model and backend (the C++
-        # one-call step on the CPU); _forward picks it or model.forward step by step
-        self.model_step = CpuModelStep.build(self.model, self.backend) if self.encoder is None else None
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.sampler = Sampler(engine.model.eos_token_ids, engine.seed, sampling_processors(engine, parallel))
         self.requests: dict[str, CachedRequest] = {}
@@ -133,6 +114,41 @@ class ModelRunner:
             if engine.lora is not None else None
         if num_blocks is not None:
             self.allocate_kv_cache(num_blocks)
+
+    def load_weights(self, head_weights: dict[str, object] | None = None) -> None:
+        """Builds the model from its checkpoint (or dummy weights), and its fast step paths;
+        head_weights collects a classifier's score weight split off a decoder's."""
+        engine, parallel = self.engine, self.parallel
+        head_weights = {} if head_weights is None else head_weights
+        if engine.model.is_encoder:
+            classify = engine.pooler is not None and engine.pooler.task == "classify"
+            self.encoder = build_encoder(engine.model, self.dtype, self.device, self.load_format == "dummy",
+                                         engine.seed, classify, engine.quantization)
+        else:
+            self.model = LlamaModel(engine.model, self.dtype, self.device, self.backend, parallel)
+            if self.load_format == "dummy":
+                self.model.init_dummy_weights(engine.seed)
+            else:
+                from actors.worker.loader import iter_weight_slices
+
+                self.model.load_weights((name, parallel.shard(name, weight_slice, engine.model))
+                                        for name, weight_slice in split_score_weight(
+                                            iter_weight_slices(engine.model.model_path), head_weights))
+        if self.encoder is None and self.backend.name == "cpu" and self.backend.native is not None \
+                and self.dtype == torch.float32:
+            # past this many rows sgemm beats the C++ linear, which depends on the CPU's vectors
+            self.backend.few_rows = tune_few_rows(self.backend.native, self.model.layers, MAX_FEW_ROWS)
+        # the whole-step fast path where there is one for this model and backend (the C++
+        # one-call step on the CPU); _forward picks it or model.forward step by step
+        self.model_step = CpuModelStep.build(self.model, self.backend) if self.encoder is None else None
+
+    def drop_weights(self) -> None:
+        """Lets the model's weights go (sleep level 2); load_weights() brings them back."""
+        self.model_step = None
+        if self.encoder is not None:
+            self.encoder.model = None  # (the step object stays: it marks the runner as an encoder's)
+        else:
+            self.model = LlamaModel(self.engine.model, self.dtype, self.device, self.backend, self.parallel)
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
         m = self.engine.model
