@@ -36,6 +36,7 @@ DEVICES = ("auto", "cpu", "cuda")
 ATTENTION_BACKENDS = ("auto", "cpu", "torch", "triton")
 LOAD_FORMATS = ("auto", "dummy")
 SCHEDULING_POLICIES = ("fcfs", "priority")  # actors/scheduler/priority.py
+_MAY_BE_NONE = ("device", "reasoning_parser", "quantization", "collect_detailed_traces")
 # the grammar library behind structured outputs: "auto" is xgrammar (actors/structured_output)
 STRUCTURED_OUTPUTS_BACKENDS = ("auto", "xgrammar", "guidance")
 # how a reasoning model marks its thinking: <think>...</think> for both
@@ -243,12 +244,12 @@ class EngineArgs:
         if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
             raise ValueError(f"max_cpu_loras ({self.max_cpu_loras}) must be at least max_loras ({self.max_loras})")
         for name, allowed in (("dtype", DTYPES), ("device", DEVICES), ("attention_backend", ATTENTION_BACKENDS),
-                              ("scheduling_policy", SCHEDULING_POLICIES),
-                              ("load_format", LOAD_FORMATS),
+                              ("scheduling_policy", SCHEDULING_POLICIES), ("load_format", LOAD_FORMATS),
                               ("structured_outputs_backend", STRUCTURED_OUTPUTS_BACKENDS),
-                              ("reasoning_parser", REASONING_PARSERS)):
-            value = getattr(self, name)
-            if value not in allowed and not (name in ("device", "reasoning_parser") and value is None):
+                              ("reasoning_parser", REASONING_PARSERS), ("quantization", ("none",) + QUANTIZATION_METHODS),
+                              ("collect_detailed_traces", DETAILED_TRACES)):
+            value = getattr(self, name)  # (None: unset, where the field allows it)
+            if value not in allowed and not (name in _MAY_BE_NONE and value is None):
                 raise ValueError(f"{name} must be one of {', '.join(allowed)}, got {value!r}")
         fraction = self.gpu_memory_utilization
         if fraction is not None and (isinstance(fraction, bool) or not isinstance(fraction, (int, float))
@@ -260,12 +261,6 @@ class EngineArgs:
         if not 0 <= self.node_rank < self.nnodes:
             raise ValueError(f"node_rank must be in [0, {self.nnodes}), got {self.node_rank}")
         check_pooling_args(self.runner, self.convert, self.task, self.pooler_config)
-        if self.quantization not in (None, "none") + QUANTIZATION_METHODS:
-            raise ValueError(f"quantization must be one of {', '.join(('none',) + QUANTIZATION_METHODS)}, "
-                             f"got {self.quantization!r}")
-        if self.collect_detailed_traces is not None and self.collect_detailed_traces not in DETAILED_TRACES:
-            raise ValueError(f"collect_detailed_traces must be one of {', '.join(DETAILED_TRACES)}, got "
-                             f"{self.collect_detailed_traces!r}")
         if self.otlp_traces_endpoint:
             check_tracing_available()  # the packages are an extra: say so before anything starts
         parse_hf_overrides(self.hf_overrides)
