@@ -35,6 +35,7 @@ from actors.errors import EngineDeadError, InvalidRequestError
 from actors.prompts import PromptInput, per_prompt, split_prompt
 from actors.request_stream import LiveRequest, RequestStream, broadcast_params, check_params, rejection_error
 from actors.supervisor import EngineProcesses, engine_addresses
+from actors.tracing import ClientTracingMixin
 from messages.common import CompletionOutput, Ping, RequestOutput, SamplingParams
 from messages.frontend import (ActorFailed, FrontendInbox, HistogramSnapshot, PoolingOutputs, Pong, RequestOutputs,
                                RequestRejected, Stats)
@@ -46,7 +47,7 @@ from messages.transport import Namespace, Sockets
 logger = logging.getLogger(__name__)
 
 Prompt = str | list[int]
-class AsyncClient(AsyncBeamSearch, LoRAClientMixin, PoolingClientMixin, EngineControlMixin):
+class AsyncClient(AsyncBeamSearch, LoRAClientMixin, PoolingClientMixin, EngineControlMixin, ClientTracingMixin):
     """Starts and supervises a troupe engine; generate() streams RequestOutput deltas;
     beam_search() (actors/beam_search.py) returns a prompt's finished beams; add_lora()
     and the rest (actors/lora/client.py) manage LoRA adapters; encode() and embed()
@@ -211,15 +212,14 @@ class AsyncClient(AsyncBeamSearch, LoRAClientMixin, PoolingClientMixin, EngineCo
         are new since the last one; the last has finished=True. The request starts when
         the stream is first iterated (or awaited, which gives the whole output); leaving
         the stream early aborts it. prompt: text, token ids, or vLLM's dict prompt
-        ({"prompt": text} or {"prompt_token_ids": ids}, with an optional "cache_salt"); lora_request: the
-        adapter to run with (None: the base model)."""
+        ({"prompt": text} or {"prompt_token_ids": ids}, with an optional "cache_salt"); lora_request: the adapter."""
         # the worker is another process: logits processors travel pickled by reference
         params = check_params(sampling_params).with_pickled_processors()
         prompt, cache_salt = split_prompt(prompt)
         request = AddRequest(request_id=self._new_id(request_id), prompt=prompt, params=params,
                              arrival_time=time.time(), add_special_tokens=add_special_tokens, priority=priority,
                              cache_salt=cache_salt, lora_request=check_lora_request(lora_request))
-        return RequestStream(self._run(request, prompt if isinstance(prompt, str) else None))
+        return RequestStream(self._traced(self._run(request, prompt if isinstance(prompt, str) else None), request))
 
     def chat(self, messages: list[dict[str, Any]], sampling_params: SamplingParams | None = None,
              request_id: str | None = None, add_generation_prompt: bool = True, *,
@@ -239,7 +239,7 @@ class AsyncClient(AsyncBeamSearch, LoRAClientMixin, PoolingClientMixin, EngineCo
         request = AddRequest(request_id=self._new_id(request_id), messages=messages, chat=chat, params=params,
                              arrival_time=time.time(), add_special_tokens=add_special_tokens, priority=priority,
                              cache_salt=cache_salt, lora_request=check_lora_request(lora_request))
-        return RequestStream(self._run(request, None))
+        return RequestStream(self._traced(self._run(request, None), request))
 
     async def generate_batch(self, prompts: Sequence[PromptInput],
                              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,

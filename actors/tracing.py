@@ -196,6 +196,8 @@ class EngineRequestTraces:
         if live is None:
             return
         now = time.monotonic()
+        if delta.prompt_token_ids:
+            live["prompt"] = len(delta.prompt_token_ids)
         if delta.metrics is not None and delta.metrics.first_scheduled_time is not None:
             live["scheduled"] = delta.metrics.first_scheduled_time
         num_new = sum(len(completion.token_ids) for completion in delta.outputs)
@@ -219,3 +221,38 @@ class EngineRequestTraces:
             top_p=params.top_p, n=params.n, num_prompt_tokens=live["prompt"], num_completion_tokens=live["tokens"],
             arrival=live["arrival"], first_scheduled=scheduled, first_token=first, last_token=live["last"] or first,
             end=now))
+
+
+class ClientTracingMixin:
+    """AsyncClient's spans (with otlp_traces_endpoint): one per request it runs, for callers
+    that use it directly (and LLM with several devices, which runs one). The HTTP server
+    records its own spans, which carry its served model name and the caller's trace
+    context, and turns these off (records_spans = False)."""
+
+    records_spans = True
+    _request_tracer: RequestTracer | None = None
+
+    def _traced(self, deltas, request) -> object:  # (AsyncIterator[RequestOutput], AddRequest)
+        config = self.config
+        if not self.records_spans or config is None or not config.otlp_traces_endpoint:
+            return deltas
+        if self._request_tracer is None:
+            self._request_tracer = RequestTracer(config.otlp_traces_endpoint, config.collect_detailed_traces is not None)
+        traces = EngineRequestTraces(self._request_tracer, config.model.model_path)
+        return _observed(deltas, traces, request.request_id, request.params)
+
+
+async def _observed(deltas, traces: EngineRequestTraces, request_id: str, params):
+    """The deltas, unchanged, with the request's timeline recorded as they pass; its span
+    when it finishes, or when the caller leaves (an abort)."""
+    traces.added(request_id, params, 0)  # (its prompt's length comes with the first delta)
+    started = False
+    try:
+        async for delta in deltas:
+            started = True
+            traces.delta(delta)
+            yield delta
+    finally:
+        if started:  # a request refused before it ran has no span
+            traces.finished(request_id)
+        await deltas.aclose()

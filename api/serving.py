@@ -99,10 +99,12 @@ class ServingContext:
                              if pooler is not None and pooler.task == "classify" else [])
         structured_fields.warm_up()
         self.open_requests: set[EngineRequests] = set()  # what abort_all() ends
-        # a span per engine request (--otlp-traces-endpoint); shut down with the app
+        # a span per engine request (--otlp-traces-endpoint), recorded here (with the served name
+        # and the HTTP request's trace context) rather than by the client
         self.tracer = RequestTracer(client.config.otlp_traces_endpoint,
                                     client.config.collect_detailed_traces is not None) \
             if client.config.otlp_traces_endpoint else None
+        client.records_spans = False
         # generation requests in flight, for GET /load; counted only with enable_server_load_tracking
         self.server_load = 0
 

@@ -51,3 +51,29 @@ def test_tracing_without_the_packages_is_a_start_up_error(monkeypatch):
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *args: None)
     with pytest.raises(TracingUnavailableError, match=r"pip install 'troupe\[tracing\]'"):
         EngineArgs(otlp_traces_endpoint="http://127.0.0.1:4317").check()
+
+
+async def test_async_client_exports_a_span_per_request_including_an_abandoned_one(tiny_llama_dir, monkeypatch):
+    import asyncio
+
+    from actors import AsyncClient
+
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL", "http/protobuf")
+    monkeypatch.setenv("OTEL_BSP_SCHEDULE_DELAY", "100")
+    receiver = OTLPReceiver()
+    collector, endpoint = serve_http(receiver)
+    try:
+        async with asyncio.timeout(120):
+            async with AsyncClient(tiny_llama_dir, kv_cache_memory="16MiB", otlp_traces_endpoint=endpoint) as client:
+                whole = await client.generate("a b c", SamplingParams(max_tokens=5, ignore_eos=True))
+                stream = client.generate("d e", SamplingParams(max_tokens=50, ignore_eos=True))
+                async for _ in stream:
+                    break
+                await stream.aclose()  # left after the first delta: aborted, and still one span
+                spans = await asyncio.to_thread(receiver.wait_for, 2)
+    finally:
+        collector.shutdown()
+    assert len(spans) == 2
+    done = next(s for s in spans if s.attributes["gen_ai.request.max_tokens"] == 5)
+    assert done.attributes["gen_ai.usage.completion_tokens"] == len(whole.outputs[0].token_ids) == 5
+    assert done.attributes["gen_ai.usage.prompt_tokens"] == len(whole.prompt_token_ids)
