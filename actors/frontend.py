@@ -290,15 +290,7 @@ class AsyncClient(AsyncBeamSearch, LoRAClientMixin, PoolingClientMixin, EngineCo
     async def get_stats(self, timeout: float = 10.0) -> dict[str, float | HistogramSnapshot]:
         """The scheduler's counters: running and waiting requests, KV blocks held and free,
         prefix-cache hits, preemptions, and a histogram of tokens per step."""
-        self.check_health()
-        query_id = next(self._query_ids)
-        future = asyncio.get_running_loop().create_future()
-        self._stats_queries[query_id] = future
-        try:
-            self._to_scheduler.send(GetStats(query_id))
-            return await asyncio.wait_for(future, timeout)
-        finally:
-            self._stats_queries.pop(query_id, None)
+        return await self._query(GetStats, timeout)
 
     stats = get_stats  # the same, under a shorter name
 

@@ -21,6 +21,8 @@ import os
 from dataclasses import dataclass
 from typing import Literal
 
+from actors.json_flags import parse_json_object
+
 Task = Literal["embed", "classify"]
 POOLING_TYPES = ("LAST", "MEAN", "CLS", "ALL")
 ACTIVATIONS = ("softmax", "sigmoid", None)
@@ -97,12 +99,7 @@ def read_pooler_config(model_dir: str, task: Task, override: dict[str, object] |
 def parse_pooler_config_override(text: str) -> dict[str, object]:
     """The fields of a `--pooler-config` JSON object, e.g. '{"pooling_type": "MEAN",
     "normalize": false}', checked; ValueError naming any unknown key or bad value."""
-    try:
-        override = json.loads(text)
-    except json.JSONDecodeError as error:
-        raise ValueError(f"--pooler-config is not valid JSON: {error}") from None
-    if not isinstance(override, dict):
-        raise ValueError(f"--pooler-config must be a JSON object, got {text!r}")
+    override = parse_json_object(text, "--pooler-config")
     unknown = sorted(set(override) - set(_OVERRIDE_KEYS))
     if unknown:
         raise ValueError(f"--pooler-config: unknown key(s) {', '.join(unknown)} "

@@ -10,6 +10,7 @@ import dataclasses
 import json
 
 from actors.config import ModelConfig
+from actors.json_flags import parse_json_object
 from actors.pooling.config import PoolerConfig, parse_pooler_config_override, read_pooler_config
 from messages.common import SamplingParams
 
@@ -52,9 +53,7 @@ def parse_hf_overrides(hf_overrides: str | dict | None) -> dict[str, object]:
     """The checked hf_overrides (JSON text or a dict); ValueError naming what troupe does not run."""
     if hf_overrides is None:
         return {}
-    overrides = json.loads(hf_overrides) if isinstance(hf_overrides, str) else hf_overrides
-    if not isinstance(overrides, dict):
-        raise ValueError(f"hf_overrides must be a JSON object, got {hf_overrides!r}")
+    overrides = parse_json_object(hf_overrides, "hf_overrides")
     unknown = sorted(set(overrides) - set(HF_OVERRIDE_KEYS))
     if unknown:
         raise ValueError(f"hf_overrides: {', '.join(unknown)} not supported (supported: {', '.join(HF_OVERRIDE_KEYS)})")

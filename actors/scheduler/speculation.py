@@ -56,11 +56,6 @@ class DraftSlots:
         room = seq.max_num_tokens - seq.num_total_tokens - 1
         return max(0, min(self.num_speculative_tokens, budget - num_new_tokens, room))
 
-    @staticmethod
-    def lookahead(seq: Sequence, num_drafts: int) -> int:
-        """KV slots past this step's token: where the worker may already be, plus the drafts."""
-        return seq.num_drafts_in_flight + num_drafts
-
     def observe(self, num_draft_tokens: int, num_accepted: int) -> None:
         if num_draft_tokens <= 0:
             return

@@ -4,10 +4,10 @@ actor process can import it."""
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, fields
 from typing import Any
 
+from actors.json_flags import parse_json_object
 from messages.common import SamplingParams
 
 METHODS = ("ngram", "suffix", "draft_model")
@@ -96,13 +96,7 @@ def parse_speculative_config(value: str | dict[str, Any] | None) -> SpeculativeC
     Raises ValueError naming the offending field."""
     if value is None or value == "":
         return None
-    if isinstance(value, str):
-        try:
-            value = json.loads(value)
-        except json.JSONDecodeError as error:
-            raise ValueError(f"speculative_config: not valid JSON ({error})") from None
-    if not isinstance(value, dict):
-        raise ValueError(f"speculative_config must be a JSON object, got {type(value).__name__}")
+    value = parse_json_object(value, "speculative_config")
     unknown = sorted(set(value) - _KNOWN_KEYS)
     if unknown:
         raise ValueError(f"speculative_config: unknown field {', '.join(unknown)}")

@@ -240,7 +240,7 @@ class ModelRunner:
         drafts = self._propose(plan, scheduled)
         # 2. order the batch: decodes first, then prefill chunks (each by LoRA adapter)
         batch, lora = self._order_batch([(request, num_tokens + drafts.num_drafts(request))
-                                         for request, num_tokens in scheduled])
+                                         for request, num_tokens in scheduled] if drafts else scheduled)
         # 3. flat inputs and attention metadata
         input_ids, positions, attention = self._prepare_inputs(batch)
         # 4. rows that need logits: each sampling request's last token (every scored position

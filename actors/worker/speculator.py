@@ -155,6 +155,8 @@ class StepDrafts:
                    ) -> tuple[list[int], list[CachedRequest], list[int]]:
         """The rows and requests the sampler samples (the others), and the speculated
         requests' rows: every scored position, 1 + d each (their sample row is their last)."""
+        if not self.drafts:  # no speculation this step: the per-step path stays as it was
+            return sample_rows, samplers, []
         plain_rows, plain, spec_rows = [], [], []
         for row, request in zip(sample_rows, samplers):
             num_drafts = self.num_drafts(request)
