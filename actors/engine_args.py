@@ -15,13 +15,14 @@ Light to import: no torch (the API server process never loads it) and no transfo
 from __future__ import annotations
 
 import argparse
-import ctypes
 import dataclasses
 import inspect
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Literal
 
+from actors.cli_flags import CLI_GROUPS, add_flag, check_int, cuda_device_count, parse_size_flag
+from actors.cli_flags import cli_arg as _arg  # short: every field below is one
 from actors.config import (CacheConfig, EngineConfig, LoRAConfig, ParallelConfig, SchedulerConfig,
                            check_tensor_parallel_size, parse_size)
 from actors.pooling.engine import (CONVERTS, RUNNERS, TASKS, check_pooling_args, override_architecture,
@@ -56,46 +57,6 @@ PYTHON_BATCHED_TOKENS = 2048
 # benchmarks compare it with references; the server's: a GPU when there is one.
 PYTHON_DEVICE = "cpu"
 SERVER_DEVICE = "auto"
-
-# The --help sections of the engine flags: group name -> (title, description)
-CLI_GROUPS = {
-    "model": ("model", None),
-    "engine": ("engine", None),
-    "lora": ("LoRA adapters", "Serve fine-tunes of the model (PEFT adapters) beside it: a request names one "
-                              "(the API's model field, LLM.generate's lora_request)."),
-    "pooling": ("pooling models", "Run the model for embeddings or classification scores (LLM.embed, "
-                                  "LLM.classify, LLM.score, /v1/embeddings...) instead of generating text."),
-    "nodes": ("several machines",
-              "Node 0 serves HTTP and runs the first tensor-parallel ranks; every other node runs its share of the "
-              "ranks only, started with the same flags and its own --node-rank. They meet at --master-addr: "
-              "torch.distributed on --master-port, ZeroMQ over tcp on the ports just above it."),
-}
-
-
-@dataclass(frozen=True)
-class CliFlag:
-    """How a field appears on the command line: --field-name, or --[no-]field-name for a bool."""
-
-    help: str  # " (default: ...)" is appended unless the text has one
-    group: str = "engine"  # a CLI_GROUPS key
-    metavar: str | None = None
-    choices: tuple[str, ...] | None = None
-    parse: Callable[[str], Any] | None = None  # str -> value; None: the type of the default (str if None)
-    hidden_negations: tuple[str, ...] = ()  # older spellings of --no-field-name, kept working, not shown
-
-
-def _arg(default: Any, help: str, **flag: Any) -> Any:
-    """A dataclass field that is also a command-line flag (CliFlag's fields as keywords)."""
-    return field(default=default, metadata={"cli": CliFlag(help, **flag)})
-
-
-def parse_size_flag(text: str) -> int:
-    """parse_size for argparse: a usage error (exit 2) for a value that is no size."""
-    try:
-        return parse_size(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected bytes or a size like 512MiB or 2GiB, got {text!r}") from None
-
 
 @dataclass
 class EngineArgs:
@@ -215,7 +176,7 @@ class EngineArgs:
         groups = {name: parser.add_argument_group(title, description)
                   for name, (title, description) in CLI_GROUPS.items()}
         for spec in dataclasses.fields(EngineArgs):
-            _add_flag(groups[spec.metadata["cli"].group], spec)
+            add_flag(groups[spec.metadata["cli"].group], spec)
         return groups
 
     @classmethod
@@ -232,12 +193,12 @@ class EngineArgs:
         """The checks that need neither the model nor the device (ValueError naming the field):
         the launcher runs them on its flags before it starts anything."""
         for name in ("max_num_seqs", "block_size", "tensor_parallel_size", "nnodes"):
-            _check_int(name, getattr(self, name), minimum=1)
+            check_int(name, getattr(self, name), minimum=1)
         for name in ("max_num_batched_tokens", "num_kv_blocks", "max_cpu_loras"):
             if getattr(self, name) is not None:
-                _check_int(name, getattr(self, name), minimum=1)
-        _check_int("max_logprobs", self.max_logprobs, minimum=0)
-        _check_int("max_loras", self.max_loras, minimum=1)
+                check_int(name, getattr(self, name), minimum=1)
+        check_int("max_logprobs", self.max_logprobs, minimum=0)
+        check_int("max_loras", self.max_loras, minimum=1)
         if self.max_lora_rank not in LORA_RANKS:
             raise ValueError(f"max_lora_rank must be one of {', '.join(map(str, LORA_RANKS))}, got "
                              f"{self.max_lora_rank!r}")
@@ -348,29 +309,6 @@ class EngineArgs:
 _FIELD_NAMES = frozenset(spec.name for spec in dataclasses.fields(EngineArgs))
 
 
-def _check_int(name: str, value: Any, minimum: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        kind = "a positive integer" if minimum == 1 else "a non-negative integer"
-        raise ValueError(f"{name} must be {kind}, got {value!r}")
-
-
-def _add_flag(group: argparse._ArgumentGroup, spec: dataclasses.Field) -> None:
-    flag: CliFlag = spec.metadata["cli"]
-    name = "--" + spec.name.replace("_", "-")
-    if isinstance(spec.default, bool):
-        help_text = f"{flag.help} (default: {'on' if spec.default else 'off'})"
-        group.add_argument(name, action=argparse.BooleanOptionalAction, default=spec.default, help=help_text)
-        for negation in flag.hidden_negations:
-            group.add_argument(negation, dest=spec.name, action="store_false", help=argparse.SUPPRESS)
-        return
-    help_text = flag.help
-    if spec.default is not None and "(default:" not in help_text:
-        help_text += " (default: %(default)s)"
-    parse = flag.parse or (str if spec.default is None else type(spec.default))
-    group.add_argument(name, default=spec.default, type=parse, choices=flag.choices, metavar=flag.metavar,
-                       help=help_text)
-
-
 def takes_engine_args(init: Callable) -> Callable:
     """Decorates an __init__(self, model=None, ..., **engine_args): help() and inspect show
     EngineArgs's fields in place of **engine_args, keyword-only, with their defaults."""
@@ -381,17 +319,3 @@ def takes_engine_args(init: Callable) -> Callable:
               for spec in dataclasses.fields(EngineArgs) if spec.name not in signature.parameters]
     init.__signature__ = signature.replace(parameters=kept + engine)
     return init
-
-
-def cuda_device_count() -> int:
-    """The CUDA devices this process may use (CUDA_VISIBLE_DEVICES applies), asked of the
-    NVIDIA driver without importing torch; 0 without a driver. The worker decides the
-    device itself (torch.cuda); this only picks defaults and checks arguments early."""
-    try:
-        driver = ctypes.CDLL("libcuda.so.1")
-    except OSError:
-        return 0
-    count = ctypes.c_int(0)
-    if driver.cuInit(0) != 0 or driver.cuDeviceGetCount(ctypes.byref(count)) != 0:
-        return 0
-    return count.value

@@ -30,7 +30,8 @@ from collections.abc import Iterator
 import uvicorn
 import uvloop
 
-from actors.engine_args import EngineArgs, parse_size_flag
+from actors.cli_flags import parse_size_flag
+from actors.engine_args import EngineArgs
 from actors.errors import EngineStartupError
 from actors.frontend import AsyncClient
 from actors.launch_args import (add_lora_server_flags, add_openai_api_flags, add_openai_server_flags, bind_unix_socket,

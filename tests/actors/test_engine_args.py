@@ -18,7 +18,8 @@ import torch
 
 from actors import engine_args as engine_args_module
 from actors.config import parse_size
-from actors.engine_args import EngineArgs, cuda_device_count
+from actors.cli_flags import cuda_device_count
+from actors.engine_args import EngineArgs
 from actors.launch import build_parser, engine_args, parse_args
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
