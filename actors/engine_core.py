@@ -9,7 +9,9 @@ import logging
 from actors.config import EngineConfig
 from actors.detokenizer import OutputProcessor, merge_delta
 from actors.pooling.outputs import pooling_request_output
+from actors.scheduler.kv_tiers import make_kv_tiers
 from actors.scheduler.priority import make_scheduler
+from actors.worker.actor import host_tier_info
 from actors.worker.device_config import resolve_device
 from actors.worker.model_runner import build_model_runner
 from messages.common import RequestOutput, SamplingParams
@@ -27,7 +29,8 @@ class EngineCore:
         self.scheduler = make_scheduler(engine.scheduler, engine.cache, self.num_blocks, engine.model.eos_token_ids,
                                         max_loras=engine.lora.max_loras if engine.lora else 0,
                                         pooling_type=engine.pooler.pooling_type if engine.pooler else None,
-                                        generates=engine.model.can_generate, speculative=engine.speculative)
+                                        generates=engine.model.can_generate, speculative=engine.speculative,
+                                        kv_tiers=make_kv_tiers(engine.cache, **host_tier_info(self.runner)))
         self.outputs = OutputProcessor(tokenizer)
         self.traces = None  # request spans, with otlp_traces_endpoint
         if engine.otlp_traces_endpoint:

@@ -54,6 +54,11 @@ class StepPlan(msgspec.Struct, array_like=True, frozen=True, gc=False, tag="plan
     # request_id -> drafts the worker may verify after the step's one token (speculative
     # decoding: charged to the step's budget, KV slots reserved); absent: none
     num_lookahead_tokens: dict[str, int] = msgspec.field(default_factory=dict)
+    # the host KV tier (actors/scheduler/kv_tiers.py): block copies run at the step's start,
+    # before its forward, swap-outs (device block, host block) first, then swap-ins
+    # (host block, device block)
+    blocks_to_swap_out: list[tuple[int, int]] = msgspec.field(default_factory=list)
+    blocks_to_swap_in: list[tuple[int, int]] = msgspec.field(default_factory=list)
 
 
 WorkerInbox = StepPlan | WorkerControl | Ping | Shutdown

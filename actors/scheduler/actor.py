@@ -17,6 +17,7 @@ from collections import OrderedDict, deque
 from actors.actor import Actor, ActorSpec
 from actors.config import SchedulerConfig
 from actors.executor import Executor
+from actors.scheduler.kv_tiers import make_kv_tiers
 from actors.scheduler.priority import make_scheduler
 from actors.scheduler.control import EngineControlState
 from actors.scheduler.scheduler import Scheduler
@@ -59,7 +60,9 @@ class SchedulerActor(Actor):
         scheduler = make_scheduler(engine.scheduler, engine.cache, spec.options["num_kv_blocks"],
                                    engine.model.eos_token_ids, max_loras=engine.lora.max_loras if engine.lora else 0,
                                    pooling_type=engine.pooler.pooling_type if engine.pooler else None,
-                                   generates=engine.model.can_generate, speculative=engine.speculative)
+                                   generates=engine.model.can_generate, speculative=engine.speculative,
+                                   kv_tiers=make_kv_tiers(engine.cache, spec.options.get("num_host_kv_blocks", 0),
+                                                          spec.options.get("swap_is_cheaper", False)))
         executor = Executor(sockets, spec.addresses, engine.parallel.tensor_parallel_size)
         return cls(spec.name, spec.addresses, sockets, scheduler, engine.scheduler, executor)
 

@@ -26,7 +26,9 @@ def preempt_all(scheduler: Scheduler) -> int:
     """Preempts every running sequence (no plan may be in flight); the number preempted."""
     count = len(scheduler.running)
     while scheduler.running:
-        scheduler._preempt(scheduler.running.pop())  # newest first, so the waiting queue keeps their order
+        # newest first, so the waiting queue keeps their order; recomputed, never swapped:
+        # the device cache is about to go, and the swap-outs would run after it came back
+        scheduler._preempt(scheduler.running.pop(), recompute=True)
     return count
 
 
@@ -37,6 +39,8 @@ def reset_prefix_cache(scheduler: Scheduler) -> bool:
     if pool.num_free_blocks < pool.num_blocks:
         return False
     pool.reset_prefix_cache()
+    if scheduler.kv_tiers is not None:
+        scheduler.kv_tiers.host.reset_cache()
     return True
 
 

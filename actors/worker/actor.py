@@ -47,7 +47,7 @@ class WorkerActor(Actor):
 
     def ready_info(self) -> dict:
         return {"num_kv_blocks": self.num_kv_blocks, "rank": self.rank,
-                "weight_bytes": self.runner.num_weight_bytes()}
+                "weight_bytes": self.runner.num_weight_bytes(), **host_tier_info(self.runner)}
 
     def handle(self, message: StepPlan | WorkerControl) -> None:
         if isinstance(message, WorkerControl):
@@ -74,6 +74,16 @@ class WorkerActor(Actor):
             error = f"{type(failure).__name__}: {failure}"
         if self.to_scheduler is not None:
             self.to_scheduler.send(WorkerControlDone(message.op, error))
+
+
+def host_tier_info(runner) -> dict:
+    """The host KV tier's block count and swap-or-recompute rule, for the scheduler."""
+    from actors.worker.host_kv import swap_is_cheaper
+
+    if runner.host_kv is None:
+        return {"num_host_kv_blocks": 0, "swap_is_cheaper": False}
+    return {"num_host_kv_blocks": runner.host_kv.num_blocks,
+            "swap_is_cheaper": swap_is_cheaper(runner.engine, runner.num_weight_bytes(), runner.device, runner.parallel)}
 
 
 def _join_group(engine, parallel, init_method: str) -> None:
