@@ -9,7 +9,10 @@ import asyncio
 import pytest
 
 from actors import LLM, AsyncClient, SamplingParams
+from actors.engine_args import EngineArgs
+from actors.scheduler.kv_tiers import KVTiers
 from actors.worker.loader import load_model_config
+from messages.worker import StepPlan
 from tests.actors.test_llm_matches_hf import PROMPT_LENGTHS, hf_greedy, make_prompts
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
@@ -53,3 +56,112 @@ def test_swap_preemption_matches_hf_and_recompute(tiny_llama_dir, expected):
         assert_pools_back_to_start(stats)
     assert outputs["swap"] == hf_tokens
     assert outputs["recompute"] == hf_tokens
+
+
+async def test_swap_preemption_with_two_plans_in_flight_matches_hf(tiny_llama_dir, expected):
+    prompts, hf_tokens = expected
+    async with asyncio.timeout(180):
+        client = AsyncClient(tiny_llama_dir, **TINY_POOL, kv_offload_size=64 * block_bytes(tiny_llama_dir, 4),
+                             preemption_mode="swap", async_scheduling=True)
+        await client.start()
+        try:
+            async def run(ids):
+                return [t async for d in client.generate({"prompt_token_ids": ids}, GREEDY)
+                        for t in d.outputs[0].token_ids]
+
+            outputs = await asyncio.gather(*(run(ids) for ids in prompts))
+            stats = await client.get_stats()
+        finally:
+            await client.close()
+    assert outputs == hf_tokens
+    assert stats["num_preemptions_swap"] > 0 and stats["num_blocks_swapped_in"] > 0
+    assert_pools_back_to_start(stats)
+
+
+def test_a_full_host_tier_falls_back_to_recompute(tiny_llama_dir, expected):
+    prompts, hf_tokens = expected
+    # two host blocks: most preempted requests hold more, and are recomputed instead
+    llm = LLM(tiny_llama_dir, **TINY_POOL, kv_offload_size=2 * block_bytes(tiny_llama_dir, 4),
+              preemption_mode="swap")
+    assert [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)] == hf_tokens
+    stats = llm.scheduler.stats()
+    assert stats["num_total_host_blocks"] == 2
+    assert stats["num_preemptions"] > stats["num_preemptions_swap"]
+    assert_pools_back_to_start(stats)
+
+
+def test_evicted_prefix_is_loaded_back_from_the_host_tier(tiny_llama_dir):
+    """A 64-token prefix is pushed out of a 40-block device pool by other prompts; asked for
+    again it comes from the host tier (counted as cached), with the same output."""
+    prefix, *others = make_prompts(300, [64, 60, 60, 60], seed=7)
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    host = 64 * block_bytes(tiny_llama_dir, 4)
+    llm = LLM(tiny_llama_dir, block_size=4, num_kv_blocks=40, kv_offload_size=host)
+    first = llm.generate([prefix], params, use_tqdm=False)[0]
+    for ids in others:  # one at a time: each evicts the prefix's blocks some more
+        llm.generate([ids], params, use_tqdm=False)
+    assert llm.scheduler.stats()["num_spilled_blocks"] >= 15
+    again = llm.generate([prefix], params, use_tqdm=False)[0]
+    stats = llm.scheduler.stats()
+    assert again.outputs[0].token_ids == first.outputs[0].token_ids
+    assert again.num_cached_tokens == 60  # the 15 full blocks before the last token
+    assert stats["num_external_prefix_hit_tokens"] == 60 and stats["num_blocks_swapped_in"] == 15
+    assert stats["num_free_blocks"] == stats["num_total_blocks"]
+    assert stats["num_free_host_blocks"] == stats["num_total_host_blocks"]  # cached ones are evictable
+
+
+async def test_a_request_aborted_while_swapped_out_leaks_no_block(tiny_llama_dir):
+    prompts = make_prompts(300, [30, 31, 32, 33, 34, 35], seed=9)
+    long_params = SamplingParams(temperature=0.0, max_tokens=400, ignore_eos=True)
+    async with asyncio.timeout(180):
+        client = AsyncClient(tiny_llama_dir, max_num_batched_tokens=64, block_size=4, num_kv_blocks=60,
+                             kv_offload_size=200 * block_bytes(tiny_llama_dir, 4), preemption_mode="swap")
+        await client.start()
+        try:
+            async def run(ids):
+                async for _ in client.generate({"prompt_token_ids": ids}, long_params):
+                    pass
+
+            tasks = [asyncio.ensure_future(run(ids)) for ids in prompts]
+            while (await client.get_stats())["num_swapped"] == 0:
+                await asyncio.sleep(0.01)
+            for task in tasks:  # cancelling a stream aborts its request
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            while (stats := await client.get_stats())["num_running"] + stats["num_waiting"]:
+                await asyncio.sleep(0.01)
+        finally:
+            await client.close()
+    assert stats["num_preemptions_swap"] > 0
+    assert_pools_back_to_start(stats)
+
+
+# ---- the host pool's bookkeeping, and the flags ----
+
+def test_host_blocks_read_by_a_plan_are_not_reused_before_it_goes():
+    """A spill in the same plan as a host hit must not take the hit's block: the plan's
+    swap-outs run before its swap-ins and would overwrite it."""
+    tiers = KVTiers(num_host_blocks=2, block_size=4, preemption_mode=None, swap_is_cheaper=True)
+    tiers.spill(device_block_id=7, block_hash=b"a")
+    tiers.spill(device_block_id=8, block_hash=b"b")
+    assert tiers.host.find(b"a") is not None and tiers.host.num_free_blocks == 2
+    tiers.host.mark_read([tiers.host.find(b"a")])
+    tiers.spill(device_block_id=9, block_hash=b"c")  # evicts b, the only block not being read
+    assert tiers.host.find(b"a") is not None and tiers.host.find(b"b") is None
+    tiers.spill(device_block_id=10, block_hash=b"d")  # a is read and c is not: c goes
+    assert tiers.host.find(b"a") is not None and tiers.host.find(b"c") is None
+    plan = tiers.with_orders(StepPlan(0, [], [], {}, []))
+    assert [device for device, _ in plan.blocks_to_swap_out] == [7, 8, 9, 10]
+    assert tiers.host.num_free_blocks == 2 and tiers.stats()["num_spills_dropped"] == 0
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(swap_space=1, kv_offload_size="1GiB"), "give one of them"),
+    (dict(preemption_mode="swap"), "needs a host KV tier"),
+    (dict(swap_space=-1), "swap_space"),
+    (dict(kv_offload_size="lots"), "kv_offload_size"),
+    (dict(preemption_mode="drop"), "preemption_mode"),
+])
+def test_bad_tier_arguments_are_refused_by_name(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        EngineArgs(**kwargs).check()
