@@ -79,6 +79,7 @@ class CacheConfig:
     # "swap", "recompute" or None (by cost) for a preempted request's KV
     host_kv_bytes: int = 0
     preemption_mode: str | None = None
+    kv_offload_dir: str | None = None  # the disk tier below the host tier: a file per prefix block
 
 
 @dataclass(frozen=True)

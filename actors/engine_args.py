@@ -25,7 +25,7 @@ from actors.cli_flags import CLI_GROUPS, add_flag, check_int, cuda_device_count,
 from actors.cli_flags import cli_arg as _arg  # short: every field below is one
 from actors.config import (CacheConfig, EngineConfig, LoRAConfig, ParallelConfig, SchedulerConfig,
                            check_tensor_parallel_size, parse_size)
-from actors.kv_offload_args import host_kv_bytes
+from actors.kv_offload_args import check_kv_offload_dir, host_kv_bytes
 from actors.pooling.engine import (CONVERTS, RUNNERS, TASKS, check_pooling_args, override_architecture,
                                   parse_hf_overrides, pooler_for)
 from actors.quantization import QUANTIZATION_METHODS, check_quantization
@@ -102,6 +102,8 @@ class EngineArgs:
     preemption_mode: str | None = _arg(None, "a preempted request's KV: 'swap' to the host tier, 'recompute' "
                                        "(default: swap when cheaper and the host tier has room)",
                                        choices=PREEMPTION_MODES)
+    kv_offload_dir: str | None = _arg(None, "a directory for a third KV tier: prefix blocks as files, found "
+                                      "again by a restarted engine (needs the host tier)", metavar="DIR")
     enable_prefix_caching: bool = _arg(True, "reuse the KV cache of shared prompt prefixes",
                                        hidden_negations=("--no-prefix-caching",))  # troupe's first spelling
     attention_backend: str = _arg(
@@ -227,7 +229,9 @@ class EngineArgs:
                                      or not 0 < fraction <= 1):
             raise ValueError(f"gpu_memory_utilization must be a fraction in (0, 1], got {fraction!r}")
         parse_size(self.kv_cache_memory)
-        host_kv_bytes(self.swap_space, self.kv_offload_size, self.preemption_mode)
+        check_kv_offload_dir(self.kv_offload_dir, host_kv_bytes(self.swap_space, self.kv_offload_size,
+                                                                self.preemption_mode),
+                             self.enable_prefix_caching, self.tensor_parallel_size)
         if self.tensor_parallel_size % self.nnodes:
             raise ValueError(f"nnodes ({self.nnodes}) must divide tensor_parallel_size ({self.tensor_parallel_size})")
         if not 0 <= self.node_rank < self.nnodes:
@@ -274,7 +278,8 @@ class EngineArgs:
             cache=CacheConfig(block_size=args.block_size, kv_cache_memory=parse_size(args.kv_cache_memory),
                               num_kv_blocks=args.num_kv_blocks, enable_prefix_caching=args.enable_prefix_caching,
                               gpu_memory_utilization=args.gpu_memory_utilization, preemption_mode=args.preemption_mode,
-                              host_kv_bytes=host_kv_bytes(args.swap_space, args.kv_offload_size, args.preemption_mode)),
+                              host_kv_bytes=host_kv_bytes(args.swap_space, args.kv_offload_size, args.preemption_mode),
+                              kv_offload_dir=args.kv_offload_dir),
             scheduler=SchedulerConfig(max_num_seqs=args.max_num_seqs,
                                       max_num_batched_tokens=args.max_num_batched_tokens,
                                       max_model_len=max_model_len, async_scheduling=args.async_scheduling,

@@ -1,5 +1,5 @@
-"""The host KV tier's engine arguments (--swap-space, --kv-offload-size, --preemption-mode)
-checked and turned into the tier's size in bytes. Torch-free: the launcher checks them."""
+"""The KV tiers' engine arguments (--swap-space, --kv-offload-size, --preemption-mode,
+--kv-offload-dir) checked, and the host tier's size in bytes. Torch-free: the launcher checks them."""
 
 from __future__ import annotations
 
@@ -19,3 +19,19 @@ def host_kv_bytes(swap_space: float, kv_offload_size: int | str | None, preempti
     if preemption_mode == "swap" and not size:
         raise ValueError("preemption_mode 'swap' needs a host KV tier: set swap_space or kv_offload_size")
     return size
+
+
+def check_kv_offload_dir(directory: str | None, host_bytes: int, enable_prefix_caching: bool,
+                         tensor_parallel_size: int) -> None:
+    """ValueError naming kv_offload_dir when the disk tier cannot work with the other arguments."""
+    if directory is None:
+        return
+    if not directory:
+        raise ValueError("kv_offload_dir must be a directory path, got ''")
+    if not host_bytes:
+        raise ValueError("kv_offload_dir needs a host KV tier (blocks come back through it): set swap_space or "
+                         "kv_offload_size")
+    if not enable_prefix_caching:
+        raise ValueError("kv_offload_dir keeps prefix-cache blocks: it needs enable_prefix_caching")
+    if tensor_parallel_size != 1:
+        raise ValueError("kv_offload_dir: the disk tier runs with tensor_parallel_size 1 only")

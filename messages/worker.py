@@ -59,6 +59,11 @@ class StepPlan(msgspec.Struct, array_like=True, frozen=True, gc=False, tag="plan
     # (host block, device block)
     blocks_to_swap_out: list[tuple[int, int]] = msgspec.field(default_factory=list)
     blocks_to_swap_in: list[tuple[int, int]] = msgspec.field(default_factory=list)
+    # the disk tier: (device block, hash) to write to disk after the swap-outs (in the
+    # background), and (hash, host block) to read from disk before the swap-ins; rank 0
+    # answers a plan with loads even when it schedules no token (StepResult.failed_loads)
+    blocks_to_save: list[tuple[int, bytes]] = msgspec.field(default_factory=list)
+    blocks_to_load: list[tuple[bytes, int]] = msgspec.field(default_factory=list)
 
 
 WorkerInbox = StepPlan | WorkerControl | Ping | Shutdown

@@ -62,7 +62,8 @@ class SchedulerActor(Actor):
                                    pooling_type=engine.pooler.pooling_type if engine.pooler else None,
                                    generates=engine.model.can_generate, speculative=engine.speculative,
                                    kv_tiers=make_kv_tiers(engine.cache, spec.options.get("num_host_kv_blocks", 0),
-                                                          spec.options.get("swap_is_cheaper", False)))
+                                                          spec.options.get("swap_is_cheaper", False),
+                                                          spec.options.get("disk_block_hashes")))
         executor = Executor(sockets, spec.addresses, engine.parallel.tensor_parallel_size)
         return cls(spec.name, spec.addresses, sockets, scheduler, engine.scheduler, executor)
 
@@ -153,7 +154,7 @@ class SchedulerActor(Actor):
 
     def step(self) -> None:
         plan = self.scheduler.schedule()
-        if plan.num_scheduled_tokens:
+        if plan.num_scheduled_tokens or plan.blocks_to_load:  # (disk loads are answered too)
             self.plans_in_flight.append(plan)
             # a speculated decode computes its drafts too
             num_tokens = sum(plan.num_scheduled_tokens.values()) + sum(plan.num_lookahead_tokens.values())

@@ -73,6 +73,7 @@ class BlockPool:
         # called with (block id, hash) before a cached block is evicted for reuse: the host
         # tier spills it (actors/scheduler/kv_tiers.py); None: evicted blocks are lost
         self.on_evict: Callable[[int, BlockHash], None] | None = None
+        self.on_cache: Callable[[int, BlockHash], None] | None = None  # a block newly cached (the disk tier)
         self.num_prefix_query_tokens = 0  # tokens looked up in the prefix cache
         self.num_prefix_hit_tokens = 0  # of those, tokens served from the cache
 
@@ -154,6 +155,8 @@ class BlockPool:
             return
         self._block_hashes[block_id] = block_hash
         self._hash_to_block_id[block_hash] = block_id
+        if self.on_cache is not None:
+            self.on_cache(block_id, block_hash)
 
     def reset_prefix_cache(self) -> int:
         """Forgets every cached block no sequence holds (held ones stay cached until freed),

@@ -40,7 +40,7 @@ def reset_prefix_cache(scheduler: Scheduler) -> bool:
         return False
     pool.reset_prefix_cache()
     if scheduler.kv_tiers is not None:
-        scheduler.kv_tiers.host.reset_cache()
+        scheduler.kv_tiers.reset_cache()
     return True
 
 

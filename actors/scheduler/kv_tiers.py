@@ -141,7 +141,7 @@ class KVTiers:
     preemption, prefix spill, and their counters."""
 
     def __init__(self, num_host_blocks: int, block_size: int, preemption_mode: str | None,
-                 swap_is_cheaper: bool) -> None:
+                 swap_is_cheaper: bool, disk_block_hashes: list[BlockHash] | None = None) -> None:
         self.host = HostBlockPool(num_host_blocks)
         self.block_size = block_size
         self.preemption_mode = preemption_mode
@@ -156,10 +156,20 @@ class KVTiers:
         self.num_spills_dropped = 0  # evicted prefix blocks lost: the host tier was full
         self.num_external_query_tokens = 0  # tokens looked up in the host tier after a device miss
         self.num_external_hit_tokens = 0  # of those, tokens loaded from it
+        # the disk tier: hashes with a file (or one being written), None without the tier
+        self.disk_hashes: set[BlockHash] | None = set(disk_block_hashes) if disk_block_hashes is not None else None
+        self._save_orders: list[tuple[int, BlockHash]] = []  # (device block, hash)
+        self._load_orders: list[tuple[BlockHash, int]] = []  # (hash, host block)
+        self._loading: dict[BlockHash, int] = {}  # hash -> host block, loads whose result has not come
+        self.num_blocks_saved = 0
+        self.num_blocks_loaded = 0  # from disk into the host tier
+        self.num_failed_loads = 0  # files found missing, short, corrupt or stale at load time
 
     def attach(self, block_pool: BlockPool) -> None:
         """Spills the pool's evicted prefix blocks here."""
         block_pool.on_evict = self.spill
+        if self.disk_hashes is not None:
+            block_pool.on_cache = self.save
 
     # ---- swap preemption ----
 
@@ -205,7 +215,7 @@ class KVTiers:
             if start >= swapped.num_tokens:
                 return [], 0
             return swapped.host_block_ids[num_device_hit_blocks:], swapped.num_tokens - start
-        if not self.host.num_cached_blocks or not kv_cache_manager.reads_prefix_cache(seq):
+        if not (self.host.num_cached_blocks or self.disk_hashes) or not kv_cache_manager.reads_prefix_cache(seq):
             return [], 0
         max_hit_blocks = (seq.num_tokens - 1) // self.block_size
         host_block_ids = []
@@ -214,6 +224,9 @@ class KVTiers:
             if block_id is None:
                 break
             host_block_ids.append(block_id)
+        if self.disk_hashes and self._load_from_disk(seq.block_hashes[num_device_hit_blocks + len(host_block_ids):
+                                                                      max_hit_blocks]):
+            return [], -1  # wait: more of its prefix comes from disk into the host tier first
         # from now until the plan goes, a spill must not overwrite them (the plan's
         # swap-outs run before its swap-ins)
         self.host.mark_read(host_block_ids)
@@ -249,16 +262,66 @@ class KVTiers:
         self.num_spilled_blocks += 1
         self.num_blocks_swapped_out += 1
 
+    # ---- the disk tier ----
+
+    def save(self, device_block_id: int, block_hash: BlockHash) -> None:
+        """A block newly cached on the device: written to disk unless a file has it."""
+        if block_hash not in self.disk_hashes:
+            self.disk_hashes.add(block_hash)
+            self._save_orders.append((device_block_id, block_hash))
+            self.num_blocks_saved += 1
+
+    def _load_from_disk(self, block_hashes: list[BlockHash]) -> bool:
+        """Orders the leading hashes with a file loaded into host blocks; whether any of
+        them is (or was already) on its way. Nothing is loaded unless all fit: a host tier
+        too small for the prefix would otherwise evict what it loaded before."""
+        to_load, loading = [], False
+        for block_hash in block_hashes:
+            if block_hash in self._loading:
+                loading = True
+            elif block_hash in self.disk_hashes:
+                to_load.append(block_hash)
+            else:
+                break
+        host_block_ids = self.host.allocate(len(to_load)) if to_load else None
+        if host_block_ids is None:
+            return loading
+        for block_hash, host_block_id in zip(to_load, host_block_ids):
+            self._loading[block_hash] = host_block_id
+            self._load_orders.append((block_hash, host_block_id))
+        return True
+
+    def loaded(self, plan: StepPlan, failed_loads: list[int]) -> None:
+        """A plan's disk loads are done: the good blocks join the host cache; a failed one's
+        file is forgotten (the worker removed it) and its tokens are recomputed."""
+        failed = set(failed_loads)
+        for block_hash, host_block_id in plan.blocks_to_load:
+            del self._loading[block_hash]
+            if host_block_id in failed:
+                self.host.free([host_block_id])
+                self.disk_hashes.discard(block_hash)
+                self.num_failed_loads += 1
+            else:
+                self.host.cache(block_hash, host_block_id)
+                self.num_blocks_loaded += 1
+
     # ---- plans ----
 
     def with_orders(self, plan: StepPlan) -> StepPlan:
         """The plan with this step's copy orders; the host blocks it reads are reusable after."""
-        if self._swap_out_orders or self._swap_in_orders:
+        if self._swap_out_orders or self._swap_in_orders or self._save_orders or self._load_orders:
             plan = msgspec.structs.replace(plan, blocks_to_swap_out=self._swap_out_orders,
-                                           blocks_to_swap_in=self._swap_in_orders)
-            self._swap_out_orders, self._swap_in_orders = [], []
+                                           blocks_to_swap_in=self._swap_in_orders, blocks_to_save=self._save_orders,
+                                           blocks_to_load=self._load_orders)
+            self._swap_out_orders, self._swap_in_orders, self._save_orders, self._load_orders = [], [], [], []
         self.host.end_of_plan()
         return plan
+
+    def reset_cache(self) -> None:
+        """Forgets the spilled blocks and the disk tier's files (they are written again)."""
+        self.host.reset_cache()
+        if self.disk_hashes is not None:
+            self.disk_hashes.clear()
 
     def stats(self) -> dict[str, int]:
         return {
@@ -273,11 +336,17 @@ class KVTiers:
             "num_spills_dropped": self.num_spills_dropped,
             "num_external_prefix_query_tokens": self.num_external_query_tokens,
             "num_external_prefix_hit_tokens": self.num_external_hit_tokens,
+            **({"num_disk_blocks": len(self.disk_hashes), "num_blocks_saved_to_disk": self.num_blocks_saved,
+                "num_blocks_loaded_from_disk": self.num_blocks_loaded, "num_failed_disk_loads": self.num_failed_loads}
+               if self.disk_hashes is not None else {}),
         }
 
 
-def make_kv_tiers(cache_config, num_host_kv_blocks: int, swap_is_cheaper: bool) -> KVTiers | None:
-    """The host tier of an engine whose workers made num_host_blocks host blocks (None: none)."""
+def make_kv_tiers(cache_config, num_host_kv_blocks: int, swap_is_cheaper: bool,
+                  disk_block_hashes: list[BlockHash] | None = None) -> KVTiers | None:
+    """The tiers of an engine whose workers made num_host_kv_blocks host blocks (None: no
+    host tier) and found disk_block_hashes in the disk tier (None: no disk tier)."""
     if num_host_kv_blocks < 1:
         return None
-    return KVTiers(num_host_kv_blocks, cache_config.block_size, cache_config.preemption_mode, swap_is_cheaper)
+    return KVTiers(num_host_kv_blocks, cache_config.block_size, cache_config.preemption_mode, swap_is_cheaper,
+                   disk_block_hashes)

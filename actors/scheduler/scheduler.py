@@ -12,8 +12,8 @@ any time.
 Policy (as vLLM V1): running sequences first, in admission order (decodes and the rest
 of chunked prefills), then waiting ones first-come-first-served, under a token budget
 (max_num_batched_tokens) and a sequence cap (max_num_seqs). When a running sequence
-needs a block and none is free, the newest running sequence is preempted: its blocks
-are freed and it is recomputed later (prompt + output so far), prefix cache permitting.
+needs a block and none is free, the newest running one is preempted: its blocks are freed
+and it is recomputed later, or with a host KV tier swapped back in (kv_tiers.py).
 """
 
 from __future__ import annotations
@@ -122,8 +122,7 @@ class Scheduler:
         self._request_id_to_seq_ids[request_id] = [seq.seq_id for seq in sequences]
 
     def abort_request(self, request_id: str) -> None:
-        """Drops all of a request's sequences and their blocks. Unknown ids are ignored
-        (the request may have finished already)."""
+        """Drops all of a request's sequences and their blocks; unknown ids are ignored."""
         for seq_id in list(self._request_id_to_seq_ids.get(request_id, ())):
             seq = self.sequences.get(seq_id)
             if seq is not None:
@@ -131,8 +130,7 @@ class Scheduler:
 
     def finish_sequence(self, request_id: str, index: int, finish_reason: str,
                         stop_reason: int | str | None) -> None:
-        """Ends one completion the detokenizer found finished (a stop string matched).
-        Unknown or already finished completions are ignored."""
+        """Ends one completion the detokenizer found finished (a stop string); unknown ones are ignored."""
         seq_ids = self._request_id_to_seq_ids.get(request_id)
         if seq_ids is None or not 0 <= index < len(seq_ids):
             return
@@ -172,8 +170,8 @@ class Scheduler:
     # ---- one step ----
 
     def schedule(self) -> StepPlan:
-        """The next step's plan. Send it whenever it schedules tokens or lists ids to drop;
-        update() must later get its result (none comes for a plan that schedules nothing)."""
+        """The next step's plan. Send it when it schedules tokens, lists ids to drop or has
+        disk loads; update() must get the result of those that schedule tokens or load."""
         budget = self.max_num_batched_tokens
         new_requests: list[NewRequest] = []
         continuing_requests: list[ContinuingRequest] = []
@@ -270,6 +268,8 @@ class Scheduler:
         hit_block_ids, num_hit_tokens = self.kv_cache_manager.get_computed_blocks(seq)
         host_hits, num_host_tokens = self.kv_tiers.host_hits(seq, len(hit_block_ids), self.kv_cache_manager) \
             if self.kv_tiers is not None else ([], 0)
+        if num_host_tokens < 0:  # its prefix is on its way from the disk tier (kv_tiers.py)
+            return None
         num_new_tokens = min(seq.num_tokens - num_hit_tokens - num_host_tokens, budget)
         if not self.chunked_prefill and num_new_tokens < seq.num_tokens - num_hit_tokens - num_host_tokens:
             return None
@@ -288,8 +288,7 @@ class Scheduler:
         return num_new_tokens
 
     def _preempt(self, seq: Sequence, recompute: bool = False) -> None:
-        """Frees a running sequence (already out of self.running) to recompute it later, or
-        to swap it back in from the host tier (kv_tiers.py), as its rule says."""
+        """Frees a running sequence (out of self.running): recomputed later, or swapped (kv_tiers.py)."""
         if self.kv_tiers is not None and not recompute:
             self.kv_tiers.swap_out(seq)
         self._release_blocks(seq)
@@ -328,6 +327,8 @@ class Scheduler:
         """Applies one step's result: computed tokens, sampled tokens, finished sequences.
         One NewTokens per sequence that gained tokens, prompt logprobs or finished.
         Raises ValueError when the result does not answer the plan."""
+        if plan.blocks_to_load:
+            self.kv_tiers.loaded(plan, result.failed_loads)
         if not plan.num_scheduled_tokens:
             return []
         scheduled = self._in_flight.get(plan.step_id)

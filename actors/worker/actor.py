@@ -13,6 +13,7 @@ import logging
 from actors.actor import Actor, ActorSpec
 from messages.control import WorkerControl, WorkerControlDone
 from messages.transport import Sockets
+from actors.worker.host_kv import with_failed_loads
 from messages.worker import StepPlan, WorkerInbox
 
 logger = logging.getLogger(__name__)
@@ -54,8 +55,14 @@ class WorkerActor(Actor):
             self._control(message)
             return
         result = self.runner.execute(message)
-        if message.num_scheduled_tokens and self.to_scheduler is not None:
+        if message.blocks_to_load:  # answered even without tokens: the scheduler waits for the loads
+            result = with_failed_loads(result, self.runner.failed_loads)
+        if (message.num_scheduled_tokens or message.blocks_to_load) and self.to_scheduler is not None:
             self.to_scheduler.send(result)
+
+    def close(self) -> None:
+        if getattr(self.runner, "host_kv", None) is not None:
+            self.runner.host_kv.close()  # the disk tier's writes finish
 
     def _control(self, message: WorkerControl) -> None:
         """Sleep or wake (actors/worker/sleep_mode.py); rank 0 answers the scheduler."""
@@ -77,13 +84,16 @@ class WorkerActor(Actor):
 
 
 def host_tier_info(runner) -> dict:
-    """The host KV tier's block count and swap-or-recompute rule, for the scheduler."""
+    """The host KV tier's block count, swap-or-recompute rule and the disk tier's blocks, for
+    the scheduler."""
     from actors.worker.host_kv import swap_is_cheaper
 
     if runner.host_kv is None:
         return {"num_host_kv_blocks": 0, "swap_is_cheaper": False}
+    disk = runner.host_kv.disk
     return {"num_host_kv_blocks": runner.host_kv.num_blocks,
-            "swap_is_cheaper": swap_is_cheaper(runner.engine, runner.num_weight_bytes(), runner.device, runner.parallel)}
+            "swap_is_cheaper": swap_is_cheaper(runner.engine, runner.num_weight_bytes(), runner.device, runner.parallel),
+            "disk_block_hashes": disk.scan() if disk is not None else None}
 
 
 def _join_group(engine, parallel, init_method: str) -> None:

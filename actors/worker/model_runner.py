@@ -234,7 +234,7 @@ class ModelRunner:
     def execute(self, plan: StepPlan) -> StepResult:
         self.update_states(plan)
         if self.host_kv is not None:  # the plan's copies between the KV tiers, before its forward
-            self.host_kv.apply(plan.blocks_to_swap_out, plan.blocks_to_swap_in)
+            self.failed_loads = self.host_kv.run(plan)  # (the caller adds them to the result)
         if not plan.num_scheduled_tokens:
             return StepResult(step_id=plan.step_id, request_ids=[], sampled_token_ids=[])
         scheduled = [(self.requests[request_id], num_tokens)

@@ -5,12 +5,15 @@ greedy output against Hugging Face, the tiers' counters, and no leaked block in 
 from __future__ import annotations
 
 import asyncio
+import hashlib
 
+import msgspec
 import pytest
 
 from actors import LLM, AsyncClient, SamplingParams
 from actors.engine_args import EngineArgs
 from actors.scheduler.kv_tiers import KVTiers
+from actors.worker.disk_kv import MAGIC
 from actors.worker.loader import load_model_config
 from messages.worker import StepPlan
 from tests.actors.test_llm_matches_hf import PROMPT_LENGTHS, hf_greedy, make_prompts
@@ -136,6 +139,87 @@ async def test_a_request_aborted_while_swapped_out_leaks_no_block(tiny_llama_dir
     assert_pools_back_to_start(stats)
 
 
+# ---- the disk tier ----
+
+SHORT_GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+
+
+def disk_tier_args(model_dir: str, directory) -> dict:
+    """A 40-block device pool, a 64-block host tier and the disk tier in directory."""
+    return dict(block_size=4, num_kv_blocks=40, kv_offload_size=64 * block_bytes(model_dir, 4),
+                kv_offload_dir=str(directory))
+
+def test_a_restarted_engine_loads_the_prefix_from_the_disk_tier(tiny_llama_dir, tmp_path):
+    prompt = make_prompts(300, [64], seed=11)[0]
+    params, engine_args = SHORT_GREEDY, disk_tier_args(tiny_llama_dir, tmp_path)
+    with LLM(tiny_llama_dir, **engine_args) as llm:
+        first = llm.generate([prompt], params, use_tqdm=False)[0]
+        assert llm.scheduler.stats()["num_blocks_saved_to_disk"] >= 16  # the prompt's, then the output's
+    assert len(list(tmp_path.glob("*.kv"))) >= 16
+    with LLM(tiny_llama_dir, **engine_args) as llm:
+        again = llm.generate([prompt], params, use_tqdm=False)[0]
+        stats = llm.scheduler.stats()
+    assert again.outputs[0].token_ids == first.outputs[0].token_ids
+    assert again.num_cached_tokens == 60 and stats["num_blocks_loaded_from_disk"] == 15
+    assert stats["num_failed_disk_loads"] == 0 and stats["num_external_prefix_hit_tokens"] == 60
+    assert stats["num_free_blocks"] == stats["num_total_blocks"]
+    assert stats["num_free_host_blocks"] == stats["num_total_host_blocks"]
+
+
+async def test_a_restarted_actor_engine_loads_the_prefix_from_the_disk_tier(tiny_llama_dir, tmp_path):
+    """Through real processes: the worker scans the files at start-up, the scheduler waits for
+    a plan that only loads (answered without tokens), and the worker's writes finish at shutdown."""
+    prompt = make_prompts(300, [64], seed=13)[0]
+    params, engine_args = SHORT_GREEDY, disk_tier_args(tiny_llama_dir, tmp_path)
+    results = []
+    async with asyncio.timeout(180):
+        for _ in range(2):
+            async with AsyncClient(tiny_llama_dir, **engine_args) as client:
+                deltas = [d async for d in client.generate({"prompt_token_ids": prompt}, params)]
+                results.append(([t for d in deltas for t in d.outputs[0].token_ids], deltas[-1].num_cached_tokens,
+                                await client.get_stats()))
+    (first, _, _), (again, cached, stats) = results
+    assert again == first and cached == 60
+    assert stats["num_blocks_loaded_from_disk"] == 15 and stats["num_free_host_blocks"] == stats["num_total_host_blocks"]
+
+
+def test_corrupt_short_and_stale_disk_files_are_never_used(tiny_llama_dir, tmp_path):
+    """Block 5's payload is corrupted and block 9's file cut short: the first 5 blocks come
+    from disk, the rest of the prompt is recomputed, and the output does not change; a file
+    of another model is removed at start-up."""
+    prompt = make_prompts(300, [64], seed=12)[0]
+    params, engine_args = SHORT_GREEDY, disk_tier_args(tiny_llama_dir, tmp_path)
+    with LLM(tiny_llama_dir, **engine_args) as llm:
+        first = llm.generate([prompt], params, use_tqdm=False)[0]
+        hashes = llm.scheduler.kv_cache_manager._full_block_hashes(_sequence_of(prompt))
+    corrupt, short = (tmp_path / (hashes[i].hex() + ".kv") for i in (5, 9))
+    data = bytearray(corrupt.read_bytes())
+    data[-7] ^= 0xFF
+    corrupt.write_bytes(bytes(data))
+    short.write_bytes(short.read_bytes()[:-100])
+    stale = tmp_path / ("ab" * 32 + ".kv")
+    other_model = {"model": "/elsewhere", "dtype": "float32", "layers": 2, "kv_heads": 2, "head_dim": 8,
+                   "block_size": 4}
+    header = msgspec.msgpack.encode({"fingerprint": other_model, "length": 0, "sha256": hashlib.sha256().hexdigest()})
+    stale.write_bytes(MAGIC + len(header).to_bytes(4, "little") + header)
+    with LLM(tiny_llama_dir, **engine_args) as llm:
+        assert not stale.exists()
+        again = llm.generate([prompt], params, use_tqdm=False)[0]
+        stats = llm.scheduler.stats()
+    assert again.outputs[0].token_ids == first.outputs[0].token_ids
+    assert again.num_cached_tokens == 5 * 4
+    assert stats["num_failed_disk_loads"] == 2
+    assert stats["num_free_blocks"] == stats["num_total_blocks"]
+    assert stats["num_free_host_blocks"] == stats["num_total_host_blocks"]
+
+
+def _sequence_of(prompt: list[int]):
+    """A scheduler Sequence of the prompt alone, for its block hashes."""
+    from actors.scheduler.request import Sequence
+
+    return Sequence("probe", "probe", 0, prompt, SamplingParams(max_tokens=1), 1000)
+
+
 # ---- the host pool's bookkeeping, and the flags ----
 
 def test_host_blocks_read_by_a_plan_are_not_reused_before_it_goes():
@@ -161,6 +245,8 @@ def test_host_blocks_read_by_a_plan_are_not_reused_before_it_goes():
     (dict(swap_space=-1), "swap_space"),
     (dict(kv_offload_size="lots"), "kv_offload_size"),
     (dict(preemption_mode="drop"), "preemption_mode"),
+    (dict(kv_offload_dir="/tmp/kv"), "needs a host KV tier"),
+    (dict(kv_offload_dir="/tmp/kv", swap_space=1, enable_prefix_caching=False), "enable_prefix_caching"),
 ])
 def test_bad_tier_arguments_are_refused_by_name(kwargs, message):
     with pytest.raises(ValueError, match=message):
