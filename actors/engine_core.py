@@ -99,7 +99,10 @@ class EngineCore:
         return reset_prefix_cache(self.scheduler)
 
     def close(self) -> None:
-        """Lets the disk tier's writes finish."""
+        """Sends the disk tier's last saves (the last result's blocks) and lets the writes finish."""
+        tiers = self.scheduler.kv_tiers
+        if tiers is not None and tiers.has_orders():
+            self.step()
         if self.runner.host_kv is not None:
             self.runner.host_kv.close()
 

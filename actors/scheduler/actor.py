@@ -140,7 +140,9 @@ class SchedulerActor(Actor):
         if len(self.plans_in_flight) >= self.max_plans_in_flight or self._nothing_to_schedule \
                 or self.control.holds_steps:
             return False
-        if not (self.scheduler.has_unfinished() or self.scheduler.has_pending_drops()):
+        tiers = self.scheduler.kv_tiers  # the disk tier's saves of the last result's blocks
+        if not (self.scheduler.has_unfinished() or self.scheduler.has_pending_drops()
+                or (tiers is not None and tiers.has_orders())):
             return False
         return not self.plans_in_flight or self.step_timer.dispatch_delay(time.monotonic()) <= 0
 
@@ -160,7 +162,7 @@ class SchedulerActor(Actor):
             num_tokens = sum(plan.num_scheduled_tokens.values()) + sum(plan.num_lookahead_tokens.values())
             self.step_timer.sent(plan.step_id, num_tokens, time.monotonic())
             self.executor.submit(plan)
-        elif plan.finished_request_ids:
-            self.executor.submit(plan)  # only drops worker state: no result comes back
+        elif plan.finished_request_ids or plan.blocks_to_save:
+            self.executor.submit(plan)  # only drops worker state or saves blocks: no result comes back
         else:
             self._nothing_to_schedule = True

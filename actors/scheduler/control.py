@@ -23,8 +23,11 @@ if TYPE_CHECKING:
 
 
 def preempt_all(scheduler: Scheduler) -> int:
-    """Preempts every running sequence (no plan may be in flight); the number preempted."""
+    """Preempts every running sequence before a sleep (no plan may be in flight); the number
+    preempted. The disk tier's unsent saves are dropped: they would read the KV cache after it."""
     count = len(scheduler.running)
+    if scheduler.kv_tiers is not None:
+        scheduler.kv_tiers.drop_saves()
     while scheduler.running:
         # newest first, so the waiting queue keeps their order; recomputed, never swapped:
         # the device cache is about to go, and the swap-outs would run after it came back

@@ -307,6 +307,10 @@ class KVTiers:
 
     # ---- plans ----
 
+    def has_orders(self) -> bool:
+        """Whether copies wait for the next plan (disk saves may come when nothing else does)."""
+        return bool(self._swap_out_orders or self._swap_in_orders or self._save_orders or self._load_orders)
+
     def with_orders(self, plan: StepPlan) -> StepPlan:
         """The plan with this step's copy orders; the host blocks it reads are reusable after."""
         if self._swap_out_orders or self._swap_in_orders or self._save_orders or self._load_orders:
@@ -320,8 +324,15 @@ class KVTiers:
     def reset_cache(self) -> None:
         """Forgets the spilled blocks and the disk tier's files (they are written again)."""
         self.host.reset_cache()
+        self.drop_saves()
         if self.disk_hashes is not None:
             self.disk_hashes.clear()
+
+    def drop_saves(self) -> None:
+        """Forgets the disk saves not sent yet: the device cache they read is about to go."""
+        for _, block_hash in self._save_orders:
+            self.disk_hashes.discard(block_hash)
+        self._save_orders = []
 
     def stats(self) -> dict[str, int]:
         return {
