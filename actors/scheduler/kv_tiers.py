@@ -91,14 +91,15 @@ class HostBlockPool:
         block_ids = []
         while len(block_ids) < num_blocks and self._free:
             block_ids.append(self._free.popleft())
-        if len(block_ids) < num_blocks:
-            for block_hash, block_id in list(self._cached.items()):
-                if block_id in self._read_this_plan:
-                    continue
-                del self._cached[block_hash], self._hash_of[block_id]
-                block_ids.append(block_id)
-                if len(block_ids) == num_blocks:
-                    break
+        evicted = []  # the oldest first; the scan stops as soon as there are enough
+        for block_hash, block_id in self._cached.items():
+            if len(block_ids) + len(evicted) == num_blocks:
+                break
+            if block_id not in self._read_this_plan:
+                evicted.append(block_hash)
+        for block_hash in evicted:
+            block_ids.append(self._cached.pop(block_hash))
+            del self._hash_of[block_ids[-1]]
         return block_ids
 
     def free(self, block_ids: list[int]) -> None:

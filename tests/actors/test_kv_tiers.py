@@ -61,6 +61,22 @@ def test_swap_preemption_matches_hf_and_recompute(tiny_llama_dir, expected):
     assert outputs["recompute"] == hf_tokens
 
 
+@pytest.mark.parametrize("engine_args, n", [
+    (dict(speculative_config={"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1}), 1),
+    (dict(), 2),  # the two completions share the prompt's blocks
+])
+def test_swap_preemption_with_drafts_or_shared_prompts_matches_hf(tiny_llama_dir, expected, engine_args, n):
+    prompts, hf_tokens = expected
+    llm = LLM(tiny_llama_dir, **TINY_POOL, **engine_args, kv_offload_size=64 * block_bytes(tiny_llama_dir, 4),
+              preemption_mode="swap")
+    params = msgspec.structs.replace(GREEDY, n=n)
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    assert [[c.token_ids for c in o.outputs] for o in outputs] == [[tokens] * n for tokens in hf_tokens]
+    stats = llm.scheduler.stats()
+    assert stats["num_preemptions_swap"] > 0
+    assert_pools_back_to_start(stats)
+
+
 async def test_swap_preemption_with_two_plans_in_flight_matches_hf(tiny_llama_dir, expected):
     prompts, hf_tokens = expected
     async with asyncio.timeout(180):
