@@ -44,6 +44,8 @@ def reset_prefix_cache(scheduler: Scheduler) -> bool:
     pool.reset_prefix_cache()
     if scheduler.kv_tiers is not None:
         scheduler.kv_tiers.reset_cache()
+        for seq in scheduler.waiting:  # (weights may have changed: their KV is recomputed too)
+            scheduler.kv_tiers.drop_swapped(seq)
     return True
 
 
