@@ -61,3 +61,30 @@ def test_soak_with_a_host_tier_keeps_every_token_and_leaks_no_block(seed, plans_
     stats = tiers.stats()
     assert stats["num_preemptions_swap"] > 0 and worker.num_copies > 0
     assert stats["num_swapped"] == 0 and stats["num_free_host_blocks"] == num_host_blocks
+
+
+def test_a_prefix_cache_reset_recomputes_swapped_requests():
+    """After a reset (a trainer updated the weights) nothing computed before may come back:
+    neither spilled prefixes nor a swapped request's KV."""
+    from actors.scheduler.control import reset_prefix_cache
+    from tests.actors.scheduler_harness import run_step, run_to_end
+
+    scheduler = make_scheduler(num_blocks=8, block_size=4, max_num_batched_tokens=64)
+    tiers = KVTiers(16, 4, preemption_mode="swap", swap_is_cheaper=True)
+    scheduler.kv_tiers = tiers
+    tiers.attach(scheduler.block_pool)
+    worker = TieredFakeWorker(4, 8, 16, lambda seq_id, position: 10 + position % 7)
+    scheduler.add_request("a", list(range(20, 30)), make_params(max_tokens=12))
+    scheduler.add_request("b", list(range(40, 50)), make_params(max_tokens=12))
+    completions: dict = {}
+    while not tiers.num_swapped:
+        run_step(scheduler, worker, completions)
+    for seq in list(scheduler.running):
+        scheduler.abort_request(seq.request_id)
+    assert reset_prefix_cache(scheduler)  # no block held: the swapped request waits
+    assert tiers.num_swapped == 0 and tiers.host.num_free_blocks == 16 and tiers.host.num_cached_blocks == 0
+    swapped_in_before = tiers.num_blocks_swapped_in
+    run_to_end(scheduler, worker, completions)
+    finished = [c for c in completions.values() if c.finish_reason == "length"]
+    assert [c.token_ids for c in finished] == [[10 + p % 7 for p in range(10, 22)]]  # recomputed, unchanged
+    assert tiers.num_blocks_swapped_in == swapped_in_before
