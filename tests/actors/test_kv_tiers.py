@@ -77,11 +77,15 @@ def test_swap_preemption_with_drafts_or_shared_prompts_matches_hf(tiny_llama_dir
     assert_pools_back_to_start(stats)
 
 
-async def test_swap_preemption_with_two_plans_in_flight_matches_hf(tiny_llama_dir, expected):
+@pytest.mark.parametrize("async_scheduling, tensor_parallel_size", [(True, 1), (False, 1), (True, 2)])
+async def test_swap_preemption_through_the_actors_matches_hf(tiny_llama_dir, expected, async_scheduling,
+                                                             tensor_parallel_size):
+    """Two plans in flight (async scheduling) or one; with two ranks, each copies its shard."""
     prompts, hf_tokens = expected
     async with asyncio.timeout(180):
         client = AsyncClient(tiny_llama_dir, **TINY_POOL, kv_offload_size=64 * block_bytes(tiny_llama_dir, 4),
-                             preemption_mode="swap", async_scheduling=True)
+                             preemption_mode="swap", async_scheduling=async_scheduling,
+                             tensor_parallel_size=tensor_parallel_size)
         await client.start()
         try:
             async def run(ids):
