@@ -11,8 +11,7 @@ from actors.detokenizer import OutputProcessor, merge_delta
 from actors.pooling.outputs import pooling_request_output
 from actors.scheduler.kv_tiers import make_kv_tiers
 from actors.scheduler.priority import make_scheduler
-from actors.worker.actor import host_tier_info
-from actors.worker.host_kv import with_failed_loads
+from actors.worker.host_kv import host_tier_info, with_failed_loads
 from actors.worker.device_config import resolve_device
 from actors.worker.model_runner import build_model_runner
 from messages.common import RequestOutput, SamplingParams

@@ -13,7 +13,7 @@ import logging
 from actors.actor import Actor, ActorSpec
 from messages.control import WorkerControl, WorkerControlDone
 from messages.transport import Sockets
-from actors.worker.host_kv import with_failed_loads
+from actors.worker.host_kv import host_tier_info, with_failed_loads
 from messages.worker import StepPlan, WorkerInbox
 
 logger = logging.getLogger(__name__)
@@ -81,19 +81,6 @@ class WorkerActor(Actor):
             error = f"{type(failure).__name__}: {failure}"
         if self.to_scheduler is not None:
             self.to_scheduler.send(WorkerControlDone(message.op, error))
-
-
-def host_tier_info(runner) -> dict:
-    """The host KV tier's block count, swap-or-recompute rule and the disk tier's blocks, for
-    the scheduler."""
-    from actors.worker.host_kv import swap_is_cheaper
-
-    if runner.host_kv is None:
-        return {"num_host_kv_blocks": 0, "swap_is_cheaper": False}
-    disk = runner.host_kv.disk
-    return {"num_host_kv_blocks": runner.host_kv.num_blocks,
-            "swap_is_cheaper": swap_is_cheaper(runner.engine, runner.num_weight_bytes(), runner.device, runner.parallel),
-            "disk_block_hashes": disk.scan() if disk is not None else None}
 
 
 def _join_group(engine, parallel, init_method: str) -> None:

@@ -42,6 +42,17 @@ def swap_is_cheaper(engine: EngineConfig, weight_bytes: int, device: torch.devic
     return copy_s < recompute_s
 
 
+def host_tier_info(runner) -> dict:
+    """The host KV tier's block count, swap-or-recompute rule and the disk tier's blocks, for
+    the scheduler."""
+    if runner.host_kv is None:
+        return {"num_host_kv_blocks": 0, "swap_is_cheaper": False}
+    disk = runner.host_kv.disk
+    return {"num_host_kv_blocks": runner.host_kv.num_blocks,
+            "swap_is_cheaper": swap_is_cheaper(runner.engine, runner.num_weight_bytes(), runner.device, runner.parallel),
+            "disk_block_hashes": disk.scan() if disk is not None else None}
+
+
 class HostKVCache:
     """Host blocks beside a runner's KV cache; apply() runs a plan's copy orders."""
 
