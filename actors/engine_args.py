@@ -25,6 +25,7 @@ from actors.cli_flags import CLI_GROUPS, add_flag, check_int, cuda_device_count,
 from actors.cli_flags import cli_arg as _arg  # short: every field below is one
 from actors.config import (CacheConfig, EngineConfig, LoRAConfig, ParallelConfig, SchedulerConfig,
                            check_tensor_parallel_size, parse_size)
+from actors.kv_offload_args import check_kv_offload_dir, host_kv_bytes
 from actors.pooling.engine import (CONVERTS, RUNNERS, TASKS, check_pooling_args, override_architecture,
                                   parse_hf_overrides, pooler_for)
 from actors.quantization import QUANTIZATION_METHODS, check_quantization
@@ -37,7 +38,8 @@ DEVICES = ("auto", "cpu", "cuda")
 ATTENTION_BACKENDS = ("auto", "cpu", "torch", "triton")
 LOAD_FORMATS = ("auto", "dummy")
 SCHEDULING_POLICIES = ("fcfs", "priority")  # actors/scheduler/priority.py
-_MAY_BE_NONE = ("device", "reasoning_parser", "quantization", "collect_detailed_traces")
+PREEMPTION_MODES = ("recompute", "swap")  # actors/scheduler/kv_tiers.py
+_MAY_BE_NONE = ("device", "reasoning_parser", "quantization", "collect_detailed_traces", "preemption_mode")
 # the grammar library behind structured outputs: "auto" is xgrammar (actors/structured_output)
 STRUCTURED_OUTPUTS_BACKENDS = ("auto", "xgrammar", "guidance")
 # how a reasoning model marks its thinking: <think>...</think> for both
@@ -93,6 +95,15 @@ class EngineArgs:
     gpu_memory_utilization: float | None = _arg(
         None, "on CUDA, size the KV cache from this share of the GPU's memory (e.g. 0.9): what the weights and a "
               "profiled step leave of it; replaces --kv-cache-memory", metavar="FRACTION", parse=float)
+    swap_space: float = _arg(0, "GiB of host memory per device for a second KV tier (swapped and evicted blocks; "
+                                "0: none)", metavar="GIB", parse=float)
+    kv_offload_size: int | str | None = _arg(None, "the host KV tier's size as bytes or e.g. 4GiB (instead of "
+                                             "--swap-space)", metavar="SIZE", parse=parse_size_flag)
+    preemption_mode: str | None = _arg(None, "a preempted request's KV: 'swap' to the host tier, 'recompute' "
+                                       "(default: swap when cheaper and the host tier has room)",
+                                       choices=PREEMPTION_MODES)
+    kv_offload_dir: str | None = _arg(None, "a directory for a third KV tier: prefix blocks as files, found "
+                                      "again by a restarted engine (needs the host tier)", metavar="DIR")
     enable_prefix_caching: bool = _arg(True, "reuse the KV cache of shared prompt prefixes",
                                        hidden_negations=("--no-prefix-caching",))  # troupe's first spelling
     attention_backend: str = _arg(
@@ -206,6 +217,7 @@ class EngineArgs:
             raise ValueError(f"max_cpu_loras ({self.max_cpu_loras}) must be at least max_loras ({self.max_loras})")
         for name, allowed in (("dtype", DTYPES), ("device", DEVICES), ("attention_backend", ATTENTION_BACKENDS),
                               ("scheduling_policy", SCHEDULING_POLICIES), ("load_format", LOAD_FORMATS),
+                              ("preemption_mode", PREEMPTION_MODES),
                               ("structured_outputs_backend", STRUCTURED_OUTPUTS_BACKENDS),
                               ("reasoning_parser", REASONING_PARSERS), ("quantization", ("none",) + QUANTIZATION_METHODS),
                               ("collect_detailed_traces", DETAILED_TRACES)):
@@ -217,6 +229,9 @@ class EngineArgs:
                                      or not 0 < fraction <= 1):
             raise ValueError(f"gpu_memory_utilization must be a fraction in (0, 1], got {fraction!r}")
         parse_size(self.kv_cache_memory)
+        check_kv_offload_dir(self.kv_offload_dir, host_kv_bytes(self.swap_space, self.kv_offload_size,
+                                                                self.preemption_mode),
+                             self.enable_prefix_caching, self.tensor_parallel_size)
         if self.tensor_parallel_size % self.nnodes:
             raise ValueError(f"nnodes ({self.nnodes}) must divide tensor_parallel_size ({self.tensor_parallel_size})")
         if not 0 <= self.node_rank < self.nnodes:
@@ -262,7 +277,9 @@ class EngineArgs:
             model=model_config,
             cache=CacheConfig(block_size=args.block_size, kv_cache_memory=parse_size(args.kv_cache_memory),
                               num_kv_blocks=args.num_kv_blocks, enable_prefix_caching=args.enable_prefix_caching,
-                              gpu_memory_utilization=args.gpu_memory_utilization),
+                              gpu_memory_utilization=args.gpu_memory_utilization, preemption_mode=args.preemption_mode,
+                              host_kv_bytes=host_kv_bytes(args.swap_space, args.kv_offload_size, args.preemption_mode),
+                              kv_offload_dir=args.kv_offload_dir),
             scheduler=SchedulerConfig(max_num_seqs=args.max_num_seqs,
                                       max_num_batched_tokens=args.max_num_batched_tokens,
                                       max_model_len=max_model_len, async_scheduling=args.async_scheduling,

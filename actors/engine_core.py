@@ -9,7 +9,9 @@ import logging
 from actors.config import EngineConfig
 from actors.detokenizer import OutputProcessor, merge_delta
 from actors.pooling.outputs import pooling_request_output
+from actors.scheduler.kv_tiers import make_kv_tiers
 from actors.scheduler.priority import make_scheduler
+from actors.worker.host_kv import host_tier_info, with_failed_loads
 from actors.worker.device_config import resolve_device
 from actors.worker.model_runner import build_model_runner
 from messages.common import RequestOutput, SamplingParams
@@ -27,7 +29,8 @@ class EngineCore:
         self.scheduler = make_scheduler(engine.scheduler, engine.cache, self.num_blocks, engine.model.eos_token_ids,
                                         max_loras=engine.lora.max_loras if engine.lora else 0,
                                         pooling_type=engine.pooler.pooling_type if engine.pooler else None,
-                                        generates=engine.model.can_generate, speculative=engine.speculative)
+                                        generates=engine.model.can_generate, speculative=engine.speculative,
+                                        kv_tiers=make_kv_tiers(engine.cache, **host_tier_info(self.runner)))
         self.outputs = OutputProcessor(tokenizer)
         self.traces = None  # request spans, with otlp_traces_endpoint
         if engine.otlp_traces_endpoint:
@@ -94,6 +97,14 @@ class EngineCore:
 
         return reset_prefix_cache(self.scheduler)
 
+    def close(self) -> None:
+        """Sends the disk tier's last saves (the last result's blocks) and lets the writes finish."""
+        tiers = self.scheduler.kv_tiers
+        if tiers is not None and tiers.has_orders():
+            self.step()
+        if self.runner.host_kv is not None:
+            self.runner.host_kv.close()
+
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
 
@@ -101,6 +112,8 @@ class EngineCore:
         """One model step; returns the requests that finished in it."""
         plan = self.scheduler.schedule()
         result = self.runner.execute(plan)
+        if plan.blocks_to_load:
+            result = with_failed_loads(result, self.runner.failed_loads)
         updates = self.scheduler.update(plan, result)
         finished: list[RequestOutput | PoolingRequestOutput] = []
         for pooled in self.scheduler.take_pooling_results():

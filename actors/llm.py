@@ -90,6 +90,8 @@ class LLM(LLMPoolingMixin):
         """Stops the engine's processes (tensor_parallel_size > 1); idempotent."""
         if self._remote is not None:
             self._remote.close()
+        elif self.engine is not None:
+            self.engine.close()
 
     def __enter__(self) -> LLM:
         return self

@@ -89,8 +89,11 @@ class EngineProcesses:
             self._spawn("detokenizer", "detokenizer")
             workers = [f"worker{rank}" for rank in range(self.num_workers)]  # other nodes' too
             await self._wait_ready(control, workers, deadline)
-            num_kv_blocks = min(self.ready[name].info["num_kv_blocks"] for name in workers)
-            self._spawn("scheduler", "scheduler", num_kv_blocks=num_kv_blocks)
+            infos = [self.ready[name].info for name in workers]
+            self._spawn("scheduler", "scheduler", num_kv_blocks=min(info["num_kv_blocks"] for info in infos),
+                        num_host_kv_blocks=min(info.get("num_host_kv_blocks", 0) for info in infos),
+                        swap_is_cheaper=all(info.get("swap_is_cheaper", False) for info in infos),
+                        disk_block_hashes=infos[0].get("disk_block_hashes"))  # (one rank with a disk tier)
             await self._wait_ready(control, list(self.processes), deadline)
         except BaseException:
             await self.stop()

@@ -54,12 +54,22 @@ _ENGINE_GAUGES = {
     "num_waiting": ("vllm:num_requests_waiting", "Number of requests waiting to be processed."),
     "kv_cache_usage": ("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage."),
     "num_held_blocks": ("troupe_kv_cache_blocks_held", "KV-cache blocks held by requests."),
+    # the host KV tier (only when there is one)
+    "num_swapped": ("vllm:num_requests_swapped", "Number of requests swapped to CPU."),
+    "num_free_host_blocks": ("troupe_host_kv_blocks_free", "Host KV-tier blocks free or evictable."),
 }
 _ENGINE_COUNTERS = {
     "num_preemptions": ("vllm:num_preemptions", "Cumulative number of preemption from the engine."),
     "num_prefix_query_tokens": ("vllm:prefix_cache_queries",
                                 "Prefix cache queries, in terms of number of queried tokens."),
     "num_prefix_hit_tokens": ("vllm:prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens."),
+    "num_preemptions_swap": ("troupe_num_preemptions_swap", "Preemptions that swapped the KV to the host tier."),
+    "num_blocks_swapped_out": ("troupe_kv_blocks_swapped_out", "KV blocks copied to the host tier."),
+    "num_blocks_swapped_in": ("troupe_kv_blocks_swapped_in", "KV blocks copied back from the host tier."),
+    "num_external_prefix_query_tokens": ("vllm:external_prefix_cache_queries",
+                                         "External prefix cache queries, in terms of number of queried tokens."),
+    "num_external_prefix_hit_tokens": ("vllm:external_prefix_cache_hits",
+                                       "External prefix cache hits, in terms of number of cached tokens."),
     # speculative decoding (only when it is configured)
     "spec_decode_num_drafts": ("vllm:spec_decode_num_drafts", "Number of spec decoding drafts."),
     "spec_decode_num_draft_tokens": ("vllm:spec_decode_num_draft_tokens", "Number of draft tokens."),

@@ -37,6 +37,9 @@ class StepResult(msgspec.Struct, array_like=True, frozen=True, gc=False, tag="re
     # sampled_token_ids entry (the correction or bonus token); absent: none accepted
     accepted_token_ids: dict[str, list[int]] = msgspec.field(default_factory=dict)
     num_draft_tokens: dict[str, int] = msgspec.field(default_factory=dict)  # request_id -> drafts verified
+    # the disk tier: host blocks of the plan's blocks_to_load whose file was missing, short,
+    # corrupt or stale (their tokens are recomputed)
+    failed_loads: list[int] = msgspec.field(default_factory=list)
 
 
 class TokenizedRequest(msgspec.Struct, array_like=True, frozen=True, kw_only=True, tag="tokenized"):

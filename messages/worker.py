@@ -54,6 +54,16 @@ class StepPlan(msgspec.Struct, array_like=True, frozen=True, gc=False, tag="plan
     # request_id -> drafts the worker may verify after the step's one token (speculative
     # decoding: charged to the step's budget, KV slots reserved); absent: none
     num_lookahead_tokens: dict[str, int] = msgspec.field(default_factory=dict)
+    # the host KV tier (actors/scheduler/kv_tiers.py): block copies run at the step's start,
+    # before its forward, swap-outs (device block, host block) first, then swap-ins
+    # (host block, device block)
+    blocks_to_swap_out: list[tuple[int, int]] = msgspec.field(default_factory=list)
+    blocks_to_swap_in: list[tuple[int, int]] = msgspec.field(default_factory=list)
+    # the disk tier: (device block, hash) to write to disk after the swap-outs (in the
+    # background), and (hash, host block) to read from disk before the swap-ins; rank 0
+    # answers a plan with loads even when it schedules no token (StepResult.failed_loads)
+    blocks_to_save: list[tuple[int, bytes]] = msgspec.field(default_factory=list)
+    blocks_to_load: list[tuple[bytes, int]] = msgspec.field(default_factory=list)
 
 
 WorkerInbox = StepPlan | WorkerControl | Ping | Shutdown

@@ -17,6 +17,7 @@ from collections import OrderedDict, deque
 from actors.actor import Actor, ActorSpec
 from actors.config import SchedulerConfig
 from actors.executor import Executor
+from actors.scheduler.kv_tiers import make_kv_tiers
 from actors.scheduler.priority import make_scheduler
 from actors.scheduler.control import EngineControlState
 from actors.scheduler.scheduler import Scheduler
@@ -59,7 +60,10 @@ class SchedulerActor(Actor):
         scheduler = make_scheduler(engine.scheduler, engine.cache, spec.options["num_kv_blocks"],
                                    engine.model.eos_token_ids, max_loras=engine.lora.max_loras if engine.lora else 0,
                                    pooling_type=engine.pooler.pooling_type if engine.pooler else None,
-                                   generates=engine.model.can_generate, speculative=engine.speculative)
+                                   generates=engine.model.can_generate, speculative=engine.speculative,
+                                   kv_tiers=make_kv_tiers(engine.cache, spec.options.get("num_host_kv_blocks", 0),
+                                                          spec.options.get("swap_is_cheaper", False),
+                                                          spec.options.get("disk_block_hashes")))
         executor = Executor(sockets, spec.addresses, engine.parallel.tensor_parallel_size)
         return cls(spec.name, spec.addresses, sockets, scheduler, engine.scheduler, executor)
 
@@ -136,7 +140,9 @@ class SchedulerActor(Actor):
         if len(self.plans_in_flight) >= self.max_plans_in_flight or self._nothing_to_schedule \
                 or self.control.holds_steps:
             return False
-        if not (self.scheduler.has_unfinished() or self.scheduler.has_pending_drops()):
+        tiers = self.scheduler.kv_tiers  # the disk tier's saves of the last result's blocks
+        if not (self.scheduler.has_unfinished() or self.scheduler.has_pending_drops()
+                or (tiers is not None and tiers.has_orders())):
             return False
         return not self.plans_in_flight or self.step_timer.dispatch_delay(time.monotonic()) <= 0
 
@@ -150,13 +156,13 @@ class SchedulerActor(Actor):
 
     def step(self) -> None:
         plan = self.scheduler.schedule()
-        if plan.num_scheduled_tokens:
+        if plan.num_scheduled_tokens or plan.blocks_to_load:  # (disk loads are answered too)
             self.plans_in_flight.append(plan)
             # a speculated decode computes its drafts too
             num_tokens = sum(plan.num_scheduled_tokens.values()) + sum(plan.num_lookahead_tokens.values())
             self.step_timer.sent(plan.step_id, num_tokens, time.monotonic())
             self.executor.submit(plan)
-        elif plan.finished_request_ids:
-            self.executor.submit(plan)  # only drops worker state: no result comes back
+        elif plan.finished_request_ids or plan.blocks_to_save:
+            self.executor.submit(plan)  # only drops worker state or saves blocks: no result comes back
         else:
             self._nothing_to_schedule = True

@@ -21,7 +21,7 @@ from __future__ import annotations
 import hashlib
 from array import array
 from collections import OrderedDict, deque
-from collections.abc import Hashable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 
 import msgspec
 
@@ -70,6 +70,10 @@ class BlockPool:
         # Free but cached blocks, least recently used first (values unused).
         self._evictable_ids: OrderedDict[int, None] = OrderedDict()
 
+        # called with (block id, hash) before a cached block is evicted for reuse: the host
+        # tier spills it (actors/scheduler/kv_tiers.py); None: evicted blocks are lost
+        self.on_evict: Callable[[int, BlockHash], None] | None = None
+        self.on_cache: Callable[[int, BlockHash], None] | None = None  # a block newly cached (the disk tier)
         self.num_prefix_query_tokens = 0  # tokens looked up in the prefix cache
         self.num_prefix_hit_tokens = 0  # of those, tokens served from the cache
 
@@ -151,6 +155,8 @@ class BlockPool:
             return
         self._block_hashes[block_id] = block_hash
         self._hash_to_block_id[block_hash] = block_id
+        if self.on_cache is not None:
+            self.on_cache(block_id, block_hash)
 
     def reset_prefix_cache(self) -> int:
         """Forgets every cached block no sequence holds (held ones stay cached until freed),
@@ -190,6 +196,8 @@ class BlockPool:
                 block_id = self._free_uncached_ids.popleft()
             else:
                 block_id, _ = self._evictable_ids.popitem(last=False)
+                if self.on_evict is not None:
+                    self.on_evict(block_id, self._block_hashes[block_id])
                 self._evict(block_id)
             assert self._ref_counts[block_id] == 0
             self._ref_counts[block_id] = 1

@@ -23,10 +23,15 @@ if TYPE_CHECKING:
 
 
 def preempt_all(scheduler: Scheduler) -> int:
-    """Preempts every running sequence (no plan may be in flight); the number preempted."""
+    """Preempts every running sequence before a sleep (no plan may be in flight); the number
+    preempted. The disk tier's unsent saves are dropped: they would read the KV cache after it."""
     count = len(scheduler.running)
+    if scheduler.kv_tiers is not None:
+        scheduler.kv_tiers.drop_saves()
     while scheduler.running:
-        scheduler._preempt(scheduler.running.pop())  # newest first, so the waiting queue keeps their order
+        # newest first, so the waiting queue keeps their order; recomputed, never swapped:
+        # the device cache is about to go, and the swap-outs would run after it came back
+        scheduler._preempt(scheduler.running.pop(), recompute=True)
     return count
 
 
@@ -37,6 +42,10 @@ def reset_prefix_cache(scheduler: Scheduler) -> bool:
     if pool.num_free_blocks < pool.num_blocks:
         return False
     pool.reset_prefix_cache()
+    if scheduler.kv_tiers is not None:
+        scheduler.kv_tiers.reset_cache()
+        for seq in scheduler.waiting:  # (weights may have changed: their KV is recomputed too)
+            scheduler.kv_tiers.drop_swapped(seq)
     return True
 
 

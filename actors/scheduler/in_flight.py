@@ -37,3 +37,16 @@ def check_result(plan: StepPlan, result: StepResult, scheduled: dict[str, Schedu
         if len(result.accepted_token_ids.get(seq_id, ())) > entry.num_drafts:
             raise ValueError(f"StepResult accepts more drafts for {seq_id!r} than its plan allowed "
                              f"({entry.num_drafts})")
+
+
+def advance(seq: Sequence, num_new_tokens: int, num_drafts: int = 0) -> ScheduledSequence:
+    """Counts the step's tokens as computed now, so the next plan can be built before
+    this one's result; a step that reaches the end samples a token, pending till then
+    (its accepted drafts, if any, count when the result comes)."""
+    entry = ScheduledSequence(seq, seq.generation, seq.num_computed_tokens, num_new_tokens, False, num_drafts)
+    seq.num_drafts_in_flight += num_drafts
+    seq.num_computed_tokens += num_new_tokens
+    if seq.num_computed_tokens == seq.num_total_tokens:
+        entry.samples = True
+        seq.num_pending_tokens += 1
+    return entry

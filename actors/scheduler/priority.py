@@ -15,6 +15,7 @@ import bisect
 from collections.abc import Iterable, Iterator
 
 from actors.scheduler.kv_cache_manager import KVCacheManager
+from actors.scheduler.kv_tiers import KVTiers
 from actors.scheduler.request import Sequence
 from actors.scheduler.scheduler import Scheduler
 from messages.worker import StepPlan
@@ -113,7 +114,11 @@ class PriorityScheduler(Scheduler):
         return plan
 
 
-def make_scheduler(scheduler_config, *args, **kwargs) -> Scheduler:
-    """The scheduler of the config's policy."""
+def make_scheduler(scheduler_config, *args, kv_tiers: KVTiers | None = None, **kwargs) -> Scheduler:
+    """The scheduler of the config's policy, with the host KV tier if there is one."""
     cls = PriorityScheduler if scheduler_config.scheduling_policy == "priority" else Scheduler
-    return cls(scheduler_config, *args, **kwargs)
+    scheduler = cls(scheduler_config, *args, **kwargs)
+    if kv_tiers is not None:
+        scheduler.kv_tiers = kv_tiers
+        kv_tiers.attach(scheduler.block_pool)
+    return scheduler

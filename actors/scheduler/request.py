@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import msgspec
 
@@ -19,6 +20,9 @@ from messages.common import SamplingParams
 from messages.lora import LoRARequest
 from messages.pooling import PoolingParams
 from messages.scheduler import TokenLogprobs
+
+if TYPE_CHECKING:
+    from actors.scheduler.kv_tiers import SwappedKV
 
 
 @dataclass(frozen=True, slots=True)
@@ -77,6 +81,7 @@ class Sequence:
         self.priority = 0  # lower is served first (the priority policy; 0 under FCFS)
         self.arrival_order = 0  # the scheduler's count of requests added before this one
         self.sent_to_worker = False  # the worker holds state for seq_id
+        self.swapped: SwappedKV | None = None  # waiting with its KV in the host tier (kv_tiers.py)
         self.num_cached_tokens = 0  # prompt tokens served from the prefix cache at first admission
         self.was_admitted = False
         self.first_scheduled_time: float | None = None  # time.monotonic() at its first admission

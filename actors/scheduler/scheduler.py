@@ -12,8 +12,8 @@ any time.
 Policy (as vLLM V1): running sequences first, in admission order (decodes and the rest
 of chunked prefills), then waiting ones first-come-first-served, under a token budget
 (max_num_batched_tokens) and a sequence cap (max_num_seqs). When a running sequence
-needs a block and none is free, the newest running sequence is preempted: its blocks
-are freed and it is recomputed later (prompt + output so far), prefix cache permitting.
+needs a block and none is free, the newest running one is preempted: its blocks are freed
+and it is recomputed later, or with a host KV tier swapped back in (kv_tiers.py).
 """
 
 from __future__ import annotations
@@ -22,8 +22,9 @@ import time
 from collections import deque
 
 from actors.config import CacheConfig, SchedulerConfig
-from actors.scheduler.in_flight import ScheduledSequence, check_result
+from actors.scheduler.in_flight import ScheduledSequence, advance, check_result
 from actors.scheduler.kv_cache_manager import KVCacheManager
+from actors.scheduler.kv_tiers import KVTiers
 from actors.scheduler.lora_admission import AdapterAdmission
 from actors.scheduler.request import ExtraHashKeys, Sequence, SequenceStatus, check_prompt_fits, make_sequences
 from actors.scheduler.speculation import DraftSlots, append_until_stop
@@ -40,6 +41,7 @@ from messages.worker import ContinuingRequest, NewRequest, StepPlan
 
 class Scheduler:
     """Owns every live sequence and the KV-cache manager; builds StepPlans, applies StepResults."""
+    kv_tiers: KVTiers | None = None  # the host KV tier, when there is one (make_scheduler sets it)
 
     def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig, num_blocks: int,
                  eos_token_ids: tuple[int, ...], max_loras: int = 0, pooling_type: str | None = None,
@@ -120,8 +122,7 @@ class Scheduler:
         self._request_id_to_seq_ids[request_id] = [seq.seq_id for seq in sequences]
 
     def abort_request(self, request_id: str) -> None:
-        """Drops all of a request's sequences and their blocks. Unknown ids are ignored
-        (the request may have finished already)."""
+        """Drops all of a request's sequences and their blocks; unknown ids are ignored."""
         for seq_id in list(self._request_id_to_seq_ids.get(request_id, ())):
             seq = self.sequences.get(seq_id)
             if seq is not None:
@@ -129,8 +130,7 @@ class Scheduler:
 
     def finish_sequence(self, request_id: str, index: int, finish_reason: str,
                         stop_reason: int | str | None) -> None:
-        """Ends one completion the detokenizer found finished (a stop string matched).
-        Unknown or already finished completions are ignored."""
+        """Ends one completion the detokenizer found finished (a stop string); unknown ones are ignored."""
         seq_ids = self._request_id_to_seq_ids.get(request_id)
         if seq_ids is None or not 0 <= index < len(seq_ids):
             return
@@ -170,8 +170,8 @@ class Scheduler:
     # ---- one step ----
 
     def schedule(self) -> StepPlan:
-        """The next step's plan. Send it whenever it schedules tokens or lists ids to drop;
-        update() must later get its result (none comes for a plan that schedules nothing)."""
+        """The next step's plan. Send it when it schedules tokens, lists ids to drop or has
+        disk loads; update() must get the result of those that schedule tokens or load."""
         budget = self.max_num_batched_tokens
         new_requests: list[NewRequest] = []
         continuing_requests: list[ContinuingRequest] = []
@@ -205,7 +205,7 @@ class Scheduler:
                 break  # seq was the newest running sequence: nothing after it to schedule
             assert seq.sent_to_worker, f"running {seq} unknown to the worker"
             continuing_requests.append(ContinuingRequest(seq.seq_id, new_block_ids, seq.num_computed_tokens))
-            scheduled[seq.seq_id] = self._advance(seq, num_new_tokens, num_drafts)
+            scheduled[seq.seq_id] = advance(seq, num_new_tokens, num_drafts)
             num_scheduled_tokens[seq.seq_id] = num_new_tokens
             if num_drafts:
                 num_lookahead_tokens[seq.seq_id] = num_drafts
@@ -235,7 +235,7 @@ class Scheduler:
                     block_ids=list(seq.block_ids), num_computed_tokens=seq.num_computed_tokens,
                     lora_request=seq.lora_request, pooling_params=seq.pooling_params))
                 seq.sent_to_worker = True
-                scheduled[seq.seq_id] = self._advance(seq, num_new_tokens)
+                scheduled[seq.seq_id] = advance(seq, num_new_tokens)
                 num_scheduled_tokens[seq.seq_id] = num_new_tokens
                 budget -= num_new_tokens
             self.waiting.extendleft(reversed(held_back))
@@ -243,24 +243,13 @@ class Scheduler:
         plan = StepPlan(step_id=self._next_step_id, new_requests=new_requests,
                         continuing_requests=continuing_requests, num_scheduled_tokens=num_scheduled_tokens,
                         finished_request_ids=list(self._ids_to_drop), num_lookahead_tokens=num_lookahead_tokens)
+        if self.kv_tiers is not None:  # the step's copies between the tiers
+            plan = self.kv_tiers.with_orders(plan)
         self._ids_to_drop.clear()
         self._next_step_id += 1
         if scheduled:
             self._in_flight[plan.step_id] = scheduled
         return plan
-
-    @staticmethod
-    def _advance(seq: Sequence, num_new_tokens: int, num_drafts: int = 0) -> ScheduledSequence:
-        """Counts the step's tokens as computed now, so the next plan can be built before
-        this one's result; a step that reaches the end samples a token, pending till then
-        (its accepted drafts, if any, count when the result comes)."""
-        entry = ScheduledSequence(seq, seq.generation, seq.num_computed_tokens, num_new_tokens, False, num_drafts)
-        seq.num_drafts_in_flight += num_drafts
-        seq.num_computed_tokens += num_new_tokens
-        if seq.num_computed_tokens == seq.num_total_tokens:
-            entry.samples = True
-            seq.num_pending_tokens += 1
-        return entry
 
     def _must_wait(self, seq: Sequence) -> bool:
         if seq.seq_id in self._ids_to_drop:
@@ -277,12 +266,20 @@ class Scheduler:
         """Gives a waiting sequence its blocks (prefix-cache hits first) for its first
         chunk; the chunk's size, or None (and no change) when the pool is short."""
         hit_block_ids, num_hit_tokens = self.kv_cache_manager.get_computed_blocks(seq)
-        num_new_tokens = min(seq.num_tokens - num_hit_tokens, budget)
-        if not self.chunked_prefill and num_new_tokens < seq.num_tokens - num_hit_tokens:
+        host_hits, num_host_tokens = self.kv_tiers.host_hits(seq, len(hit_block_ids), self.kv_cache_manager) \
+            if self.kv_tiers is not None else ([], 0)
+        if num_host_tokens < 0:  # its prefix is on its way from the disk tier (kv_tiers.py)
             return None
-        if self.kv_cache_manager.allocate_slots(seq, num_new_tokens, computed_block_ids=hit_block_ids) is None:
+        num_new_tokens = min(seq.num_tokens - num_hit_tokens - num_host_tokens, budget)
+        if not self.chunked_prefill and num_new_tokens < seq.num_tokens - num_hit_tokens - num_host_tokens:
             return None
-        seq.num_computed_tokens = num_hit_tokens
+        new_block_ids = self.kv_cache_manager.allocate_slots(seq, num_host_tokens + num_new_tokens,
+                                                             computed_block_ids=hit_block_ids)
+        if new_block_ids is None:
+            return None
+        if self.kv_tiers is not None:  # host hits come back to the first new blocks
+            self.kv_tiers.admitted(seq, host_hits, new_block_ids, num_hit_tokens)
+        seq.num_computed_tokens = num_hit_tokens = num_hit_tokens + num_host_tokens
         if not seq.was_admitted:
             seq.num_cached_tokens = num_hit_tokens
             seq.first_scheduled_time = time.monotonic()
@@ -290,8 +287,10 @@ class Scheduler:
         seq.status = SequenceStatus.RUNNING
         return num_new_tokens
 
-    def _preempt(self, seq: Sequence) -> None:
-        """Frees a running sequence (already out of self.running) to recompute it later."""
+    def _preempt(self, seq: Sequence, recompute: bool = False) -> None:
+        """Frees a running sequence (out of self.running): recomputed later, or swapped (kv_tiers.py)."""
+        if self.kv_tiers is not None and not recompute:
+            self.kv_tiers.swap_out(seq)
         self._release_blocks(seq)
         seq.status = SequenceStatus.WAITING
         self.waiting.appendleft(seq)
@@ -315,6 +314,8 @@ class Scheduler:
             self.waiting.remove(seq)
         seq.finish(finish_reason, stop_reason)
         self._release_blocks(seq)
+        if seq.swapped is not None:
+            self.kv_tiers.drop_swapped(seq)
         del self.sequences[seq.seq_id]
         seq_ids = self._request_id_to_seq_ids[seq.request_id]
         if all(seq_id not in self.sequences for seq_id in seq_ids):
@@ -326,6 +327,8 @@ class Scheduler:
         """Applies one step's result: computed tokens, sampled tokens, finished sequences.
         One NewTokens per sequence that gained tokens, prompt logprobs or finished.
         Raises ValueError when the result does not answer the plan."""
+        if plan.blocks_to_load:
+            self.kv_tiers.loaded(plan, result.failed_loads)
         if not plan.num_scheduled_tokens:
             return []
         scheduled = self._in_flight.get(plan.step_id)

@@ -42,6 +42,8 @@ def scheduler_stats(scheduler: Scheduler) -> dict[str, float | int | str | Histo
         "num_preemptions": scheduler.num_preemptions,
         "iteration_tokens": scheduler.iteration_tokens.snapshot(),
     }
+    if scheduler.kv_tiers is not None:  # the host tier's swaps, spills and hits
+        stats.update(scheduler.kv_tiers.stats())
     if scheduler.draft_slots is not None:  # vLLM's spec_decode counters, per draft position too
         stats.update(scheduler.draft_slots.stats())
     if scheduler.max_loras:  # vLLM's lora_requests_info: the adapters' names, comma-separated

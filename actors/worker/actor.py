@@ -13,6 +13,7 @@ import logging
 from actors.actor import Actor, ActorSpec
 from messages.control import WorkerControl, WorkerControlDone
 from messages.transport import Sockets
+from actors.worker.host_kv import host_tier_info, with_failed_loads
 from messages.worker import StepPlan, WorkerInbox
 
 logger = logging.getLogger(__name__)
@@ -47,15 +48,21 @@ class WorkerActor(Actor):
 
     def ready_info(self) -> dict:
         return {"num_kv_blocks": self.num_kv_blocks, "rank": self.rank,
-                "weight_bytes": self.runner.num_weight_bytes()}
+                "weight_bytes": self.runner.num_weight_bytes(), **host_tier_info(self.runner)}
 
     def handle(self, message: StepPlan | WorkerControl) -> None:
         if isinstance(message, WorkerControl):
             self._control(message)
             return
         result = self.runner.execute(message)
-        if message.num_scheduled_tokens and self.to_scheduler is not None:
+        if message.blocks_to_load:  # answered even without tokens: the scheduler waits for the loads
+            result = with_failed_loads(result, self.runner.failed_loads)
+        if (message.num_scheduled_tokens or message.blocks_to_load) and self.to_scheduler is not None:
             self.to_scheduler.send(result)
+
+    def close(self) -> None:
+        if getattr(self.runner, "host_kv", None) is not None:
+            self.runner.host_kv.close()  # the disk tier's writes finish
 
     def _control(self, message: WorkerControl) -> None:
         """Sleep or wake (actors/worker/sleep_mode.py); rank 0 answers the scheduler."""

@@ -22,6 +22,7 @@ from actors.worker.cpu_model_step import CpuModelStep
 from actors.worker.cpu_tuning import MAX_FEW_ROWS, tune_allocator, tune_few_rows
 from actors.worker.device_config import DTYPES, kv_block_bytes, num_kv_blocks
 from actors.worker.grammar_processor import GrammarConfig, StructuredOutputs
+from actors.worker.host_kv import HostKVCache
 from actors.worker.logits_processors import LogitsProcessor, default_processors
 from actors.worker.model import LlamaModel
 from actors.worker.parallel import TensorParallel
@@ -114,6 +115,7 @@ class ModelRunner:
             if engine.lora is not None else None
         if num_blocks is not None:
             self.allocate_kv_cache(num_blocks)
+        self.host_kv = HostKVCache.build(self, parallel)  # the host KV tier, or None
 
     def load_weights(self, head_weights: dict[str, object] | None = None) -> None:
         """Builds the model from its checkpoint (or dummy weights), and its fast step paths;
@@ -231,6 +233,8 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, plan: StepPlan) -> StepResult:
         self.update_states(plan)
+        if self.host_kv is not None:  # the plan's copies between the KV tiers, before its forward
+            self.failed_loads = self.host_kv.run(plan)  # (the caller adds them to the result)
         if not plan.num_scheduled_tokens:
             return StepResult(step_id=plan.step_id, request_ids=[], sampled_token_ids=[])
         scheduled = [(self.requests[request_id], num_tokens)
