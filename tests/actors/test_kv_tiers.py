@@ -199,6 +199,10 @@ async def test_a_restarted_actor_engine_loads_the_prefix_from_the_disk_tier(tiny
         for _ in range(2):
             async with AsyncClient(tiny_llama_dir, **engine_args) as client:
                 deltas = [d async for d in client.generate({"prompt_token_ids": prompt}, params)]
+                # the saves leave in a plan after the last result: wait for it, so a slow shutdown on a
+                # loaded machine (a process killed after its grace period) cannot drop them
+                while (await client.get_stats()).get("num_disk_blocks", 0) < 16:
+                    await asyncio.sleep(0.05)
                 results.append(([t for d in deltas for t in d.outputs[0].token_ids], deltas[-1].num_cached_tokens,
                                 await client.get_stats()))
     (first, _, _), (again, cached, stats) = results
