@@ -16,7 +16,7 @@ from actors.worker.loader import load_backend_tokenizer, load_model_config, reso
 def load_draft_model_config(draft_path: str, target: ModelConfig, *, max_model_len: int,
                             tensor_parallel_size: int, tokenizer_path: str) -> ModelConfig:
     """The draft's ModelConfig (its model_path the resolved Hugging Face directory), after
-    checking it can draft for target; ValueError (FileNotFoundError for a missing path)."""
+    checking it can draft for target; ValueError naming the problem otherwise."""
     if tensor_parallel_size != 1:
         raise ValueError(f"speculative_config: method draft_model runs on one device; tensor_parallel_size is "
                          f"{tensor_parallel_size} (use ngram or suffix with tensor parallelism)")
@@ -24,7 +24,7 @@ def load_draft_model_config(draft_path: str, target: ModelConfig, *, max_model_l
         draft_dir = resolve_model(draft_path)
         draft = load_model_config(draft_dir)
     except (FileNotFoundError, ValueError) as error:
-        raise type(error)(f"speculative_config: the draft model {draft_path!r} does not load: {error}") from error
+        raise ValueError(f"speculative_config: the draft model {draft_path!r} does not load: {error}") from error
     if not draft.can_generate:
         raise ValueError(f"speculative_config: the draft model {draft_path!r} ({draft.architecture}) has no "
                          "language-model head; a draft must be a ...ForCausalLM decoder")

@@ -188,23 +188,29 @@ class DraftModel:
 
     def _sample(self, hidden: torch.Tensor, requests: list[CachedRequest], offset: int
                 ) -> tuple[list[int], list[torch.Tensor | None]]:
-        """Each request's draft from its row of hidden (argmax when greedy, else drawn from q),
-        and q (None when greedy). offset: the draft's index, 0 for d1."""
-        logits = self.model.compute_logits(hidden)
-        tokens: list[int] = argmax_tokens(logits).tolist()
-        probs: list[torch.Tensor | None] = [None] * len(requests)
-        sampled = [i for i, request in enumerate(requests) if not request.params.is_greedy]
-        if sampled:
-            params = [requests[i].params for i in sampled]
-            q = filtered_probs(logits[sampled], [p.temperature for p in params], [p.top_k for p in params],
-                               [p.top_p for p in params], [p.min_p for p in params])
-            for row, i in enumerate(sampled):
-                request = requests[i]
-                generator = None
-                if request.params.seed is not None:
-                    output_position = len(request.token_ids) - request.num_prompt_tokens + offset
-                    generator = torch.Generator(q.device).manual_seed(
-                        position_seed(request.params.seed ^ _DRAFT_SEED_SALT, output_position))
-                tokens[i] = int(torch.multinomial(q[row], 1, generator=generator))
-                probs[i] = q[row]
+        return draw_drafts(self.model.compute_logits(hidden), requests, offset)
+
+
+def draw_drafts(logits: torch.Tensor,  # [len(requests), vocab] fp32: the draft's logits, a row a request
+                requests: list[CachedRequest], offset: int) -> tuple[list[int], list[torch.Tensor | None]]:
+    """Each request's draft (argmax when greedy, else drawn from q) and q (None when
+    greedy). offset: the draft's index, 0 for d1 (a seeded request's generator is seeded by
+    the draft's output position)."""
+    tokens: list[int] = argmax_tokens(logits).tolist()
+    probs: list[torch.Tensor | None] = [None] * len(requests)
+    sampled = [i for i, request in enumerate(requests) if not request.params.is_greedy]
+    if not sampled:
         return tokens, probs
+    params = [requests[i].params for i in sampled]
+    q = filtered_probs(logits[sampled], [p.temperature for p in params], [p.top_k for p in params],
+                       [p.top_p for p in params], [p.min_p for p in params])
+    for row, i in enumerate(sampled):
+        request = requests[i]
+        generator = None
+        if request.params.seed is not None:
+            output_position = len(request.token_ids) - request.num_prompt_tokens + offset
+            generator = torch.Generator(q.device).manual_seed(
+                position_seed(request.params.seed ^ _DRAFT_SEED_SALT, output_position))
+        tokens[i] = int(torch.multinomial(q[row], 1, generator=generator))
+        probs[i] = q[row]
+    return tokens, probs

@@ -145,7 +145,7 @@ def test_a_request_with_logprobs_or_penalties_decodes_without_drafts_beside_spec
 @pytest.mark.parametrize("config, message", [
     ({"method": "medusa", "num_speculative_tokens": 2}, "method must be one of"),
     ({"method": "ngram", "num_speculative_tokens": 0}, "num_speculative_tokens must be >= 1"),
-    ({"method": "draft_model", "model": "/some/draft", "num_speculative_tokens": 2}, "not supported yet"),
+    ({"method": "eagle", "num_speculative_tokens": 2}, "method must be one of"),
     ({"method": "ngram", "num_speculative_tokens": 300}, "must fit in max_num_batched_tokens"),
     ('{"method": "ngram", ', "not valid JSON"),
 ])
