@@ -1,7 +1,8 @@
 """The worker's side of speculative decoding: proposes drafts for a step's decodes from
-each request's own history and verifies them against the target's logits of all 1 + d
-positions, computed in the same step (the drafts ride as a causal chunk after the
-decode's token).
+each request's own history (ngram, suffix) or with a draft model (draft_model.py, which
+also keeps its own KV cache up with the step) and verifies them against the target's
+logits of all 1 + d positions, computed in the same step (the drafts ride as a causal
+chunk after the decode's token).
 
 Receives from the model runner the requests that leave and, per step, the decodes the
 plan granted drafts (StepPlan.num_lookahead_tokens) and their logits rows; sends
@@ -15,7 +16,8 @@ num_computed_tokens by 1 + a, ahead of the scheduler's count until that result a
 (actors/scheduler/speculation.py). Rejected drafts' KV stays in its slots as garbage and
 is overwritten when those positions are computed for real. Under tensor parallelism every
 rank proposes the same drafts from the same history (both proposers are deterministic),
-and rank 0, which holds the logits, verifies and broadcasts what was emitted."""
+and rank 0, which holds the logits, verifies and broadcasts what was emitted; a draft
+model runs with tensor parallelism 1 only (refused otherwise at start-up)."""
 
 from __future__ import annotations
 

@@ -52,6 +52,8 @@ def reference(tiny_llama_dir) -> tuple[LLM, list[list[int]], list]:
 
 
 def test_a_draft_equal_to_the_target_accepts_every_draft(tiny_llama_dir, drafts, reference):
+    """Every draft accepted also means the draft's KV of its accepted drafts, kept from the
+    step that drafted them, is right: a misplaced one would make the next drafts differ."""
     _, prompts, expected = reference
     llm = LLM(tiny_llama_dir, **ENGINE_ARGS, speculative_config=draft_config(drafts["target"], 3))
     assert token_ids(llm.generate(prompts, GREEDY, use_tqdm=False)) == expected
