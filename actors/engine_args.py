@@ -260,8 +260,9 @@ class EngineArgs:
             check_engine_fit(speculative, pooling=pooler is not None or not model_config.can_generate,
                              max_num_batched_tokens=args.max_num_batched_tokens)
         draft_model = load_draft_model_config(
-            speculative.model, model_config, max_model_len=max_model_len, tensor_parallel_size=args.tensor_parallel_size,
-            tokenizer_path=model_dir) if speculative is not None and speculative.method == "draft_model" else None
+            speculative.model, model_config, max_model_len=max_model_len,
+            tensor_parallel_size=args.tensor_parallel_size, tokenizer_path=model_dir,
+        ) if speculative is not None and speculative.method == "draft_model" else None
         return EngineConfig(
             model=model_config,
             cache=CacheConfig(block_size=args.block_size, kv_cache_memory=parse_size(args.kv_cache_memory),

@@ -97,6 +97,7 @@ class DraftModel:
         """Runs the draft over the step: catch-up for every scheduled request, then drafts
         for those with a cap (request_id -> its most drafts). Returns request_id ->
         (drafts, q [len(drafts), vocab] for a sampled request, None for a greedy one)."""
+        # 1. catch-up: what each request's draft KV lacks, up to what the target has this step
         spans: list[tuple[CachedRequest, int, int]] = []  # request, first and end position to run
         for request, num_scheduled in scheduled:
             if request.pooling is not None:
@@ -123,7 +124,8 @@ class DraftModel:
             row += end - start
             last_rows.append(row)
         requests = [request for _, request in drafting]
-        tokens, probs = self._sample(hidden[torch.tensor([last_rows[i] for i, _ in drafting])], requests, 0)
+        logits = self.model.compute_logits(hidden[torch.tensor([last_rows[i] for i, _ in drafting])])
+        tokens, probs = draw_drafts(logits, requests, 0)
         drafts = {request.request_id: [token] for request, token in zip(requests, tokens)}
         draft_probs = {request.request_id: [row] for request, row in zip(requests, probs)}
         # 2. one token at a time: d_j in at position len + j - 1, d_{j+1} out
@@ -133,7 +135,7 @@ class DraftModel:
                 break
             hidden = self._forward([(request, len(request.token_ids) + j - 1, len(request.token_ids) + j)
                                     for request in requests], [drafts[r.request_id][-1] for r in requests])
-            tokens, probs = self._sample(hidden, requests, j)
+            tokens, probs = draw_drafts(self.model.compute_logits(hidden), requests, j)
             for request, token, row in zip(requests, tokens, probs):
                 drafts[request.request_id].append(token)
                 draft_probs[request.request_id].append(row)
@@ -185,10 +187,6 @@ class DraftModel:
         if self.model_step is not None and self.model_step.takes(attention):
             return self.model_step(self.model.embed(input_tensor), position_tensor, self.kv_caches, attention)
         return self.model.forward(input_tensor, position_tensor, self.kv_caches, attention)
-
-    def _sample(self, hidden: torch.Tensor, requests: list[CachedRequest], offset: int
-                ) -> tuple[list[int], list[torch.Tensor | None]]:
-        return draw_drafts(self.model.compute_logits(hidden), requests, offset)
 
 
 def draw_drafts(logits: torch.Tensor,  # [len(requests), vocab] fp32: the draft's logits, a row a request
