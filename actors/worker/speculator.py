@@ -76,8 +76,9 @@ class Speculator:
                 request_drafts = self.propose(request, num_tokens, num_lookahead_tokens.get(request.request_id, 0))
                 if request_drafts:
                     drafts[request.request_id] = request_drafts
-        for request, _ in scheduled:
-            request.token_ids.extend(drafts.get(request.request_id, ()))
+        if drafts:
+            for request, _ in scheduled:
+                request.token_ids.extend(drafts.get(request.request_id, ()))
         return StepDrafts(drafts, draft_probs)
 
     def remove_request(self, request_id: str, token_ids: list[int] | None) -> None:
