@@ -24,7 +24,8 @@ from actors.worker.draft_model import draw_drafts
 from actors.worker.model_runner import CachedRequest
 from actors.worker.speculator import Speculator
 from tests.spec_decode.test_speculative_async import completions
-from tests.spec_decode.test_speculative_llm import ENGINE_ARGS, GREEDY, loop_prompts, token_ids
+from tests.spec_decode.test_speculative_llm import (ENGINE_ARGS, GREEDY, assert_seeded_sampling_reproduces_beside_others,
+                                                    loop_prompts, token_ids)
 
 
 def draft_config(model: str, k: int) -> dict:
@@ -120,12 +121,7 @@ def test_max_tokens_and_stop_strings_inside_speculated_runs_end_the_output_there
 def test_seeded_sampling_is_reproducible_whatever_the_batch(tiny_llama_dir, drafts, reference):
     _, prompts, _ = reference
     llm = LLM(tiny_llama_dir, **ENGINE_ARGS, speculative_config=draft_config(drafts["layer_skip"], 3))
-    seeded = SamplingParams(n=2, temperature=0.8, top_k=50, top_p=0.95, seed=1234, max_tokens=32, ignore_eos=True)
-    alone = token_ids(llm.generate(prompts[:1], seeded, use_tqdm=False))
-    unseeded = SamplingParams(temperature=1.0, max_tokens=32, ignore_eos=True)
-    mixed = llm.generate([prompts[1], prompts[0], prompts[2]], [unseeded, seeded, unseeded], use_tqdm=False)
-    assert token_ids(mixed[1:2]) == alone
-    assert alone[0][0] != alone[0][1]  # each completion its own seed
+    assert_seeded_sampling_reproduces_beside_others(llm, prompts)
     stats = spec_stats(llm)
     assert stats["spec_decode_num_accepted_tokens"] > 0
 
