@@ -168,6 +168,8 @@ class EngineConfig:
     otlp_traces_endpoint: str | None = None  # OTLP collector of request spans (actors/tracing.py); None: off
     collect_detailed_traces: str | None = None  # "model" | "worker" | "all": prefill and decode times too
     extra: dict = field(default_factory=dict)
+    # speculative method draft_model: the draft's config, resolved and checked at start-up (spec_decode/draft_config.py)
+    draft_model: ModelConfig | None = None
 
 
 def cache_dir() -> str:

@@ -30,6 +30,7 @@ from actors.pooling.engine import (CONVERTS, RUNNERS, TASKS, check_pooling_args,
                                   parse_hf_overrides, pooler_for)
 from actors.quantization import QUANTIZATION_METHODS, check_quantization
 from actors.spec_decode.config import check_engine_fit, parse_speculative_config
+from actors.spec_decode.draft_config import load_draft_model_config
 from actors.tracing import DETAILED_TRACES, check_tracing_available
 from actors.worker.loader import load_model_config, resolve_model
 
@@ -273,6 +274,10 @@ class EngineArgs:
         if speculative is not None:
             check_engine_fit(speculative, pooling=pooler is not None or not model_config.can_generate,
                              max_num_batched_tokens=args.max_num_batched_tokens)
+        draft_model = load_draft_model_config(
+            speculative.model, model_config, max_model_len=max_model_len,
+            tensor_parallel_size=args.tensor_parallel_size, tokenizer_path=model_dir,
+        ) if speculative is not None and speculative.method == "draft_model" else None
         return EngineConfig(
             model=model_config,
             cache=CacheConfig(block_size=args.block_size, kv_cache_memory=parse_size(args.kv_cache_memory),
@@ -294,7 +299,7 @@ class EngineArgs:
             structured_outputs_backend=args.structured_outputs_backend, reasoning_parser=args.reasoning_parser,
             otlp_traces_endpoint=args.otlp_traces_endpoint or None, collect_detailed_traces=args.collect_detailed_traces,
             lora=args._lora_config(),
-            pooler=pooler, speculative=speculative)
+            pooler=pooler, speculative=speculative, draft_model=draft_model)
 
     def _lora_config(self) -> LoRAConfig | None:
         if not self.enable_lora:

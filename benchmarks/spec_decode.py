@@ -1,6 +1,11 @@
 """Speculative decoding on a copy-heavy single stream: ms per output token without
-speculation, with ngram (prompt lookup) and with suffix decoding, alternating in one
-process, on the embedded SmolLM2-135M-Instruct.
+speculation, with ngram (prompt lookup), with suffix decoding and with a draft model,
+alternating in one process, on the embedded SmolLM2-135M-Instruct.
+
+Draft models (--methods ...,draft,self_draft): SmolLM2 has no smaller sibling, so `draft`
+is a layer-skip copy of the model (its first --draft-layers layers, its norm and LM head,
+saved into a temporary directory: actors/spec_decode/layer_skip.py), and `self_draft` the
+model itself: every draft accepted, an upper bound on acceptance with no speed to gain.
 
 Workload: chat prompts asking the model to repeat a passage of ~230 tokens word for word,
 or to repeat it with one name or date changed (benchmarks/data/copy_passages.json: six
@@ -19,6 +24,7 @@ copies: the share of its token 5-grams found in the passage.
     python benchmarks/spec_decode.py
     python benchmarks/spec_decode.py --k 3 --repeats 5
     python benchmarks/spec_decode.py --num-prompts 1 --max-tokens 16 --repeats 1   # smoke run
+    python benchmarks/spec_decode.py --methods none,draft,self_draft --k 3 --draft-layers 8
 """
 
 from __future__ import annotations
@@ -28,6 +34,7 @@ import json
 import os
 import statistics
 import sys
+import tempfile
 import time
 
 if __name__ == "__main__":
@@ -35,6 +42,7 @@ if __name__ == "__main__":
 
 from actors import LLM, SamplingParams
 from actors.scheduler.speculation import acceptance_summary
+from actors.spec_decode.layer_skip import save_layer_skip_draft
 
 PASSAGES = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "copy_passages.json")
 STAT_KEYS = ("spec_decode_num_drafts", "spec_decode_num_draft_tokens", "spec_decode_num_accepted_tokens")
@@ -76,13 +84,23 @@ def main() -> None:
     parser.add_argument("--methods", default="none,ngram,suffix")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--kv-cache-memory", default="512MiB")
+    parser.add_argument("--draft-layers", type=int, default=8, help="layers of the layer-skip draft (method draft)")
     args = parser.parse_args()
+    methods = args.methods.split(",")
     configs = {"none": None,
                "ngram": {"method": "ngram", "num_speculative_tokens": args.k, "prompt_lookup_min": 2,
                          "prompt_lookup_max": 5},
                "suffix": {"method": "suffix", "num_speculative_tokens": args.k,
                           "suffix_decoding_max_cached_requests": 0}}
-    methods = args.methods.split(",")
+    if "draft" in methods:
+        scratch = tempfile.TemporaryDirectory(prefix="layer-skip-draft-")  # removed when the run ends
+        draft_dir = save_layer_skip_draft(args.model, scratch.name, args.draft_layers)
+        configs["draft"] = {"method": "draft_model", "model": draft_dir, "num_speculative_tokens": args.k}
+    if "self_draft" in methods:
+        from actors.worker.loader import resolve_model
+
+        configs["self_draft"] = {"method": "draft_model", "model": resolve_model(args.model),
+                                 "num_speculative_tokens": args.k}
     engines = {method: LLM(args.model, kv_cache_memory=args.kv_cache_memory, speculative_config=configs[method])
                for method in methods}
     tokenizer = engines[methods[0]].get_tokenizer()
@@ -120,7 +138,7 @@ def main() -> None:
         acceptance = "no drafts" if configs[method] is None else (
             f"acceptance rate {summary['acceptance_rate']:.2f}, mean acceptance length "
             f"{summary['mean_acceptance_length']:.2f}")
-        print(f"{method:>6}: {ms:6.1f} ms/token ({baseline / ms:4.2f}x of {methods[0]}), {acceptance}, "
+        print(f"{method:>10}: {ms:6.1f} ms/token ({baseline / ms:4.2f}x of {methods[0]}), {acceptance}, "
               f"output 5-grams in the passage {copied:.2f}, output {'equal to' if same else 'DIFFERS from'} "
               f"{methods[0]}'s")
 

@@ -135,8 +135,6 @@ def parse_speculative_config(value: str | dict[str, Any] | None) -> SpeculativeC
 
 def check_engine_fit(config: SpeculativeConfig, *, pooling: bool, max_num_batched_tokens: int) -> None:
     """ValueError, at start-up, for a speculative config this engine cannot run."""
-    if config.method == "draft_model":
-        raise ValueError("speculative_config: method draft_model is not supported yet (use ngram or suffix)")
     if pooling:
         raise ValueError("speculative_config: a pooling model does not generate tokens, so it cannot speculate")
     if 1 + config.num_speculative_tokens > max_num_batched_tokens:

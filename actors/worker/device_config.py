@@ -14,11 +14,17 @@ DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.
 
 
 def kv_block_bytes(engine: EngineConfig, parallel: TensorParallel = TensorParallel()) -> int:
-    """Bytes one KV block takes across all layers (keys and values) on one rank."""
+    """Bytes one KV block takes across all layers (keys and values) on one rank, the
+    speculative draft model's cache included (it has the same blocks: draft_model.py)."""
     m = engine.model
     element = torch.empty((), dtype=DTYPES[engine.dtype]).element_size()
     num_kv_heads = parallel.num_kv_heads(m)
-    return 2 * m.num_hidden_layers * num_kv_heads * m.head_dim * engine.cache.block_size * element
+    target_bytes = 2 * m.num_hidden_layers * num_kv_heads * m.head_dim * engine.cache.block_size * element
+    draft = engine.draft_model  # (tensor parallelism 1: all its heads on this rank)
+    if draft is None:
+        return target_bytes
+    return target_bytes + 2 * draft.num_hidden_layers * draft.num_key_value_heads * draft.head_dim \
+        * engine.cache.block_size * element
 
 
 def num_kv_blocks(engine: EngineConfig, parallel: TensorParallel = TensorParallel()) -> int:

@@ -21,6 +21,7 @@ from actors.worker.attention_metadata import AttentionMetadata
 from actors.worker.cpu_model_step import CpuModelStep
 from actors.worker.cpu_tuning import MAX_FEW_ROWS, tune_allocator, tune_few_rows
 from actors.worker.device_config import DTYPES, kv_block_bytes, num_kv_blocks
+from actors.worker.draft_model import DraftModel
 from actors.worker.grammar_processor import GrammarConfig, StructuredOutputs
 from actors.worker.host_kv import HostKVCache
 from actors.worker.logits_processors import LogitsProcessor, default_processors
@@ -107,7 +108,8 @@ class ModelRunner:
         self.sampler = Sampler(engine.model.eos_token_ids, engine.seed, sampling_processors(engine, parallel))
         self.requests: dict[str, CachedRequest] = {}
         # speculative decoding: drafts for decodes, verified in the same step (speculator.py)
-        self.speculator = Speculator(engine.speculative, self.block_size, engine.scheduler.max_model_len) \
+        self.speculator = Speculator(engine.speculative, self.block_size, engine.scheduler.max_model_len,
+                                     DraftModel.build(engine, self.dtype, self.device, self.backend)) \
             if engine.speculative is not None and self.model is not None else None
         # the adapters' slots (engine.lora): allocated before the KV cache, so a GPU's
         # profile counts them
@@ -162,6 +164,8 @@ class ModelRunner:
         self.kv_caches = [(torch.zeros(shape, dtype=self.dtype, device=self.device),
                            torch.zeros(shape, dtype=self.dtype, device=self.device))
                           for _ in range(m.num_hidden_layers)]
+        if self.speculator is not None:
+            self.speculator.allocate_kv_cache(num_blocks)  # a draft model's, with the same block ids
 
     @torch.inference_mode()
     def profile_num_kv_blocks(self, gpu_memory_utilization: float) -> int:
@@ -281,15 +285,9 @@ class ModelRunner:
 
     def _propose(self, plan: StepPlan, scheduled: list[tuple[CachedRequest, int]]) -> StepDrafts:
         """The drafts of the decodes the plan granted some, appended to their tokens."""
-        drafts = {}
-        if self.speculator is not None and plan.num_lookahead_tokens:
-            for request, num_tokens in scheduled:
-                request_drafts = self.speculator.propose(request, num_tokens,
-                                                         plan.num_lookahead_tokens.get(request.request_id, 0))
-                if request_drafts:
-                    drafts[request.request_id] = request_drafts
-                    request.token_ids.extend(request_drafts)
-        return StepDrafts(drafts)
+        if self.speculator is None:
+            return StepDrafts({})
+        return self.speculator.propose_step(plan.num_lookahead_tokens, scheduled)
 
     def _pooling_runner(self) -> PoolingRunner:
         if self.pooling is None:

@@ -1,7 +1,8 @@
 """The worker's side of speculative decoding: proposes drafts for a step's decodes from
-each request's own history and verifies them against the target's logits of all 1 + d
-positions, computed in the same step (the drafts ride as a causal chunk after the
-decode's token).
+each request's own history (ngram, suffix) or with a draft model (draft_model.py, which
+also keeps its own KV cache up with the step) and verifies them against the target's
+logits of all 1 + d positions, computed in the same step (the drafts ride as a causal
+chunk after the decode's token).
 
 Receives from the model runner the requests that leave and, per step, the decodes the
 plan granted drafts (StepPlan.num_lookahead_tokens) and their logits rows; sends
@@ -15,7 +16,8 @@ num_computed_tokens by 1 + a, ahead of the scheduler's count until that result a
 (actors/scheduler/speculation.py). Rejected drafts' KV stays in its slots as garbage and
 is overwritten when those positions are computed for real. Under tensor parallelism every
 rank proposes the same drafts from the same history (both proposers are deterministic),
-and rank 0, which holds the logits, verifies and broadcasts what was emitted."""
+and rank 0, which holds the logits, verifies and broadcasts what was emitted; a draft
+model runs with tensor parallelism 1 only (refused otherwise at start-up)."""
 
 from __future__ import annotations
 
@@ -32,6 +34,7 @@ from actors.worker.random_sampling import filtered_probs
 from actors.worker.sampler import argmax_tokens, position_seed
 
 if TYPE_CHECKING:
+    from actors.worker.draft_model import DraftModel
     from actors.worker.model_runner import CachedRequest
     from actors.worker.sampler import Sampler
 
@@ -39,18 +42,50 @@ if TYPE_CHECKING:
 class Speculator:
     """Drafts and verification for one worker rank."""
 
-    def __init__(self, config: SpeculativeConfig, block_size: int, max_model_len: int) -> None:
+    def __init__(self, config: SpeculativeConfig, block_size: int, max_model_len: int,
+                 draft: DraftModel | None = None) -> None:
         self.block_size = block_size
         self.max_model_len = max_model_len
         self.ngram = NgramProposer.from_config(config) if config.method == "ngram" else None
         self.suffix = SuffixDecodingProposer.from_config(config) if config.method == "suffix" else None
-        if self.ngram is None and self.suffix is None:
+        self.draft = draft if config.method == "draft_model" else None  # draft_model.py
+        if self.ngram is None and self.suffix is None and self.draft is None:
             raise ValueError(f"speculative_config: method {config.method} is not supported by the worker")
         self._num_fed: dict[str, int] = {}  # suffix: request_id -> its tokens fed to the proposer
+
+    def allocate_kv_cache(self, num_blocks: int) -> None:
+        """The draft model's KV cache: the target's block count, the same block ids."""
+        if self.draft is not None:
+            self.draft.allocate_kv_cache(num_blocks)
+
+    def propose_step(self, num_lookahead_tokens: dict[str, int],  # request_id -> drafts granted
+                     scheduled: list[tuple[CachedRequest, int]]) -> StepDrafts:
+        """The step's drafts, appended to their requests' tokens. The draft model runs every
+        step (its cache follows every token the target computes); the other proposers only
+        where the plan granted drafts."""
+        drafts, draft_probs = {}, {}
+        if self.draft is not None:
+            caps = {request.request_id: self.draft_cap(request, n, num_lookahead_tokens.get(request.request_id, 0))
+                    for request, n in scheduled}
+            for request_id, (request_drafts, q) in self.draft.propose(scheduled, caps).items():
+                drafts[request_id] = request_drafts
+                if q is not None:
+                    draft_probs[request_id] = q
+        elif num_lookahead_tokens:
+            for request, num_tokens in scheduled:
+                request_drafts = self.propose(request, num_tokens, num_lookahead_tokens.get(request.request_id, 0))
+                if request_drafts:
+                    drafts[request.request_id] = request_drafts
+        if drafts:
+            for request, _ in scheduled:
+                request.token_ids.extend(drafts.get(request.request_id, ()))
+        return StepDrafts(drafts, draft_probs)
 
     def remove_request(self, request_id: str, token_ids: list[int] | None) -> None:
         """A request leaves (finished, aborted or preempted): suffix decoding keeps its
         output for later requests."""
+        if self.draft is not None:
+            self.draft.remove_request(request_id)
         if self.suffix is None or request_id not in self._num_fed:
             return
         if token_ids is not None:
@@ -58,21 +93,26 @@ class Speculator:
         self.suffix.stop_request(request_id)
         del self._num_fed[request_id]
 
-    def propose(self, request: CachedRequest, num_scheduled: int, num_granted: int) -> list[int]:
-        """Drafts for one request of the step; [] unless it decodes
-        (its chunk is its last token), was granted drafts and may speculate now."""
+    def draft_cap(self, request: CachedRequest, num_scheduled: int, num_granted: int) -> int:
+        """The most drafts one request of the step may get; 0 unless it decodes (its chunk
+        is its last token), was granted drafts and may speculate now."""
         num_tokens = len(request.token_ids)
         params = request.params
         if (num_granted <= 0 or num_scheduled != 1 or request.num_computed_tokens != num_tokens - 1
                 or request.pooling is not None or not may_speculate(params)
                 or num_tokens - request.num_prompt_tokens < params.min_tokens):
-            return []
+            return 0
         # never past the reserved slots, max_model_len or max_tokens: the scheduler reserved
         # KV for the worst case and stops the request at its limit anyway
         limit = self.max_model_len
         if params.max_tokens is not None:
             limit = min(limit, request.num_prompt_tokens + params.max_tokens)
-        cap = min(num_granted, len(request.block_ids) * self.block_size - num_tokens, limit - num_tokens - 1)
+        return max(0, min(num_granted, len(request.block_ids) * self.block_size - num_tokens, limit - num_tokens - 1))
+
+    def propose(self, request: CachedRequest, num_scheduled: int, num_granted: int) -> list[int]:
+        """Drafts for one request of the step from its own history (ngram, suffix); []
+        where draft_cap is 0."""
+        cap = self.draft_cap(request, num_scheduled, num_granted)
         if cap <= 0:
             return []
         if self.ngram is not None:
@@ -91,12 +131,15 @@ class Speculator:
 
     @staticmethod
     def verify(logits: torch.Tensor,  # [sum of 1 + d_i, vocab] fp32: request i's rows, in order
-               requests: list[CachedRequest], drafts: list[list[int]]) -> list[list[int]]:
+               requests: list[CachedRequest], drafts: list[list[int]],
+               draft_probs: list[torch.Tensor | None] | None = None,  # request i's q [d_i, vocab], or None
+               ) -> list[list[int]]:
         """The tokens each request emits: its accepted drafts, then the target's token (the
         correction at the first rejection, or the bonus after the last draft). Greedy
         requests accept while the argmax agrees (exactly greedy decoding); sampled ones by
-        rejection sampling with one-hot drafts, a seeded request from its own generator
-        seeded by (seed, output position), so its output is reproducible."""
+        rejection sampling, against the draft model's q where there is one, else with
+        one-hot drafts; a seeded request from its own generator seeded by (seed, output
+        position), so its output is reproducible."""
         device, vocab = logits.device, logits.shape[-1]
         num_requests, width = len(requests), max(len(d) for d in drafts)
         # request i's scored rows, padded with its first row (never emitted past its drafts)
@@ -131,18 +174,33 @@ class Speculator:
                 position_seed(requests[i].params.seed, len(requests[i].token_ids) - requests[i].num_prompt_tokens))
                 for i in sampled]
             num_accepted, tokens = rejection_sample(draft_tokens[sampled].to(device), num_draft[sampled].to(device),
-                                                    None, probs, generators)
+                                                    _padded_draft_probs(draft_probs, sampled, width, vocab, device),
+                                                    probs, generators)
             for j, i in enumerate(sampled):
                 emitted[i] = tokens[j, :int(num_accepted[j]) + 1].tolist()
         return emitted
 
 
+def _padded_draft_probs(draft_probs: list[torch.Tensor | None] | None, rows: list[int], width: int, vocab: int,
+                        device: torch.device) -> torch.Tensor | None:
+    """q of the given requests as one [n, width, vocab] tensor, zero past each one's drafts
+    (never read there); None for one-hot drafts."""
+    if draft_probs is None or all(draft_probs[i] is None for i in rows):
+        return None
+    padded = torch.zeros(len(rows), width, vocab, dtype=torch.float32, device=device)
+    for j, i in enumerate(rows):
+        padded[j, :len(draft_probs[i])] = draft_probs[i]
+    return padded
+
+
 class StepDrafts:
     """One step's speculated decodes: their drafts (appended to their tokens for the step),
-    their logits rows, and what verification emitted for them."""
+    the draft model's q of the sampled ones, their logits rows, and what verification
+    emitted for them."""
 
-    def __init__(self, drafts: dict[str, list[int]]) -> None:
+    def __init__(self, drafts: dict[str, list[int]], draft_probs: dict[str, torch.Tensor] | None = None) -> None:
         self.drafts = drafts  # request_id -> drafts, for the decodes that have some
+        self.draft_probs = draft_probs or {}  # request_id -> q [drafts, vocab]: sampled requests, draft_model
         self.requests: list[CachedRequest] = []  # the speculated requests, in the order of their rows
 
     def __len__(self) -> int:
@@ -169,7 +227,9 @@ class StepDrafts:
         return plain_rows, plain, spec_rows
 
     def verify(self, logits: torch.Tensor) -> list[list[int]]:  # logits: [rows of split_rows' spec_rows, vocab]
-        return Speculator.verify(logits, self.requests, [self.drafts[r.request_id] for r in self.requests])
+        return Speculator.verify(logits, self.requests, [self.drafts[r.request_id] for r in self.requests],
+                                 [self.draft_probs.get(r.request_id) for r in self.requests] if self.draft_probs
+                                 else None)
 
     @property
     def width(self) -> int:

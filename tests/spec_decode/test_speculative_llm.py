@@ -111,17 +111,22 @@ def test_max_tokens_stop_tokens_and_stop_strings_inside_speculated_runs_end_the_
     assert num_accepted(llm) > 0
 
 
-def test_n_2_speculates_per_sequence_and_seeded_sampling_is_reproducible(tiny_llama_dir, reference):
-    prompts, expected = reference
-    llm = LLM(tiny_llama_dir, **ENGINE_ARGS, speculative_config=spec_config("ngram", 3))
-    greedy_n2 = SamplingParams(n=2, temperature=0.0, max_tokens=48, ignore_eos=True)
-    assert token_ids(llm.generate(prompts[:1], greedy_n2, use_tqdm=False)) == [expected[0] * 2]
+def assert_seeded_sampling_reproduces_beside_others(llm: LLM, prompts: list[list[int]]) -> None:
+    """A seeded n=2 request gives the same output alone and between unseeded ones."""
     seeded = SamplingParams(n=2, temperature=0.7, top_p=0.95, top_k=50, seed=1234, max_tokens=32, ignore_eos=True)
     alone = token_ids(llm.generate(prompts[:1], seeded, use_tqdm=False))
     unseeded = SamplingParams(temperature=1.0, max_tokens=32, ignore_eos=True)
     mixed = llm.generate([prompts[1], prompts[0], prompts[2]], [unseeded, seeded, unseeded], use_tqdm=False)
     assert token_ids(mixed[1:2]) == alone
     assert alone[0][0] != alone[0][1]  # each completion its own seed
+
+
+def test_n_2_speculates_per_sequence_and_seeded_sampling_is_reproducible(tiny_llama_dir, reference):
+    prompts, expected = reference
+    llm = LLM(tiny_llama_dir, **ENGINE_ARGS, speculative_config=spec_config("ngram", 3))
+    greedy_n2 = SamplingParams(n=2, temperature=0.0, max_tokens=48, ignore_eos=True)
+    assert token_ids(llm.generate(prompts[:1], greedy_n2, use_tqdm=False)) == [expected[0] * 2]
+    assert_seeded_sampling_reproduces_beside_others(llm, prompts)
     stats = llm.scheduler.stats()
     assert stats["spec_decode_num_draft_tokens"] > 0 and stats["spec_decode_num_accepted_tokens"] > 0
 
@@ -145,7 +150,7 @@ def test_a_request_with_logprobs_or_penalties_decodes_without_drafts_beside_spec
 @pytest.mark.parametrize("config, message", [
     ({"method": "medusa", "num_speculative_tokens": 2}, "method must be one of"),
     ({"method": "ngram", "num_speculative_tokens": 0}, "num_speculative_tokens must be >= 1"),
-    ({"method": "draft_model", "model": "/some/draft", "num_speculative_tokens": 2}, "not supported yet"),
+    ({"method": "eagle", "num_speculative_tokens": 2}, "method must be one of"),
     ({"method": "ngram", "num_speculative_tokens": 300}, "must fit in max_num_batched_tokens"),
     ('{"method": "ngram", ', "not valid JSON"),
 ])
