@@ -39,12 +39,12 @@ def engine_addresses(namespace: Namespace, num_input_processors: int, parallel: 
     names += [f"input_processor{i}" for i in range(num_input_processors)]
     names += [f"worker{rank}" for rank in parallel.local_ranks]
     addresses = {name: namespace.address(name) for name in names}
-    for rank in range(parallel.tensor_parallel_size):
+    for rank in range(parallel.world_size):
         addresses[f"plans{rank}"] = namespace.address(f"plans{rank}")
     if parallel.nnodes > 1:
         host, port = parallel.master_addr, parallel.master_port
         addresses["frontend"] = f"tcp://{host}:{port + 1}"
-        for rank in range(parallel.tensor_parallel_size):
+        for rank in range(parallel.world_size):
             addresses[f"plans{rank}"] = f"tcp://{host}:{port + 2 + rank}"
     return addresses
 
@@ -67,7 +67,7 @@ class EngineProcesses:
         self.engine = engine
         self.addresses = addresses
         self.num_input_processors = num_input_processors
-        self.num_workers = engine.parallel.tensor_parallel_size
+        self.num_workers = engine.parallel.world_size
         self.log_level = log_level
         self.processes: dict[str, ActorProcess] = {}
         self.ready: dict[str, ActorReady] = {}

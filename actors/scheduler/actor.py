@@ -17,6 +17,7 @@ from collections import OrderedDict, deque
 from actors.actor import Actor, ActorSpec
 from actors.config import SchedulerConfig
 from actors.executor import Executor
+from actors.scheduler.pipeline_plans import keep_pipeline_full
 from actors.scheduler.priority import make_scheduler
 from actors.scheduler.control import EngineControlState
 from actors.scheduler.scheduler import Scheduler
@@ -60,8 +61,10 @@ class SchedulerActor(Actor):
                                    engine.model.eos_token_ids, max_loras=engine.lora.max_loras if engine.lora else 0,
                                    pooling_type=engine.pooler.pooling_type if engine.pooler else None,
                                    generates=engine.model.can_generate, speculative=engine.speculative)
-        executor = Executor(sockets, spec.addresses, engine.parallel.tensor_parallel_size)
-        return cls(spec.name, spec.addresses, sockets, scheduler, engine.scheduler, executor)
+        executor = Executor(sockets, spec.addresses, engine.parallel.world_size)
+        actor = cls(spec.name, spec.addresses, sockets, scheduler, engine.scheduler, executor)
+        keep_pipeline_full(actor, engine.parallel.pipeline_parallel_size)
+        return actor
 
     def close(self) -> None:
         self.executor.close()

@@ -41,6 +41,8 @@ from messages.worker import ContinuingRequest, NewRequest, StepPlan
 class Scheduler:
     """Owns every live sequence and the KV-cache manager; builds StepPlans, applies StepResults."""
 
+    skip_sampling_in_flight = False  # pipeline parallelism: plans in flight hold disjoint decodes
+
     def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig, num_blocks: int,
                  eos_token_ids: tuple[int, ...], max_loras: int = 0, pooling_type: str | None = None,
                  generates: bool = True, speculative: SpeculativeConfig | None = None) -> None:
@@ -186,8 +188,8 @@ class Scheduler:
         index = 0
         while index < len(self.running) and budget > 0:
             seq = self.running[index]
-            if seq.last_token_in_flight:
-                index += 1  # it finishes when that result comes
+            if seq.last_token_in_flight or (self.skip_sampling_in_flight and seq.num_pending_tokens):
+                index += 1  # it finishes when that result comes (under pipeline parallelism: its next input)
                 continue
             num_new_tokens = min(seq.num_total_tokens - seq.num_computed_tokens, budget)
             assert num_new_tokens > 0, f"running {seq} has nothing to compute"

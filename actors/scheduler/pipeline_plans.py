@@ -1,0 +1,37 @@
+"""The scheduler's side of pipeline parallelism: keep one plan in flight per stage.
+
+With P stages, P plans in flight let every stage work at once, on different plans. Two
+things change against async scheduling's two plans (scheduler/actor.py):
+- a decode's input is the previous step's sample, which the first stage has only once the
+  last stage has sampled it: a request whose sample is in flight is left out of the next
+  plans (Scheduler.skip_sampling_in_flight), so the plans in flight hold disjoint decodes
+  and none waits for another (prefill chunks of one prompt may still follow each other:
+  each stage runs the plans in order, so a chunk's KV is written before the next needs it);
+- the next plan is sent at once, not timed to the end of the running one (StepTimer): it
+  runs on the first stage while the running one moves on to the next stages."""
+
+from __future__ import annotations
+
+
+class SendAtOnce:
+    """StepTimer's interface, never asking to wait."""
+
+    def sent(self, step_id: int, num_tokens: int, now: float) -> None:
+        pass
+
+    def finished(self, step_id: int, now: float) -> None:
+        pass
+
+    def dispatch_delay(self, now: float) -> float:
+        return 0.0
+
+
+def keep_pipeline_full(actor, pipeline_parallel_size: int) -> None:
+    """Sets a SchedulerActor up for pipeline_parallel_size stages (with async scheduling on;
+    off, one plan at a time still runs, stage after stage)."""
+    if pipeline_parallel_size == 1:
+        return
+    actor.scheduler.skip_sampling_in_flight = True
+    if actor.max_plans_in_flight > 1:
+        actor.max_plans_in_flight = max(2, pipeline_parallel_size)
+        actor.step_timer = SendAtOnce()
