@@ -37,7 +37,7 @@ from actors.worker.stage_link import StageLink
 from messages.scheduler import StepResult
 from messages.worker import StepPlan
 
-# When set, each stage writes its busy time to $TROUPE_STAGE_TIMES_DIR/stage{rank}.json at
+# When set, each stage writes its step times to $TROUPE_STAGE_TIMES_DIR/stage{rank}.json at
 # shutdown (benchmarks/pipeline.py's bubble estimate).
 STAGE_TIMES_DIR = "TROUPE_STAGE_TIMES_DIR"
 
@@ -132,9 +132,9 @@ class StageRunner(ModelRunner):
                  parallel: TensorParallel) -> None:
         self.stage = stage
         self.link = StageLink(stage)
-        self.busy_s = 0.0  # time spent in execute (the bubble estimate's numerator)
-        self.first_step_at: float | None = None
-        self.last_step_at = 0.0
+        # (start, end, seconds waiting for the previous stage) of each step, kept only for
+        # the benchmark's bubble estimate
+        self.step_times: list[tuple[float, float, float]] | None = [] if os.environ.get(STAGE_TIMES_DIR) else None
         super().__init__(stage_engine(engine, stage), num_blocks, engine.attention_backend, engine.load_format,
                          parallel)
 
@@ -157,13 +157,12 @@ class StageRunner(ModelRunner):
 
     @torch.inference_mode()
     def execute(self, plan: StepPlan) -> StepResult:
-        started = time.perf_counter()
-        self.first_step_at = self.first_step_at or started
-        try:
+        if self.step_times is None:
             return self._execute(plan)
-        finally:
-            self.last_step_at = time.perf_counter()
-            self.busy_s += self.last_step_at - started
+        started, waited_before = time.perf_counter(), self.link.waited_s
+        result = self._execute(plan)
+        self.step_times.append((started, time.perf_counter(), self.link.waited_s - waited_before))
+        return result
 
     def _execute(self, plan: StepPlan) -> StepResult:
         if self.stage.is_last:
@@ -201,10 +200,8 @@ class StageRunner(ModelRunner):
         return None
 
     def close(self) -> None:
-        """Writes the stage's busy time where the benchmark asked for it."""
-        directory = os.environ.get(STAGE_TIMES_DIR)
-        if directory and self.first_step_at is not None:
+        """Writes the stage's step times where the benchmark asked for them."""
+        if self.step_times:
             rank = self.stage.global_rank(self.stage.index)
-            with open(os.path.join(directory, f"stage{rank}.json"), "w") as times_file:
-                json.dump({"stage": self.stage.index, "rank": rank, "busy_s": self.busy_s,
-                           "span_s": self.last_step_at - self.first_step_at}, times_file)
+            with open(os.path.join(os.environ[STAGE_TIMES_DIR], f"stage{rank}.json"), "w") as times_file:
+                json.dump({"stage": self.stage.index, "rank": rank, "steps": self.step_times}, times_file)

@@ -15,6 +15,7 @@ plans in the order sent, so neither side needs a step id on the wire."""
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from typing import TYPE_CHECKING
 
@@ -32,6 +33,7 @@ _TOKENS_TAG = 2
 class StageLink:
     def __init__(self, stage: PipelineStage) -> None:
         self.stage = stage
+        self.waited_s = 0.0  # time blocked on the previous stage's hidden states or the last stage's tokens
         self._sends: deque[tuple[dist.Work, torch.Tensor]] = deque()  # kept alive until sent
         # per step passed on with samples, in order: its sampling requests, the tokens' buffer, the receive
         self._pending_tokens: deque[tuple[list[CachedRequest], torch.Tensor, dist.Work]] = deque()
@@ -45,7 +47,9 @@ class StageLink:
     def receive_hidden(self, num_tokens: int, hidden_size: int, dtype: torch.dtype,
                        device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         payload = torch.empty((2, num_tokens, hidden_size), dtype=dtype, device=device)
+        started = time.perf_counter()
         dist.recv(payload, src=self.stage.global_rank(self.stage.index - 1), tag=_HIDDEN_TAG)
+        self.waited_s += time.perf_counter() - started
         return payload[0], payload[1]
 
     # ---- sampled tokens, last stage to the others ----
@@ -82,7 +86,9 @@ class StageLink:
 
     def _apply_next(self) -> None:
         samplers, tokens, work = self._pending_tokens.popleft()
+        started = time.perf_counter()
         work.wait()
+        self.waited_s += time.perf_counter() - started
         for request, token in zip(samplers, tokens.tolist()):
             request.token_ids.append(token)
 
