@@ -26,8 +26,10 @@ def check_distributed_flags(args: Any) -> None:
                          "node, or across nodes with distributed_executor_backend='ray'")
     if dp > 1 and args.nnodes > 1:
         raise ValueError("data_parallel_size > 1 with nnodes > 1 is not supported")
-    if dp > 1:
-        raise ValueError("data_parallel_size > 1 is not supported yet")
+    if dp > 1 and args.enable_lora:
+        raise ValueError("data_parallel_size > 1 does not support enable_lora yet")
+    if dp > 1 and args.distributed_executor_backend == "ray":
+        raise ValueError("data_parallel_size > 1 with distributed_executor_backend='ray' is not supported yet")
     if args.distributed_executor_backend == "ray":
         raise ValueError("distributed_executor_backend='ray' is not supported yet")
     if args.distributed_executor_backend == "ray":

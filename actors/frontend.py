@@ -53,6 +53,13 @@ class AsyncClient(AsyncBeamSearch, LoRAClientMixin, PoolingClientMixin, EngineCo
     and the rest (actors/lora/client.py) manage LoRA adapters; encode() and embed()
     (actors/pooling/client.py) run a pooling model."""
 
+    def __new__(cls, *args: Any, **engine_args: Any) -> AsyncClient:
+        size = engine_args.get("data_parallel_size", 1)
+        if cls is AsyncClient and isinstance(size, int) and size > 1:  # replicas: actors/data_parallel.py
+            from actors.data_parallel import DataParallelClient
+            return super().__new__(DataParallelClient)
+        return super().__new__(cls)
+
     @takes_engine_args
     def __init__(self, model: str | None = None, *, num_input_processors: int = 1, startup_timeout: float = 600.0,
                  log_level: str = "WARNING", transport: str = "ipc", **engine_args: Any) -> None:
