@@ -31,8 +31,6 @@ def check_distributed_flags(args: Any) -> None:
     if dp > 1 and args.distributed_executor_backend == "ray":
         raise ValueError("data_parallel_size > 1 with distributed_executor_backend='ray' is not supported yet")
     if args.distributed_executor_backend == "ray":
-        raise ValueError("distributed_executor_backend='ray' is not supported yet")
-    if args.distributed_executor_backend == "ray":
         if args.nnodes > 1:
             raise ValueError("distributed_executor_backend='ray' places every rank itself: leave nnodes at 1 "
                              "(the Ray cluster spans the machines)")

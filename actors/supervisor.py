@@ -72,11 +72,25 @@ class EngineProcesses:
         self.processes: dict[str, ActorProcess] = {}
         self.ready: dict[str, ActorReady] = {}
         self._stopping = False
+        self.ray = None  # the workers' RayPlacement (actors/ray_executor.py) with the 'ray' backend
 
     def _spawn(self, kind: str, name: str, **options) -> None:
         spec = ActorSpec(kind=kind, name=name, addresses=self.addresses, engine=self.engine, options=options,
                          log_level=self.log_level)
-        self.processes[name] = ActorProcess(spec)
+        if kind == "worker" and self.engine.parallel.distributed_executor_backend == "ray":
+            self.processes[name] = self._ray_placement().spawn(spec, options["rank"])
+        else:
+            self.processes[name] = ActorProcess(spec)
+
+    def _ray_placement(self):
+        if self.ray is None:
+            from actors.cli_flags import cuda_device_count
+            from actors.ray_executor import RayPlacement
+
+            device = self.engine.device
+            self.ray = RayPlacement(self.engine.parallel,
+                                    device.startswith("cuda") or (device == "auto" and cuda_device_count() > 0))
+        return self.ray
 
     async def start(self, control: Inbox, timeout: float) -> None:
         """Starts every actor and returns once all are ready. On a failure or timeout,
@@ -169,6 +183,7 @@ class EngineProcesses:
                 process.kill()
                 process.wait(5.0)
             process.close()
+        self._release_ray()
 
     def kill_all(self) -> None:
         """Last resort, from any context (atexit, a finaliser): SIGKILL every process."""
@@ -176,6 +191,12 @@ class EngineProcesses:
         for process in self.processes.values():
             process.kill()
             process.wait(5.0)
+        self._release_ray()
+
+    def _release_ray(self) -> None:
+        if self.ray is not None:
+            self.ray.shutdown()
+            self.ray = None
 
 
 async def run_worker_node(engine: EngineConfig, stop: asyncio.Event, log_level: str = "WARNING") -> int:

@@ -72,3 +72,13 @@ async def test_kill_9_of_the_last_stage_fails_pending_requests(make_tiny_model):
 def test_unsupported_combinations_are_refused_by_name(tiny_llama_dir, options, named):
     with pytest.raises(ValueError, match=named):
         LLM(tiny_llama_dir, **{"pipeline_parallel_size": 2, **options})
+
+
+def test_the_ray_backend_without_ray_names_the_extra(tiny_llama_dir, monkeypatch):
+    import importlib.util
+
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *rest: None if name == "ray" else
+                        find_spec(name, *rest))
+    with pytest.raises(ValueError, match=r"distributed_executor_backend.*troupe\[ray\]"):
+        LLM(tiny_llama_dir, distributed_executor_backend="ray")
