@@ -25,11 +25,11 @@ async def test_stages_match_hf_through_chunked_prefill_and_preemption(make_tiny_
     model_dir = make_tiny_model(arch, **overrides)
     prompts = make_prompts(383 if arch == "qwen2" else 300, PROMPT_LENGTHS, seed=1)
     expected, _ = hf_greedy(model_dir, prompts, GREEDY.max_tokens)
-    # a 16-token budget chunks the longer prompts; 40 blocks of 4 tokens cannot hold all
+    # a 24-token budget (a plan gets 1/P of it) chunks the longer prompts; 40 blocks of 4 tokens cannot hold all
     # eight requests, so some are preempted and recomputed
     async with asyncio.timeout(180):
         async with AsyncClient(model_dir, pipeline_parallel_size=pp, tensor_parallel_size=tp,
-                               max_num_batched_tokens=16, block_size=4, num_kv_blocks=40) as client:
+                               max_num_batched_tokens=24, block_size=4, num_kv_blocks=40) as client:
             outputs = await client.generate_batch(prompts, GREEDY, use_tqdm=False)
             stats = await client.get_stats()
             ready = {name: client.processes.ready[name].info for name in client.processes.processes
