@@ -58,8 +58,9 @@ def test_layers_split_evenly_with_the_remainder_on_the_earlier_stages():
     assert [len(stage_layers(30, 4, s)) for s in range(4)] == [8, 8, 7, 7]
 
 
-async def test_kill_9_of_the_last_stage_fails_pending_requests(make_tiny_model):
-    await kill_during_generation(make_tiny_model("llama", max_position_embeddings=8192), "worker1",
+@pytest.mark.parametrize("victim", ["worker0", "worker1"])  # the first stage, the last (which answers)
+async def test_kill_9_of_a_stage_fails_pending_requests(make_tiny_model, victim):
+    await kill_during_generation(make_tiny_model("llama", max_position_embeddings=8192), victim,
                                  pipeline_parallel_size=2)
 
 
