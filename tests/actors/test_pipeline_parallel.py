@@ -5,6 +5,7 @@ preemption; each stage holding its layers only; a dead stage failing every reque
 from __future__ import annotations
 
 import asyncio
+import json
 
 import pytest
 
@@ -39,6 +40,24 @@ async def test_stages_match_hf_through_chunked_prefill_and_preemption(make_tiny_
     assert len(ready) == pp * tp
     whole = LLM(model_dir, kv_cache_memory="8MiB").engine.runner.model.num_weight_bytes()
     assert all(info["weight_bytes"] < 0.8 * whole for info in ready.values())
+
+
+async def test_two_stages_compute_different_plans_at_once(make_tiny_model, tmp_path, monkeypatch):
+    from actors.worker.pipeline import STAGE_TIMES_DIR
+
+    monkeypatch.setenv(STAGE_TIMES_DIR, str(tmp_path))  # the stages write their step times at shutdown
+    model_dir = make_tiny_model("llama", num_hidden_layers=4, hidden_size=256, intermediate_size=1024)
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    async with asyncio.timeout(120):
+        async with AsyncClient(model_dir, pipeline_parallel_size=2, kv_cache_memory="32MiB") as client:
+            await client.generate_batch(make_prompts(300, [64] * 16, seed=2), params, use_tqdm=False)
+    first, last = ([(start + waited, end) if stage == 0 else (end - (end - start - waited), end)
+                    for start, end, waited in json.loads((tmp_path / f"stage{stage}.json").read_text())["steps"]]
+                   for stage in (0, 1))
+    overlap = sum(max(0.0, min(end, end1) - max(start, start1)) for start, end in first for start1, end1 in last)
+    busy = sum(end - start for start, end in last)
+    # run one after the other, the stages' compute would never overlap
+    assert overlap > 0.2 * busy
 
 
 def test_each_stage_sizes_its_kv_cache_from_its_own_layers(make_tiny_model):
