@@ -109,6 +109,7 @@ class ParallelConfig:
     # tensor_parallel_size ranks; rank = stage * tensor_parallel_size + tensor-parallel rank
     pipeline_parallel_size: int = 1
     distributed_executor_backend: str = "mp"  # "mp": worker processes; "ray": Ray actors (actors/ray_executor.py)
+    data_parallel_size: int = 1  # engine replicas behind one AsyncClient (actors/data_parallel.py); each has the above
 
     @property
     def world_size(self) -> int:

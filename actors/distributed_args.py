@@ -65,4 +65,4 @@ def stage_layers(num_layers: int, pp_size: int, stage: int) -> range:
 def runs_in_process(parallel: Any) -> bool:
     """Whether LLM runs the engine core in its own process: one worker, no Ray, one replica."""
     return (parallel.world_size == 1 and parallel.distributed_executor_backend == "mp"
-            and getattr(parallel, "data_parallel_size", 1) == 1)
+            and parallel.data_parallel_size == 1)

@@ -13,6 +13,7 @@ path); one worker runs the CPU's one-call C++ step, a stage runs its layers op b
 
     python benchmarks/pipeline.py                       # embedded SmolLM2-135M, 32 prompts
     python benchmarks/pipeline.py --model DIR --num-prompts 64 --output-len 128
+    python benchmarks/pipeline.py --ray     # also PP=2 on Ray actors, and Ray's per-step cost
 """
 
 from __future__ import annotations
@@ -89,6 +90,16 @@ def main() -> None:
         results.append(asyncio.run(run(args, prompts, 2, "ray")))
     for result in results:
         print(json.dumps(result))
+    if args.ray:  # the per-step cost of Ray: one stream (a step a token) on one worker, process vs actor,
+        # alternated twice, the faster of each kept (a shared machine's load swings)
+        stream_args = argparse.Namespace(**{**vars(args), "output_len": 128})
+        per_step = {"mp": [], "ray": []}
+        for backend in ("mp", "ray", "mp", "ray"):
+            result = asyncio.run(run(stream_args, prompts[:1], 1, backend))
+            per_step[backend].append(result["seconds"] / result["tokens"])
+        mp, ray = min(per_step["mp"]), min(per_step["ray"])
+        print(f"one stream, one worker: {mp * 1e3:.2f} ms a step as a process, {ray * 1e3:.2f} ms as a Ray actor "
+              f"({ray / mp:.3f}x; all runs: {json.dumps(per_step)})")
     base = results[0]["seconds"]
     for result in results[1:]:
         print(f"PP={result['pp']} ({result['backend']}): {result['seconds']:.2f} s vs PP=1 {base:.2f} s "

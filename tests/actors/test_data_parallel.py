@@ -69,3 +69,14 @@ async def test_kill_9_of_one_replica_fails_only_its_requests(make_tiny_model):
 def test_data_parallel_refuses_lora_by_name(tiny_llama_dir):
     with pytest.raises(ValueError, match="enable_lora"):
         AsyncClient(tiny_llama_dir, data_parallel_size=2, enable_lora=True).engine_args.check()
+
+
+def test_llm_with_two_replicas_gives_one_engines_output(tiny_llama_dir):
+    from actors import LLM
+
+    one = LLM(tiny_llama_dir, kv_cache_memory="32MiB")
+    prompts = make_prompts(one.config.model.vocab_size, [5, 17, 33, 9], seed=4)
+    expected = [o.outputs[0].token_ids for o in one.generate(prompts, GREEDY, use_tqdm=False)]
+    with LLM(tiny_llama_dir, kv_cache_memory="32MiB", data_parallel_size=2) as replicated:
+        assert replicated.engine is None  # the replicas run behind an AsyncClient
+        assert [o.outputs[0].token_ids for o in replicated.generate(prompts, GREEDY, use_tqdm=False)] == expected
