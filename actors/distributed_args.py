@@ -66,3 +66,18 @@ def runs_in_process(parallel: Any) -> bool:
     """Whether LLM runs the engine core in its own process: one worker, no Ray, one replica."""
     return (parallel.world_size == 1 and parallel.distributed_executor_backend == "mp"
             and parallel.data_parallel_size == 1)
+
+
+class ReplicasWhenAsked:
+    """AsyncClient's first base: AsyncClient(..., data_parallel_size=D > 1) makes a
+    DataParallelClient (actors/data_parallel.py), D engines behind one client. (A base
+    class's __new__, so that inspect still shows AsyncClient.__init__'s keywords.)"""
+
+    def __new__(cls, *args: Any, **engine_args: Any):
+        size = engine_args.get("data_parallel_size", 1)
+        if isinstance(size, int) and size > 1:
+            from actors.data_parallel import DataParallelClient
+
+            if issubclass(DataParallelClient, cls):
+                cls = DataParallelClient
+        return super().__new__(cls)

@@ -27,6 +27,7 @@ import zmq
 from actors.beam_search import AsyncBeamSearch
 from actors.config import EngineConfig
 from actors.detokenizer import merge_delta
+from actors.distributed_args import ReplicasWhenAsked
 from actors.engine_args import EngineArgs, takes_engine_args
 from actors.engine_control import EngineControlMixin
 from actors.lora.client import LoRAClientMixin
@@ -47,18 +48,12 @@ from messages.transport import Namespace, Sockets
 logger = logging.getLogger(__name__)
 
 Prompt = str | list[int]
-class AsyncClient(AsyncBeamSearch, LoRAClientMixin, PoolingClientMixin, EngineControlMixin, ClientTracingMixin):
+class AsyncClient(ReplicasWhenAsked, AsyncBeamSearch, LoRAClientMixin, PoolingClientMixin, EngineControlMixin,
+                  ClientTracingMixin):
     """Starts and supervises a troupe engine; generate() streams RequestOutput deltas;
     beam_search() (actors/beam_search.py) returns a prompt's finished beams; add_lora()
     and the rest (actors/lora/client.py) manage LoRA adapters; encode() and embed()
     (actors/pooling/client.py) run a pooling model."""
-
-    def __new__(cls, *args: Any, **engine_args: Any) -> AsyncClient:
-        size = engine_args.get("data_parallel_size", 1)
-        if cls is AsyncClient and isinstance(size, int) and size > 1:  # replicas: actors/data_parallel.py
-            from actors.data_parallel import DataParallelClient
-            return super().__new__(DataParallelClient)
-        return super().__new__(cls)
 
     @takes_engine_args
     def __init__(self, model: str | None = None, *, num_input_processors: int = 1, startup_timeout: float = 600.0,

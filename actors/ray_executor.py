@@ -56,6 +56,8 @@ class RayPlacement:
         env = {"PYTHONPATH": os.pathsep.join([package_root] + [p for p in os.environ.get("PYTHONPATH", "")
                                                                    .split(os.pathsep) if p]),
                "GOMP_SPINCOUNT": os.environ.get("GOMP_SPINCOUNT", "10000"),
+               # the threads a worker process takes (Ray would give an actor one, its CPU bundle's)
+               "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // world_size))),
                "RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES": "1"}
         self.owns_ray = not ray.is_initialized()
         if self.owns_ray:

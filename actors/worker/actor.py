@@ -88,8 +88,9 @@ class WorkerActor(Actor):
 
 
 def _join_group(engine, rank: int, world_size: int, init_method: str) -> None:
-    """torch.distributed for the tensor-parallel group: NCCL between GPUs, gloo on the CPU
-    (where the ranks also share the cores instead of each taking them all)."""
+    """torch.distributed for the workers (every tensor- and pipeline-parallel rank): NCCL
+    between GPUs, gloo on the CPU (where the ranks also share the cores instead of each
+    taking them all)."""
     import os
     from datetime import timedelta
 

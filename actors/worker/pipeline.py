@@ -131,7 +131,7 @@ class StageRunner(ModelRunner):
     def __init__(self, engine: EngineConfig, num_blocks: int, stage: PipelineStage,
                  parallel: TensorParallel) -> None:
         self.stage = stage
-        self.link = StageLink(stage)
+        self.link = StageLink(stage, torch.device(engine.device))
         # (start, end, seconds waiting for the previous stage) of each step, kept only for
         # the benchmark's bubble estimate
         self.step_times: list[tuple[float, float, float]] | None = [] if os.environ.get(STAGE_TIMES_DIR) else None

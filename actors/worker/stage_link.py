@@ -31,8 +31,9 @@ _TOKENS_TAG = 2
 
 
 class StageLink:
-    def __init__(self, stage: PipelineStage) -> None:
+    def __init__(self, stage: PipelineStage, device: torch.device) -> None:
         self.stage = stage
+        self.device = device  # of every tensor sent: NCCL sends only GPU tensors
         self.waited_s = 0.0  # time blocked on the previous stage's hidden states or the last stage's tokens
         self._sends: deque[tuple[dist.Work, torch.Tensor]] = deque()  # kept alive until sent
         # per step passed on with samples, in order: its sampling requests, the tokens' buffer, the receive
@@ -58,7 +59,7 @@ class StageLink:
         """On the last stage: this step's samples, to every earlier stage."""
         if not token_ids or self.stage.size == 1:
             return
-        tokens = torch.tensor(token_ids, dtype=torch.long)
+        tokens = torch.tensor(token_ids, dtype=torch.long, device=self.device)
         for stage in range(self.stage.size - 1):
             self._send(tokens, self.stage.global_rank(stage), _TOKENS_TAG)
 
@@ -66,7 +67,7 @@ class StageLink:
         """On an earlier stage: the step just passed on samples a token for each of these."""
         if not samplers:
             return
-        tokens = torch.empty(len(samplers), dtype=torch.long)
+        tokens = torch.empty(len(samplers), dtype=torch.long, device=self.device)
         work = dist.irecv(tokens, src=self.stage.global_rank(self.stage.size - 1), tag=_TOKENS_TAG)
         self._pending_tokens.append((samplers, tokens, work))
 
