@@ -62,7 +62,7 @@ class LLM(LLMPoolingMixin):
     @property
     def scheduler(self):
         if self.engine is None:
-            raise AttributeError("the scheduler runs in its own process when tensor_parallel_size > 1")
+            raise AttributeError("the scheduler runs in its own process with several workers or replicas")
         return self.engine.scheduler
 
     def sleep(self, level: int = 1) -> None:

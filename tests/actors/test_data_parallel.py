@@ -66,9 +66,14 @@ async def test_kill_9_of_one_replica_fails_only_its_requests(make_tiny_model):
     assert not [pid for pid in pids if pid_exists(pid)]
 
 
-def test_data_parallel_refuses_lora_by_name(tiny_llama_dir):
-    with pytest.raises(ValueError, match="enable_lora"):
-        AsyncClient(tiny_llama_dir, data_parallel_size=2, enable_lora=True).engine_args.check()
+@pytest.mark.parametrize("options, named", [
+    ({"enable_lora": True}, "data_parallel_size > 1 does not support enable_lora"),
+    ({"nnodes": 2, "tensor_parallel_size": 2}, "data_parallel_size > 1 with nnodes"),
+    ({"distributed_executor_backend": "ray"}, "data_parallel_size > 1 with distributed_executor_backend"),
+])
+def test_data_parallel_refuses_what_it_does_not_support_by_name(tiny_llama_dir, options, named):
+    with pytest.raises(ValueError, match=named):
+        AsyncClient(tiny_llama_dir, data_parallel_size=2, **options).engine_args.check()
 
 
 def test_llm_with_two_replicas_gives_one_engines_output(tiny_llama_dir):
