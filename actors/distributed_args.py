@@ -22,10 +22,13 @@ def check_distributed_flags(args: Any) -> None:
         raise ValueError(f"distributed_executor_backend must be one of {', '.join(EXECUTOR_BACKENDS)}, "
                          f"got {args.distributed_executor_backend!r}")
     if pp > 1 and args.nnodes > 1:
-        raise ValueError("pipeline_parallel_size > 1 with nnodes > 1 is not supported: run the stages on one "
-                         "node, or across nodes with distributed_executor_backend='ray'")
+        raise ValueError("pipeline_parallel_size > 1 with nnodes > 1 is not supported: run the stages on one node")
     if dp > 1 and args.nnodes > 1:
         raise ValueError("data_parallel_size > 1 with nnodes > 1 is not supported")
+    if pp > 1:
+        for name in ("enable_lora", "speculative_config", "gpu_memory_utilization"):
+            if getattr(args, name) not in (None, False):
+                raise ValueError(f"pipeline_parallel_size > 1 does not support {name} yet")
     if dp > 1 and args.enable_lora:
         raise ValueError("data_parallel_size > 1 does not support enable_lora yet")
     if dp > 1 and args.distributed_executor_backend == "ray":
@@ -38,19 +41,15 @@ def check_distributed_flags(args: Any) -> None:
             raise ValueError(f"distributed_executor_backend='ray' needs the ray package: {RAY_EXTRA_HINT}")
 
 
-def check_distributed(args: Any, model: ModelConfig, pooler: Any, speculative: Any) -> None:
-    """ValueError naming the field, for what pipeline parallelism does not combine with."""
+def check_distributed(args: Any, model: ModelConfig, pooler: Any) -> None:
+    """ValueError naming the field, for what pipeline parallelism does not fit in the model."""
     pp = args.pipeline_parallel_size
     if pp == 1:
         return
     if model.num_hidden_layers < pp:
         raise ValueError(f"pipeline_parallel_size {pp} is more than the model's {model.num_hidden_layers} layers")
-    refused = {"enable_lora": args.enable_lora, "pooling models (runner 'pooling')": pooler is not None
-               or model.is_encoder or not model.can_generate, "speculative_config": speculative is not None,
-               "gpu_memory_utilization": args.gpu_memory_utilization is not None}
-    for name, used in refused.items():
-        if used:
-            raise ValueError(f"pipeline_parallel_size > 1 does not support {name} yet")
+    if pooler is not None or model.is_encoder or not model.can_generate:
+        raise ValueError("pipeline_parallel_size > 1 does not support pooling models (runner 'pooling') yet")
 
 
 def stage_layers(num_layers: int, pp_size: int, stage: int) -> range:

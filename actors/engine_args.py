@@ -267,7 +267,7 @@ class EngineArgs:
         if speculative is not None:
             check_engine_fit(speculative, pooling=pooler is not None or not model_config.can_generate,
                              max_num_batched_tokens=args.max_num_batched_tokens)
-        check_distributed(args, model_config, pooler, speculative)
+        check_distributed(args, model_config, pooler)
         return EngineConfig(
             model=model_config,
             cache=CacheConfig(block_size=args.block_size, kv_cache_memory=parse_size(args.kv_cache_memory),

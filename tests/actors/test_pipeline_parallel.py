@@ -87,6 +87,7 @@ async def test_kill_9_of_a_stage_fails_pending_requests(make_tiny_model, victim)
     ({"enable_lora": True}, "enable_lora"),
     ({"pipeline_parallel_size": 3}, "layers"),
     ({"speculative_config": {"method": "ngram", "num_speculative_tokens": 2}}, "speculative_config"),
+    ({"runner": "pooling"}, "pooling models"),
     ({"nnodes": 2, "tensor_parallel_size": 2}, "pipeline_parallel_size > 1 with nnodes"),
 ])
 def test_unsupported_combinations_are_refused_by_name(tiny_llama_dir, options, named):
