@@ -110,10 +110,20 @@ class ParallelConfig:
     node_rank: int = 0
     master_addr: str = "127.0.0.1"
     master_port: int = 29500
+    # pipeline parallelism (actors/worker/pipeline.py): stages of contiguous layers, each with
+    # tensor_parallel_size ranks; rank = stage * tensor_parallel_size + tensor-parallel rank
+    pipeline_parallel_size: int = 1
+    distributed_executor_backend: str = "mp"  # "mp": worker processes; "ray": Ray actors (actors/ray_executor.py)
+    data_parallel_size: int = 1  # engine replicas behind one AsyncClient (actors/data_parallel.py); each has the above
+
+    @property
+    def world_size(self) -> int:
+        """Worker ranks of one engine: every stage's tensor-parallel ranks."""
+        return self.tensor_parallel_size * self.pipeline_parallel_size
 
     @property
     def ranks_per_node(self) -> int:
-        return self.tensor_parallel_size // self.nnodes
+        return self.world_size // self.nnodes
 
     @property
     def local_ranks(self) -> range:

@@ -26,6 +26,7 @@ from actors.cli_flags import cli_arg as _arg  # short: every field below is one
 from actors.config import (CacheConfig, EngineConfig, LoRAConfig, ParallelConfig, SchedulerConfig,
                            check_tensor_parallel_size, parse_size)
 from actors.kv_offload_args import check_kv_offload_dir, host_kv_bytes
+from actors.distributed_args import EXECUTOR_BACKENDS, check_distributed, check_distributed_flags
 from actors.pooling.engine import (CONVERTS, RUNNERS, TASKS, check_pooling_args, override_architecture,
                                   parse_hf_overrides, pooler_for)
 from actors.quantization import QUANTIZATION_METHODS, check_quantization
@@ -115,6 +116,12 @@ class EngineArgs:
               % (SERVER_DEVICE, PYTHON_DEVICE), choices=DEVICES)
     tensor_parallel_size: int = _arg(1, "worker processes, one per device, each holding a slice of the model",
                                      metavar="N")
+    pipeline_parallel_size: int = _arg(1, "pipeline stages, each a contiguous range of layers on its own "
+                                          "tensor_parallel_size workers (docs/distributed.md)", metavar="N")
+    data_parallel_size: int = _arg(1, "engine replicas behind one frontend, each with its own scheduler and workers",
+                                   metavar="N")
+    distributed_executor_backend: str = _arg("mp", "'mp': a process per worker; 'ray': Ray actors in a placement "
+                                                   "group (needs troupe[ray])", choices=EXECUTOR_BACKENDS)
     # two plans in flight (the actor engine; LLM with one device runs one step at a time)
     async_scheduling: bool = _arg(True, "build the next step's plan while the workers run the current one")
     scheduling_policy: str = _arg(
@@ -204,7 +211,8 @@ class EngineArgs:
     def check(self) -> None:
         """The checks that need neither the model nor the device (ValueError naming the field):
         the launcher runs them on its flags before it starts anything."""
-        for name in ("max_num_seqs", "block_size", "tensor_parallel_size", "nnodes"):
+        for name in ("max_num_seqs", "block_size", "tensor_parallel_size", "nnodes", "pipeline_parallel_size",
+                     "data_parallel_size"):
             check_int(name, getattr(self, name), minimum=1)
         for name in ("max_num_batched_tokens", "num_kv_blocks", "max_cpu_loras"):
             if getattr(self, name) is not None:
@@ -242,6 +250,7 @@ class EngineArgs:
             check_tracing_available()  # the packages are an extra: say so before anything starts
         parse_hf_overrides(self.hf_overrides)
         parse_speculative_config(self.speculative_config)
+        check_distributed_flags(self)
 
     def build(self) -> EngineConfig:
         """Resolves the model and checks every argument (ValueError naming the field). The
@@ -278,6 +287,7 @@ class EngineArgs:
             speculative.model, model_config, max_model_len=max_model_len,
             tensor_parallel_size=args.tensor_parallel_size, tokenizer_path=model_dir,
         ) if speculative is not None and speculative.method == "draft_model" else None
+        check_distributed(args, model_config, pooler)
         return EngineConfig(
             model=model_config,
             cache=CacheConfig(block_size=args.block_size, kv_cache_memory=parse_size(args.kv_cache_memory),
@@ -292,7 +302,9 @@ class EngineArgs:
                                       enable_chunked_prefill=not model_config.is_encoder),
             parallel=ParallelConfig(tensor_parallel_size=args.tensor_parallel_size, nnodes=args.nnodes,
                                     node_rank=args.node_rank, master_addr=args.master_addr,
-                                    master_port=args.master_port),
+                                    master_port=args.master_port, pipeline_parallel_size=args.pipeline_parallel_size,
+                                    distributed_executor_backend=args.distributed_executor_backend,
+                                    data_parallel_size=args.data_parallel_size),
             dtype=args.dtype, device=args.device, seed=args.seed, tokenizer_path=model_dir,
             attention_backend=args.attention_backend, load_format=args.load_format, quantization=quantization,
             max_logprobs=args.max_logprobs,

@@ -27,6 +27,7 @@ import zmq
 from actors.beam_search import AsyncBeamSearch
 from actors.config import EngineConfig
 from actors.detokenizer import merge_delta
+from actors.distributed_args import ReplicasWhenAsked
 from actors.engine_args import EngineArgs, takes_engine_args
 from actors.engine_control import EngineControlMixin
 from actors.lora.client import LoRAClientMixin
@@ -47,7 +48,8 @@ from messages.transport import Namespace, Sockets
 logger = logging.getLogger(__name__)
 
 Prompt = str | list[int]
-class AsyncClient(AsyncBeamSearch, LoRAClientMixin, PoolingClientMixin, EngineControlMixin, ClientTracingMixin):
+class AsyncClient(ReplicasWhenAsked, AsyncBeamSearch, LoRAClientMixin, PoolingClientMixin, EngineControlMixin,
+                  ClientTracingMixin):
     """Starts and supervises a troupe engine; generate() streams RequestOutput deltas;
     beam_search() (actors/beam_search.py) returns a prompt's finished beams; add_lora()
     and the rest (actors/lora/client.py) manage LoRA adapters; encode() and embed()

@@ -12,6 +12,7 @@ from tqdm import tqdm
 
 from actors.beam_search import BeamPrompt, BeamSearchBatch, BeamSearchOutput, BeamSearchParams
 from actors.engine_args import EngineArgs, takes_engine_args
+from actors.distributed_args import runs_in_process
 from actors.engine_core import EngineCore
 from actors.input_processor import InputProcessor, check_reasoning_markers
 from actors.lora.checker import LoRAChecker
@@ -42,7 +43,7 @@ class LLM(LLMPoolingMixin):
         args = EngineArgs.from_keywords("LLM", model, engine_args)
         self.config = args.build()
         self.tokenizer = load_tokenizer(self.config.tokenizer_path)
-        self.engine = EngineCore(self.config, self.tokenizer) if self.config.parallel.tensor_parallel_size == 1 \
+        self.engine = EngineCore(self.config, self.tokenizer) if runs_in_process(self.config.parallel) \
             else None
         self._remote = ThreadedClient(args) if self.engine is None else None
         check_reasoning_markers(self.tokenizer, self.config.reasoning_parser)
@@ -61,7 +62,7 @@ class LLM(LLMPoolingMixin):
     @property
     def scheduler(self):
         if self.engine is None:
-            raise AttributeError("the scheduler runs in its own process when tensor_parallel_size > 1")
+            raise AttributeError("the scheduler runs in its own process with several workers or replicas")
         return self.engine.scheduler
 
     def sleep(self, level: int = 1) -> None:

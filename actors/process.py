@@ -64,13 +64,7 @@ class ActorProcess:
         self.popen.stdin.write(msgspec.msgpack.encode(spec))
         self.popen.stdin.close()
         self.pid = self.popen.pid
-        # a file descriptor that becomes readable when the process ends (Linux 5.3+)
-        self.pidfd: int | None = None
-        if hasattr(os, "pidfd_open"):
-            try:
-                self.pidfd = os.pidfd_open(self.pid)
-            except OSError:
-                self.pidfd = None
+        self.pidfd = open_pidfd(self.pid)
 
     @property
     def returncode(self) -> int | None:
@@ -99,6 +93,16 @@ class ActorProcess:
             self.pidfd = None
 
 
+def open_pidfd(pid: int) -> int | None:
+    """A file descriptor that becomes readable when the process ends (Linux 5.3+), or None."""
+    if hasattr(os, "pidfd_open"):
+        try:
+            return os.pidfd_open(pid)
+        except OSError:
+            pass
+    return None
+
+
 def _die_with_parent(name: str) -> None:
     """Also names the process (what ps -o comm and psutil's name() show; 15 bytes)."""
     try:
@@ -122,6 +126,12 @@ def main() -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     spec = msgspec.msgpack.decode(sys.stdin.buffer.read(), type=ActorSpec)
     _die_with_parent(spec.name)
+    run_spec(spec)
+
+
+def run_spec(spec: ActorSpec, leave=os._exit) -> None:
+    """Runs the actor until it stops, then ends the process with leave(exit code) (a Ray
+    worker's leaves as Ray asks: actors/ray_executor.py)."""
     logging.basicConfig(level=spec.log_level.upper(),
                         format=f"%(asctime)s %(levelname)s {spec.name}: %(message)s")
     from messages.frontend import ActorFailed
@@ -138,11 +148,11 @@ def main() -> None:
         logging.getLogger(__name__).error("%s failed:\n%s", spec.name, traceback.format_exc())
         failure = sockets.outbox(spec.addresses["frontend"])
         failure.send(ActorFailed(name=spec.name, error=detail))
-        _exit(sockets, 1)
-    _exit(sockets, 0)
+        _exit(sockets, 1, leave)
+    _exit(sockets, 0, leave)
 
 
-def _exit(sockets, code: int) -> None:
+def _exit(sockets, code: int, leave=os._exit) -> None:
     """Leaves without the interpreter's teardown, which takes seconds once torch and
     transformers are loaded and has nothing left to do: the sockets are flushed (each
     closes with a bounded linger) and so are the log streams."""
@@ -151,7 +161,7 @@ def _exit(sockets, code: int) -> None:
     logging.shutdown()
     sys.stdout.flush()
     sys.stderr.flush()
-    os._exit(code)
+    leave(code)
 
 
 if __name__ == "__main__":

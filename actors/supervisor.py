@@ -39,12 +39,12 @@ def engine_addresses(namespace: Namespace, num_input_processors: int, parallel: 
     names += [f"input_processor{i}" for i in range(num_input_processors)]
     names += [f"worker{rank}" for rank in parallel.local_ranks]
     addresses = {name: namespace.address(name) for name in names}
-    for rank in range(parallel.tensor_parallel_size):
+    for rank in range(parallel.world_size):
         addresses[f"plans{rank}"] = namespace.address(f"plans{rank}")
     if parallel.nnodes > 1:
         host, port = parallel.master_addr, parallel.master_port
         addresses["frontend"] = f"tcp://{host}:{port + 1}"
-        for rank in range(parallel.tensor_parallel_size):
+        for rank in range(parallel.world_size):
             addresses[f"plans{rank}"] = f"tcp://{host}:{port + 2 + rank}"
     return addresses
 
@@ -67,16 +67,30 @@ class EngineProcesses:
         self.engine = engine
         self.addresses = addresses
         self.num_input_processors = num_input_processors
-        self.num_workers = engine.parallel.tensor_parallel_size
+        self.num_workers = engine.parallel.world_size
         self.log_level = log_level
         self.processes: dict[str, ActorProcess] = {}
         self.ready: dict[str, ActorReady] = {}
         self._stopping = False
+        self.ray = None  # the workers' RayPlacement (actors/ray_executor.py) with the 'ray' backend
 
     def _spawn(self, kind: str, name: str, **options) -> None:
         spec = ActorSpec(kind=kind, name=name, addresses=self.addresses, engine=self.engine, options=options,
                          log_level=self.log_level)
-        self.processes[name] = ActorProcess(spec)
+        if kind == "worker" and self.engine.parallel.distributed_executor_backend == "ray":
+            self.processes[name] = self._ray_placement().spawn(spec, options["rank"])
+        else:
+            self.processes[name] = ActorProcess(spec)
+
+    def _ray_placement(self):
+        if self.ray is None:
+            from actors.cli_flags import cuda_device_count
+            from actors.ray_executor import RayPlacement
+
+            device = self.engine.device
+            self.ray = RayPlacement(self.engine.parallel,
+                                    device.startswith("cuda") or (device == "auto" and cuda_device_count() > 0))
+        return self.ray
 
     async def start(self, control: Inbox, timeout: float) -> None:
         """Starts every actor and returns once all are ready. On a failure or timeout,
@@ -172,6 +186,7 @@ class EngineProcesses:
                 process.kill()
                 process.wait(5.0)
             process.close()
+        self._release_ray()
 
     def kill_all(self) -> None:
         """Last resort, from any context (atexit, a finaliser): SIGKILL every process."""
@@ -179,6 +194,12 @@ class EngineProcesses:
         for process in self.processes.values():
             process.kill()
             process.wait(5.0)
+        self._release_ray()
+
+    def _release_ray(self) -> None:
+        if self.ray is not None:
+            self.ray.shutdown()
+            self.ray = None
 
 
 async def run_worker_node(engine: EngineConfig, stop: asyncio.Event, log_level: str = "WARNING") -> int:

@@ -59,9 +59,11 @@ def _with_context(endpoint: Endpoint) -> Callable[[Request], Awaitable[Response]
 
 
 async def health(ctx: ServingContext, request: Request) -> Response:
-    """200 while every actor process is alive, 503 otherwise."""
+    """200 while every actor process is alive, 503 otherwise; with data parallelism, 200
+    while a replica serves, with each replica's state ("ok" or why it died)."""
     ctx.check_health()
-    return Response(status_code=200)
+    states = getattr(ctx.client, "replica_states", None)  # actors/data_parallel.py
+    return json_response({"replicas": states()}) if states is not None else Response(status_code=200)
 
 
 async def server_load(ctx: ServingContext, request: Request) -> Response:

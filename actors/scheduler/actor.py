@@ -18,6 +18,7 @@ from actors.actor import Actor, ActorSpec
 from actors.config import SchedulerConfig
 from actors.executor import Executor
 from actors.scheduler.kv_tiers import make_kv_tiers
+from actors.scheduler.pipeline_plans import keep_pipeline_full
 from actors.scheduler.priority import make_scheduler
 from actors.scheduler.control import EngineControlState
 from actors.scheduler.scheduler import Scheduler
@@ -64,8 +65,10 @@ class SchedulerActor(Actor):
                                    kv_tiers=make_kv_tiers(engine.cache, spec.options.get("num_host_kv_blocks", 0),
                                                           spec.options.get("swap_is_cheaper", False),
                                                           spec.options.get("disk_block_hashes")))
-        executor = Executor(sockets, spec.addresses, engine.parallel.tensor_parallel_size)
-        return cls(spec.name, spec.addresses, sockets, scheduler, engine.scheduler, executor)
+        executor = Executor(sockets, spec.addresses, engine.parallel.world_size)
+        actor = cls(spec.name, spec.addresses, sockets, scheduler, engine.scheduler, executor)
+        keep_pipeline_full(actor, engine.parallel.pipeline_parallel_size)
+        return actor
 
     def close(self) -> None:
         self.executor.close()

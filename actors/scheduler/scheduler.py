@@ -42,6 +42,7 @@ from messages.worker import ContinuingRequest, NewRequest, StepPlan
 class Scheduler:
     """Owns every live sequence and the KV-cache manager; builds StepPlans, applies StepResults."""
     kv_tiers: KVTiers | None = None  # the host KV tier, when there is one (make_scheduler sets it)
+    skip_sampling_in_flight = False  # pipeline parallelism: plans in flight hold disjoint decodes
 
     def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig, num_blocks: int,
                  eos_token_ids: tuple[int, ...], max_loras: int = 0, pooling_type: str | None = None,
@@ -166,7 +167,6 @@ class Scheduler:
 
     def stats(self) -> dict[str, float | int | str | HistogramSnapshot]:
         return scheduler_stats(self)
-
     # ---- one step ----
 
     def schedule(self) -> StepPlan:
@@ -186,8 +186,8 @@ class Scheduler:
         index = 0
         while index < len(self.running) and budget > 0:
             seq = self.running[index]
-            if seq.last_token_in_flight:
-                index += 1  # it finishes when that result comes
+            if seq.last_token_in_flight or (self.skip_sampling_in_flight and seq.num_pending_tokens):
+                index += 1  # it finishes when that result comes (under pipeline parallelism: its next input)
                 continue
             num_new_tokens = min(seq.num_total_tokens - seq.num_computed_tokens, budget)
             assert num_new_tokens > 0, f"running {seq} has nothing to compute"

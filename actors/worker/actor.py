@@ -23,13 +23,14 @@ class WorkerActor(Actor):
     inbox_type = WorkerInbox
 
     def __init__(self, name: str, addresses: dict[str, str], sockets: Sockets, runner, num_kv_blocks: int,
-                 rank: int = 0) -> None:
+                 rank: int = 0, output_rank: int = 0) -> None:
         super().__init__(name, addresses, sockets)
         self.inbox.socket.connect(addresses[f"plans{rank}"])  # the scheduler's executor binds it
         self.rank = rank
         self.runner = runner
         self.num_kv_blocks = num_kv_blocks
-        self.to_scheduler = sockets.outbox(addresses["scheduler"]) if rank == 0 else None
+        # the rank that answers: 0, or the last pipeline stage's tensor-parallel rank 0
+        self.to_scheduler = sockets.outbox(addresses["scheduler"]) if rank == output_rank else None
         self.sleep_mode = None  # a SleepMode once the engine has been asked to sleep
 
     @classmethod
@@ -40,11 +41,21 @@ class WorkerActor(Actor):
 
         rank = spec.options.get("rank", 0)
         engine = resolve_device(spec.engine, rank)
+        if engine.parallel.pipeline_parallel_size > 1:
+            from actors.worker.pipeline import build_stage_runner
+
+            _join_group(engine, rank, engine.parallel.world_size, spec.options["distributed_init_method"])
+            runner, num_blocks, output_rank = build_stage_runner(engine, rank)
+            return cls(spec.name, spec.addresses, sockets, runner, num_blocks, rank, output_rank)
         parallel = TensorParallel(rank, engine.parallel.tensor_parallel_size)
         if parallel.enabled:
-            _join_group(engine, parallel, spec.options["distributed_init_method"])
+            _join_group(engine, rank, parallel.size, spec.options["distributed_init_method"])
         runner, num_blocks = build_model_runner(engine, parallel)
         return cls(spec.name, spec.addresses, sockets, runner, num_blocks, rank)
+
+    def close(self) -> None:
+        if hasattr(self.runner, "close"):  # a pipeline stage's (actors/worker/pipeline.py)
+            self.runner.close()
 
     def ready_info(self) -> dict:
         return {"num_kv_blocks": self.num_kv_blocks, "rank": self.rank,
@@ -83,9 +94,10 @@ class WorkerActor(Actor):
             self.to_scheduler.send(WorkerControlDone(message.op, error))
 
 
-def _join_group(engine, parallel, init_method: str) -> None:
-    """torch.distributed for the tensor-parallel group: NCCL between GPUs, gloo on the CPU
-    (where the ranks also share the cores instead of each taking them all)."""
+def _join_group(engine, rank: int, world_size: int, init_method: str) -> None:
+    """torch.distributed for the workers (every tensor- and pipeline-parallel rank): NCCL
+    between GPUs, gloo on the CPU (where the ranks also share the cores instead of each
+    taking them all)."""
     import os
     from datetime import timedelta
 
@@ -96,8 +108,8 @@ def _join_group(engine, parallel, init_method: str) -> None:
     if on_cuda:
         torch.cuda.set_device(torch.device(engine.device))
     else:
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // parallel.size))
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
     # a rank that dies leaves the others blocked in a collective: the launcher notices the
     # death and stops them; the timeout only bounds a rendezvous that never completes
-    dist.init_process_group("nccl" if on_cuda else "gloo", init_method=init_method, rank=parallel.rank,
-                            world_size=parallel.size, timeout=timedelta(seconds=600))
+    dist.init_process_group("nccl" if on_cuda else "gloo", init_method=init_method, rank=rank,
+                            world_size=world_size, timeout=timedelta(seconds=600))

@@ -40,6 +40,9 @@ class DecoderLayerWeights:
 
 
 class LlamaModel:
+    holds_embedding = True  # False on a pipeline stage after the first
+    holds_head = True  # False on a pipeline stage before the last
+
     def __init__(self, config: ModelConfig, dtype: torch.dtype, device: torch.device,
                  backend: AttentionBackend, parallel: TensorParallel = TensorParallel()) -> None:
         self.config = config
@@ -77,12 +80,14 @@ class LlamaModel:
                 by_layer[int(index)][rest] = tensor
             else:
                 top[name] = tensor
-        self.embed_tokens = self._place(_take(top, "model.embed_tokens.weight"))
-        self.final_norm = self._place(_take(top, "model.norm.weight"))
-        if config.tie_word_embeddings or "lm_head.weight" not in top:
-            self.lm_head = self.embed_tokens
-        else:
-            self.lm_head = self._place(top["lm_head.weight"])
+        # a pipeline stage (actors/worker/pipeline.py) holds the embedding only when first,
+        # the final norm and LM head only when last (a tied head: the embedding's rows)
+        tied = config.tie_word_embeddings or "lm_head.weight" not in top
+        if self.holds_embedding or (self.holds_head and tied):
+            self.embed_tokens = self._place(_take(top, "model.embed_tokens.weight"))
+        if self.holds_head:
+            self.final_norm = self._place(_take(top, "model.norm.weight"))
+            self.lm_head = self.embed_tokens if tied else self._place(top["lm_head.weight"])
         self.layers = [self._pack_layer(tensors) for tensors in by_layer]
 
     def _pack_layer(self, t: dict[str, torch.Tensor]) -> DecoderLayerWeights:
@@ -161,11 +166,19 @@ class LlamaModel:
         another way: actors/worker/cpu_model_step.py mirrors this function). lora: the
         step's adapters, whose deltas each projection's output gets (before the all-reduce
         of a row-parallel one: the partial deltas sum as the partial outputs do)."""
+        hidden, residual = self.run_layers(self.embed(input_ids), None, positions, kv_caches, attention, lora)
+        return self.final_norm_of(hidden, residual)
+
+    def run_layers(self, hidden: torch.Tensor,  # [num_tokens, hidden]
+                   residual: torch.Tensor | None,  # [num_tokens, hidden], None before the first layer
+                   positions: torch.Tensor, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+                   attention: AttentionMetadata, lora: LoRABatch | None = None
+                   ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """This model's layers (a pipeline stage's share): the hidden states and residual
+        after them, not yet added together."""
         ops = self.backend
         eps = self.config.rms_norm_eps
-        num_tokens = input_ids.shape[0]
-        hidden = self.embed(input_ids)
-        residual = None
+        num_tokens = hidden.shape[0]
         for index, (layer, (key_cache, value_cache)) in enumerate(zip(self.layers, kv_caches)):
             # 1. attention block: norm (fused with the residual add), qkv, rotary, paged attention
             if residual is None:
@@ -200,9 +213,13 @@ class LlamaModel:
             if lora is not None:
                 lora.add(index, _DOWN, x, hidden)
             hidden = self.parallel.all_reduce(hidden)
+        return hidden, residual
+
+    def final_norm_of(self, hidden: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:
+        eps = self.config.rms_norm_eps
         if residual is None:
-            return ops.rms_norm(hidden, self.final_norm, eps)
-        return ops.rms_norm(hidden, self.final_norm, eps, residual)[0]
+            return self.backend.rms_norm(hidden, self.final_norm, eps)
+        return self.backend.rms_norm(hidden, self.final_norm, eps, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:  # [n, hidden] -> [n, vocab] fp32
         """The logits on rank 0 (None on the other ranks of a tensor-parallel group)."""

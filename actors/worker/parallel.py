@@ -28,6 +28,10 @@ class TensorParallel:
 
     rank: int = 0
     size: int = 1
+    # with pipeline parallelism, this stage's ranks only: their process group, and the
+    # global rank of the stage's tensor-parallel rank 0 (None, 0: the whole world)
+    group: object = None
+    root: int = 0
 
     @property
     def enabled(self) -> bool:
@@ -93,7 +97,7 @@ class TensorParallel:
 
     def all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
         if self.enabled:
-            torch.distributed.all_reduce(tensor)
+            torch.distributed.all_reduce(tensor, group=self.group)
         return tensor
 
     def embed(self, input_ids: torch.Tensor, embed_shard: torch.Tensor, vocab_size: int) -> torch.Tensor:
@@ -114,7 +118,7 @@ class TensorParallel:
             return local_logits
         local_logits = local_logits.contiguous()
         parts = [torch.empty_like(local_logits) for _ in range(self.size)] if self.rank == 0 else None
-        torch.distributed.gather(local_logits, parts, dst=0)
+        torch.distributed.gather(local_logits, parts, dst=self.root, group=self.group)
         if self.rank != 0:
             return None
         return torch.cat(parts, dim=-1)[:, :vocab_size]
@@ -124,7 +128,7 @@ class TensorParallel:
         if not self.enabled or count == 0:
             return token_ids
         tokens = torch.tensor(token_ids if self.rank == 0 else [0] * count, dtype=torch.long, device=device)
-        torch.distributed.broadcast(tokens, src=0)
+        torch.distributed.broadcast(tokens, src=self.root, group=self.group)
         return tokens.tolist()
 
     def broadcast_token_rows(self, rows: list[list[int]], count: int, width: int,
@@ -137,5 +141,5 @@ class TensorParallel:
         if self.rank == 0:
             for i, row in enumerate(rows):
                 padded[i, :len(row)] = torch.tensor(row, dtype=torch.long)
-        torch.distributed.broadcast(padded, src=0)
+        torch.distributed.broadcast(padded, src=self.root, group=self.group)
         return [[token for token in row if token >= 0] for row in padded.tolist()]

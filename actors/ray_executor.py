@@ -1,0 +1,174 @@
+"""Workers as Ray actors (--distributed-executor-backend ray).
+
+The engine joins the Ray cluster at RAY_ADDRESS (`ray start --head` beforehand), or starts
+a local one with this machine's CPUs; reserves a placement group with one bundle per rank
+(a GPU each on CUDA, a CPU each otherwise), STRICT_PACK when one node has room for every
+rank, PACK otherwise; and starts each rank's worker as a Ray actor in its bundle. Inside,
+the actor runs exactly what a worker process runs (actors/process.py's run_spec): the
+ranks still meet through torch.distributed, plans still come over ZeroMQ from the
+scheduler's executor and results go back over ZeroMQ, so no Ray object store is on the
+per-step path: Ray only places and starts the processes.
+
+Supervision is the same as for worker processes (supervisor.py): RayWorkerProcess has
+ActorProcess's interface; an actor on this node is watched through a pidfd on its
+process, so its death fails every request at once; one on another node is polled
+(its run() call ends when it dies).
+
+Ray places ranks on other nodes only when one node lacks the room; ZeroMQ's ipc sockets
+then do not reach them (start the engine with AsyncClient(transport="tcp")); this has
+been run on one node only."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import msgspec
+
+from actors.actor import ActorSpec
+from actors.config import ParallelConfig
+from actors.distributed_args import RAY_EXTRA_HINT
+from actors.process import open_pidfd
+
+_READY_TIMEOUT_S = 120.0
+
+
+def _import_ray():
+    try:
+        import ray
+    except ImportError as error:
+        raise ValueError(f"distributed_executor_backend='ray' needs the ray package: {RAY_EXTRA_HINT}") from error
+    return ray
+
+
+class RayPlacement:
+    """One engine's placement group on the Ray cluster, and the worker actors in it."""
+
+    def __init__(self, parallel: ParallelConfig, on_cuda: bool) -> None:
+        ray = _import_ray()
+        from ray.util.placement_group import placement_group
+
+        world_size = parallel.world_size
+        package_root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+        # the actors import this checkout; Ray must not narrow CUDA_VISIBLE_DEVICES (rank r
+        # takes cuda:r as a worker process does)
+        env = {"PYTHONPATH": os.pathsep.join([package_root] + [p for p in os.environ.get("PYTHONPATH", "")
+                                                                   .split(os.pathsep) if p]),
+               "GOMP_SPINCOUNT": os.environ.get("GOMP_SPINCOUNT", "10000"),
+               # the threads a worker process takes (Ray would give an actor one, its CPU bundle's)
+               "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // world_size))),
+               "RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES": "1"}
+        self.owns_ray = not ray.is_initialized()
+        if self.owns_ray:
+            if os.environ.get("RAY_ADDRESS"):
+                ray.init(runtime_env={"env_vars": env}, log_to_driver=True)
+            else:  # a local cluster: a CPU a rank at least, so every bundle fits
+                ray.init(num_cpus=max(os.cpu_count() or 1, world_size), include_dashboard=False,
+                         runtime_env={"env_vars": env})
+        resource = "GPU" if on_cuda else "CPU"
+        self.resource = resource
+        fits_one_node = any(node["Alive"] and node["Resources"].get(resource, 0) >= world_size
+                            for node in ray.nodes())
+        self.group = placement_group([{resource: 1}] * world_size,
+                                     strategy="STRICT_PACK" if fits_one_node else "PACK")
+        ray.get(self.group.ready(), timeout=_READY_TIMEOUT_S)
+        self.node_id = ray.get_runtime_context().get_node_id()
+
+    def spawn(self, spec: ActorSpec, rank: int) -> RayWorkerProcess:
+        ray = _import_ray()
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        strategy = PlacementGroupSchedulingStrategy(placement_group=self.group, placement_group_bundle_index=rank)
+        resources = {"num_gpus": 1, "num_cpus": 0} if self.resource == "GPU" else {"num_cpus": 1}
+        handle = ray.remote(_RayWorker).options(scheduling_strategy=strategy, name=None, **resources).remote()
+        return RayWorkerProcess(spec, handle, local_node_id=self.node_id)
+
+    def shutdown(self) -> None:
+        ray = _import_ray()
+        from ray.util.placement_group import remove_placement_group
+
+        if ray.is_initialized():
+            remove_placement_group(self.group)
+            if self.owns_ray:
+                ray.shutdown()
+
+
+class _RayWorker:
+    """The Ray actor of one rank (made remote in RayPlacement.spawn)."""
+
+    def where(self) -> tuple[int, str]:
+        import ray
+
+        return os.getpid(), ray.get_runtime_context().get_node_id()
+
+    def run(self, spec_bytes: bytes) -> None:
+        from actors.process import run_spec
+
+        def leave(code: int) -> None:
+            import ray
+
+            if code == 0:
+                ray.actor.exit_actor()  # the way out Ray expects (no "worker died" report)
+            os._exit(code)
+
+        run_spec(msgspec.msgpack.decode(spec_bytes, type=ActorSpec), leave)  # ends the process when the worker stops
+
+
+class RayWorkerProcess:
+    """ActorProcess's interface (supervisor.py) over one rank's Ray actor."""
+
+    def __init__(self, spec: ActorSpec, handle, local_node_id: str) -> None:
+        ray = _import_ray()
+        self.name = spec.name
+        self.handle = handle
+        self.pid, node_id = ray.get(handle.where.remote(), timeout=_READY_TIMEOUT_S)
+        self.local = node_id == local_node_id
+        self.run_ref = handle.run.remote(msgspec.msgpack.encode(spec))
+        self.pidfd = open_pidfd(self.pid) if self.local else None  # the supervisor's watch, as a process's
+
+    @property
+    def returncode(self) -> int | None:
+        return None if self.is_alive() else 1  # a Ray actor's exit code is not known here
+
+    def is_alive(self) -> bool:
+        if self.local:
+            try:
+                os.kill(self.pid, 0)
+            except ProcessLookupError:
+                return False
+            return not _is_zombie(self.pid)
+        ray = _import_ray()
+        ready, _ = ray.wait([self.run_ref], timeout=0)
+        return not ready
+
+    def terminate(self) -> None:
+        """SIGTERM on this node (the worker stops as a process does); ray.kill elsewhere."""
+        if not self.is_alive():
+            return
+        if self.local:
+            os.kill(self.pid, signal.SIGTERM)
+        else:
+            self.kill()
+
+    def kill(self) -> None:
+        _import_ray().kill(self.handle, no_restart=True)
+
+    def wait(self, timeout: float) -> int | None:
+        deadline = time.monotonic() + timeout
+        while self.is_alive() and time.monotonic() < deadline:
+            time.sleep(0.02)
+        return self.returncode
+
+    def close(self) -> None:
+        if self.pidfd is not None:
+            os.close(self.pidfd)
+            self.pidfd = None
+
+
+def _is_zombie(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rsplit(")", 1)[1].split()[0] == "Z"
+    except OSError:
+        return False
