@@ -56,6 +56,8 @@ class WorkerActor(Actor):
     def close(self) -> None:
         if hasattr(self.runner, "close"):  # a pipeline stage's (actors/worker/pipeline.py)
             self.runner.close()
+        if getattr(self.runner, "host_kv", None) is not None:
+            self.runner.host_kv.close()  # the disk tier's writes finish
 
     def ready_info(self) -> dict:
         return {"num_kv_blocks": self.num_kv_blocks, "rank": self.rank,
@@ -70,10 +72,6 @@ class WorkerActor(Actor):
             result = with_failed_loads(result, self.runner.failed_loads)
         if (message.num_scheduled_tokens or message.blocks_to_load) and self.to_scheduler is not None:
             self.to_scheduler.send(result)
-
-    def close(self) -> None:
-        if getattr(self.runner, "host_kv", None) is not None:
-            self.runner.host_kv.close()  # the disk tier's writes finish
 
     def _control(self, message: WorkerControl) -> None:
         """Sleep or wake (actors/worker/sleep_mode.py); rank 0 answers the scheduler."""
