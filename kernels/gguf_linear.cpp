@@ -114,6 +114,7 @@ struct QuantizedRows {
     std::vector<float> offset;  // [rows, padded / 32]: dx * sum(q) per block (the weight's c multiplies it)
 #ifdef GGUF_VNNI
     std::vector<float> scale16;  // [rows, padded / 64, 16]: each pair's two dx, 8 lanes each (vpdpbusd's lanes)
+    std::vector<float> offset16;  // [rows, padded / 64, 16]: each pair's two offsets / 8, 8 lanes each
 #endif
 };
 
@@ -151,6 +152,7 @@ void quantize_rows(const float* x, int64_t x_stride, int64_t rows, int64_t in_fe
     out.offset.resize(rows * blocks);
 #ifdef GGUF_VNNI
     out.scale16.resize(rows * blocks * 8);
+    out.offset16.resize(rows * blocks * 8);
 #endif
 #pragma omp parallel for schedule(static) num_threads(num_threads) if (rows * in_features >= (1 << 16))
     for (int64_t r = 0; r < rows; r++) {
@@ -158,9 +160,14 @@ void quantize_rows(const float* x, int64_t x_stride, int64_t rows, int64_t in_fe
                      out.scale.data() + r * blocks, out.offset.data() + r * blocks);
 #ifdef GGUF_VNNI
         const float* s = out.scale.data() + r * blocks;
+        const float* o = out.offset.data() + r * blocks;
         float* s16 = out.scale16.data() + r * blocks * 8;
+        float* o16 = out.offset16.data() + r * blocks * 8;
         for (int64_t b = 0; b < blocks; b++)
-            for (int i = 0; i < 8; i++) s16[b * 8 + i] = s[b];
+            for (int i = 0; i < 8; i++) {
+                s16[b * 8 + i] = s[b];
+                o16[b * 8 + i] = o[b] * 0.125f;  // exact: summed over the block's 8 lanes
+            }
 #endif
     }
 }
@@ -196,32 +203,40 @@ struct Scratch {  // one thread's unpacked weight rows
 #ifdef GGUF_VNNI
 // The same sums straight from the file's blocks, two blocks per vpdpbusd: a Q4 pair's 2 x 16
 // bytes of nibbles become [low 0, high 0, low 1, high 1] (elements 0-15, 16-31 of each block),
-// a Q8_0 pair's 2 x 32 bytes become unsigned by flipping their sign bits (q + 128).
+// a Q8_0 pair's 2 x 32 bytes become unsigned by flipping their sign bits (q + 128). The
+// pair's d (and Q4_1's m) are converted together and spread to the 8 lanes of their block.
+// Even and odd pairs add into separate accumulators: one chain of adds would wait on the
+// previous add's latency at every pair of a single decode row.
 template <int Type, int R>
 inline void dot_rows_blocks(const uint8_t* row, int64_t num_blocks, const QuantizedRows& x, int64_t first_row,
                             float* out) {
     constexpr int kBytes = Type == kQ4_0 ? 18 : Type == kQ4_1 ? 20 : 34;
-    const int64_t blocks = x.padded / kBlock;
+    const int64_t blocks = x.padded / kBlock, pairs = blocks / 2;
     const __m256i low_nibbles = _mm256_set1_epi8(0x0f);
-    __m512 acc[R];
-    float offsets[R];
-    for (int r = 0; r < R; r++) {
-        acc[r] = _mm512_setzero_ps();
-        offsets[r] = 0.0f;
-    }
-    for (int64_t p = 0; p < blocks / 2; p++) {
+    const __m512i d_lanes = _mm512_set_epi32(2, 2, 2, 2, 2, 2, 2, 2, 0, 0, 0, 0, 0, 0, 0, 0);
+    const __m512i m_lanes = _mm512_set_epi32(3, 3, 3, 3, 3, 3, 3, 3, 1, 1, 1, 1, 1, 1, 1, 1);
+    __m512 acc[2][R];
+    for (int r = 0; r < R; r++) acc[0][r] = acc[1][r] = _mm512_setzero_ps();
+    auto pair = [&](int64_t p, __m512* sums_out) __attribute__((always_inline)) {
         const uint8_t* b0 = row + 2 * p * kBytes;
         const bool second = 2 * p + 1 < num_blocks;  // an odd last block pairs with x's zero block
         const uint8_t* b1 = second ? b0 + kBytes : b0;
-        const float d0 = half_to_float(b0), d1 = second ? half_to_float(b1) : 0.0f;
-        float c0, c1;
+        int32_t h0, h1;  // d (and Q4_1's m) of each block, as halves
+        memcpy(&h0, b0, 4);
+        memcpy(&h1, b1, 4);
+        const __m512 halves = _mm512_castps128_ps512(_mm_cvtph_ps(_mm_set_epi32(0, 0, h1, h0)));
+        __m512 wd = _mm512_permutexvar_ps(d_lanes, halves);
+        __m512 wc = Type == kQ4_1 ? _mm512_permutexvar_ps(m_lanes, halves)
+                                  : _mm512_mul_ps(wd, _mm512_set1_ps(Type == kQ4_0 ? -8.0f : -128.0f));
+        if (!second) {
+            wd = _mm512_maskz_mov_ps(0x00ff, wd);
+            wc = _mm512_maskz_mov_ps(0x00ff, wc);
+        }
         __m512i w;
         if (Type == kQ8_0) {
             w = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i*)(b0 + 2))),
                                    _mm256_loadu_si256((const __m256i*)(b1 + 2)), 1);
             w = _mm512_xor_si512(w, _mm512_set1_epi8((char)0x80));
-            c0 = -128.0f * d0;
-            c1 = -128.0f * d1;
         } else {
             constexpr int kNibbles = Type == kQ4_1 ? 4 : 2;
             const __m256i q = _mm256_set_m128i(_mm_loadu_si128((const __m128i*)(b1 + kNibbles)),
@@ -230,21 +245,23 @@ inline void dot_rows_blocks(const uint8_t* row, int64_t num_blocks, const Quanti
             const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(q, 4), low_nibbles);
             w = _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);  // low 0, low 1, high 0, high 1
             w = _mm512_shuffle_i64x2(w, w, _MM_SHUFFLE(3, 1, 2, 0));
-            c0 = Type == kQ4_1 ? half_to_float(b0 + 2) : -8.0f * d0;
-            c1 = Type == kQ4_1 ? (second ? half_to_float(b1 + 2) : 0.0f) : -8.0f * d1;
         }
-        const __m512 wd = _mm512_insertf32x8(_mm512_set1_ps(d0), _mm256_set1_ps(d1), 1);
         for (int r = 0; r < R; r++) {
-            const int64_t row_x = first_row + r;
+            const int64_t lane = ((first_row + r) * blocks + 2 * p) * 8;
             const __m512i sums = _mm512_dpbusd_epi32(
-                _mm512_setzero_si512(), w, _mm512_loadu_si512(x.q.data() + row_x * x.padded + p * 2 * kBlock));
-            const __m512 dx = _mm512_loadu_ps(x.scale16.data() + (row_x * blocks + 2 * p) * 8);
-            acc[r] = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(sums), dx), wd, acc[r]);
-            const float* xo = x.offset.data() + row_x * blocks + 2 * p;
-            offsets[r] += c0 * xo[0] + c1 * xo[1];
+                _mm512_setzero_si512(), w, _mm512_loadu_si512(x.q.data() + (first_row + r) * x.padded + p * 64));
+            const __m512 scaled = _mm512_mul_ps(_mm512_cvtepi32_ps(sums), _mm512_loadu_ps(x.scale16.data() + lane));
+            sums_out[r] = _mm512_fmadd_ps(wc, _mm512_loadu_ps(x.offset16.data() + lane),
+                                          _mm512_fmadd_ps(scaled, wd, sums_out[r]));
         }
+    };
+    int64_t p = 0;
+    for (; p + 1 < pairs; p += 2) {
+        pair(p, acc[0]);
+        pair(p + 1, acc[1]);
     }
-    for (int r = 0; r < R; r++) out[r] = _mm512_reduce_add_ps(acc[r]) + offsets[r];
+    if (p < pairs) pair(p, acc[0]);
+    for (int r = 0; r < R; r++) out[r] = _mm512_reduce_add_ps(_mm512_add_ps(acc[0][r], acc[1][r]));
 }
 
 typedef void (*DotRows)(const uint8_t*, int64_t, const QuantizedRows&, int64_t, float*);
@@ -266,6 +283,19 @@ void dequantize_row(int type, const uint8_t* src, int64_t num_blocks, float* out
         const uint8_t* block = src + b * bytes;
         float* dst = out + b * kBlock;
         const float d = half_to_float(block);
+#ifdef __AVX512F__
+        if (type != kQ8_0) {  // 16 nibbles' low halves, then their high halves, 16 floats at a time
+            const __m128i q = _mm_loadu_si128((const __m128i*)(block + (type == kQ4_1 ? 4 : 2)));
+            const __m512 scale = _mm512_set1_ps(d);
+            const __m512 offset = _mm512_set1_ps(type == kQ4_1 ? half_to_float(block + 2) : -8.0f * d);
+            const __m128i mask = _mm_set1_epi8(0x0f);
+            const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(q, mask)));
+            const __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(q, 4), mask)));
+            _mm512_storeu_ps(dst, _mm512_fmadd_ps(lo, scale, offset));
+            _mm512_storeu_ps(dst + 16, _mm512_fmadd_ps(hi, scale, offset));
+            continue;
+        }
+#endif
         if (type == kQ8_0) {
             const int8_t* q = (const int8_t*)(block + 2);
             for (int i = 0; i < kBlock; i++) dst[i] = d * (float)q[i];
@@ -307,7 +337,7 @@ int64_t gguf_row_bytes(int type, int64_t in_features) {
 // y[rows, out_features] = x @ dequantized(W)^T (+ bias) for many rows: tiles of weight rows
 // dequantized to floats (threads split the rows), each multiplied by sgemm into its columns
 // of y. With hundreds of rows sgemm's fp32 FMAs beat vpdpbusd, which pays a convert, a scale
-// and an add per 64 products (benchmarks/gguf_linear.py measures the two).
+// and an add per 64 products (kernels/gguf_linear.py: DEQUANTIZE_ROWS).
 static void dequantized_sgemm(int type, const float* x, int64_t x_stride, int64_t rows, const uint8_t* weight,
                               int64_t row_bytes, int64_t in_features, int64_t out_features, const float* bias,
                               float* y, int64_t y_stride, int num_threads, Sgemm sgemm) {

@@ -15,9 +15,12 @@ from kernels._native import load_library
 
 BLOCK = 32  # elements per block, in every type here
 Q4_0, Q4_1, Q8_0 = 2, 3, 8  # ggml's type ids (gguf.GGMLQuantizationType): actors/quantization/gguf_types.py
-# Past this many rows a linear dequantizes tiles of its weights and calls sgemm (see
-# gguf_linear.cpp; benchmarks/gguf_linear.py measured the crossover)
-DEQUANTIZE_ROWS = 16
+# Past this many rows a linear dequantizes tiles of its weights and calls sgemm: measured on
+# SmolLM2's Q4_1 projections (one thread, best of 5; the 2-core Xeon, AVX-512 VNNI), the dot
+# products took 21 ms for 4 rows (fp32 35), even with the tiles at 8 rows, and at 64 rows
+# 259 ms against 145 (fp32 148): vpdpbusd pays a convert, a scale and an add per 64 products
+# where sgemm's fp32 FMAs pay nothing, and dequantizing a tile costs little against its sgemm
+DEQUANTIZE_ROWS = 8
 
 _i64, _i32, _ptr = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p
 
@@ -96,9 +99,11 @@ def dequantize_reference(blocks: torch.Tensor, ggml_type: int, in_features: int)
 
 
 def gguf_linear_reference(x: torch.Tensor, blocks: torch.Tensor, ggml_type: int, in_features: int,
-                          bias: torch.Tensor | None = None) -> torch.Tensor:
-    """The oracle: dequantized weights against block-quantized x, in float64."""
-    out = quantize_rows_reference(x).double() @ dequantize_reference(blocks, ggml_type, in_features).double().T
+                          bias: torch.Tensor | None = None, quantize_x: bool = True) -> torch.Tensor:
+    """The oracle: dequantized weights against block-quantized x (or x as it is, as the
+    dequantized-sgemm path of many rows multiplies it), in float64."""
+    x = quantize_rows_reference(x) if quantize_x else x
+    out = x.double() @ dequantize_reference(blocks, ggml_type, in_features).double().T
     if bias is not None:
         out = out + bias.double()
     return out.float()
