@@ -16,13 +16,12 @@
 // c = -128d), so one kernel serves them all:
 //   w_block . x_block = d * dx * sum(u * qx) + c * dx * sum(qx)
 // sum(u * qx) is unsigned x signed bytes: one AVX-512 VNNI vpdpbusd per two blocks
-// (_mm512_dpbusd_epi32); without VNNI a plain loop the compiler vectorizes as it can.
+// (_mm512_dpbusd_epi32). Without VNNI, plain loops over dequantized weights and x.
 //
-// Weight rows are unpacked kChunkRows at a time into a thread's scratch (bytes, scales,
-// offsets: a few KB in L1), then multiplied with every row of x, 4 rows of x at once: a
-// decode step streams each weight row from memory once for all its rows, and a prefill tile
-// re-reads only its quantized x from L2. Threads split the weight rows, as
-// linear_few_rows_f32 does.
+// Each weight row is multiplied with every row of x, 4 rows of x at once: a decode step
+// streams each weight row from memory once for all its rows. Threads split the weight rows
+// in chunks of kChunkRows, as linear_few_rows_f32 does. Past a few rows, tiles of weight rows
+// are dequantized to floats and multiplied by sgemm instead (dequantized_sgemm).
 
 #include <math.h>
 #include <stdint.h>
@@ -40,7 +39,7 @@
 namespace {
 
 constexpr int kBlock = 32;
-constexpr int kChunkRows = 8;  // weight rows unpacked and multiplied together
+constexpr int kChunkRows = 8;  // weight rows a thread takes at a time
 constexpr int kTileRows = 4;  // rows of x whose accumulators sit in registers at once
 enum { kQ4_0 = 2, kQ4_1 = 3, kQ8_0 = 8 };  // ggml's type ids
 
@@ -76,34 +75,6 @@ inline float half_to_float(const uint8_t* p) {
     memcpy(&out, &bits, 4);
     return out;
 }
-
-#ifndef GGUF_VNNI
-// One weight row as unsigned bytes u (padded to whole pairs of blocks), d and c per block.
-void unpack_row(int type, const uint8_t* src, int64_t num_blocks, uint8_t* u, float* d, float* c) {
-    const int bytes = block_bytes(type);
-    for (int64_t b = 0; b < num_blocks; b++) {
-        const uint8_t* block = src + b * bytes;
-        uint8_t* out = u + b * kBlock;
-        const float scale = half_to_float(block);
-        d[b] = scale;
-        if (type == kQ8_0) {
-            for (int i = 0; i < kBlock; i++) out[i] = (uint8_t)(block[2 + i] ^ 0x80);  // q + 128
-            c[b] = -128.0f * scale;
-        } else {
-            const uint8_t* q = block + (type == kQ4_1 ? 4 : 2);
-            for (int i = 0; i < 16; i++) {
-                out[i] = q[i] & 0x0f;
-                out[16 + i] = q[i] >> 4;
-            }
-            c[b] = type == kQ4_1 ? half_to_float(block + 2) : -8.0f * scale;
-        }
-    }
-    if (num_blocks % 2) {  // the pair's spare block: zeros
-        memset(u + num_blocks * kBlock, 0, kBlock);
-        d[num_blocks] = c[num_blocks] = 0.0f;
-    }
-}
-#endif
 
 // x's rows quantized per block of 32: q = round(x / dx), dx = max|x| / 127 (0 for an all-zero
 // block), rounding half away from zero as llama.cpp's roundf.
@@ -171,34 +142,6 @@ void quantize_rows(const float* x, int64_t x_stride, int64_t rows, int64_t in_fe
 #endif
     }
 }
-
-#ifndef GGUF_VNNI
-// y[r] for R rows of x and one unpacked weight row: sum over blocks of d * dx * sum(u * q)
-// + c * dx * sum(q), in plain loops.
-template <int R>
-inline void dot_rows(const uint8_t* u, const float* d, const float* c, const QuantizedRows& x, int64_t first_row,
-                     float* out) {
-    const int64_t blocks = x.padded / kBlock;
-    for (int r = 0; r < R; r++) {
-        const int64_t row = first_row + r;
-        const int8_t* q = x.q.data() + row * x.padded;
-        const float* dx = x.scale.data() + row * blocks;
-        const float* xo = x.offset.data() + row * blocks;
-        float sum = 0.0f;
-        for (int64_t b = 0; b < blocks; b++) {
-            int32_t dot = 0;
-            for (int i = 0; i < kBlock; i++) dot += (int32_t)u[b * kBlock + i] * (int32_t)q[b * kBlock + i];
-            sum += (float)dot * dx[b] * d[b] + c[b] * xo[b];
-        }
-        out[r] = sum;
-    }
-}
-
-struct Scratch {  // one thread's unpacked weight rows
-    std::vector<uint8_t> u;
-    std::vector<float> d, c;
-};
-#endif
 
 #ifdef GGUF_VNNI
 // The same sums straight from the file's blocks, two blocks per vpdpbusd: a Q4 pair's 2 x 16
@@ -400,27 +343,24 @@ int gguf_linear_f32(int type, const float* x, int64_t x_stride, int64_t rows, co
         }
     }
 #else
-    const int64_t padded = qx.padded, blocks = padded / kBlock;
+    // the portable loops: each weight row dequantized, against x's rows dequantized from their blocks
+    static thread_local std::vector<float> xf;
+    xf.resize(rows * in_features);
+    for (int64_t r = 0; r < rows; r++)
+        for (int64_t i = 0; i < in_features; i++)
+            xf[r * in_features + i] = (float)qx.q[r * qx.padded + i] * qx.scale[r * (qx.padded / kBlock) + i / kBlock];
+    const float* xs = xf.data();
 #pragma omp parallel num_threads(num_threads) if (num_chunks > 8)
     {
-        Scratch scratch;
-        scratch.u.resize(kChunkRows * padded);
-        scratch.d.resize(kChunkRows * blocks);
-        scratch.c.resize(kChunkRows * blocks);
+        std::vector<float> w(in_features);
 #pragma omp for schedule(static)
-        for (int64_t chunk = 0; chunk < num_chunks; chunk++) {
-            const int64_t first = chunk * kChunkRows;
-            const int count = (int)(out_features - first < kChunkRows ? out_features - first : kChunkRows);
-            for (int j = 0; j < count; j++)
-                unpack_row(type, weight + (first + j) * row_bytes, num_blocks, scratch.u.data() + j * padded,
-                           scratch.d.data() + j * blocks, scratch.c.data() + j * blocks);
-            float out[kTileRows];
-            for (int64_t r = 0; r < rows; r++)
-                for (int j = 0; j < count; j++) {
-                    dot_rows<1>(scratch.u.data() + j * padded, scratch.d.data() + j * blocks,
-                                scratch.c.data() + j * blocks, qx, r, out);
-                    y[r * y_stride + first + j] = out[0] + (bias != nullptr ? bias[first + j] : 0.0f);
-                }
+        for (int64_t j = 0; j < out_features; j++) {
+            dequantize_row(type, weight + j * row_bytes, num_blocks, w.data());
+            for (int64_t r = 0; r < rows; r++) {
+                float sum = 0.0f;
+                for (int64_t i = 0; i < in_features; i++) sum += w[i] * xs[r * in_features + i];
+                y[r * y_stride + j] = sum + (bias != nullptr ? bias[j] : 0.0f);
+            }
         }
     }
 #endif
