@@ -6,11 +6,13 @@ the same blocks, activations quantized per block of 32 as the kernel quantizes t
 
 from __future__ import annotations
 
+import asyncio
+
 import gguf
 import pytest
 import torch
 
-from actors import LLM, SamplingParams
+from actors import LLM, AsyncClient, SamplingParams
 from actors.engine_args import EngineArgs
 from actors.quantization.gguf import GGUFCpuBackend, GGUFWeight
 from actors.quantization.gguf_types import GGUFError
@@ -173,3 +175,22 @@ def test_auto_runs_gguf_files_quantized_and_leaves_the_rest(make_tiny_model, tmp
         EngineArgs(model=model_dir, quantization="gguf").build()
     with pytest.raises(GGUFError, match="dtype 'float32'"):
         EngineArgs(model=quantized, quantization="gguf", dtype="bfloat16").build()
+
+
+async def test_actor_processes_run_the_blocks_as_the_in_process_engine_does(make_tiny_model, tmp_path):
+    """The worker process gets the file through EngineConfig.gguf_file: its greedy tokens are
+    the in-process engine's, and differ from float32's somewhere (the quantized path ran)."""
+    path = str(tmp_path / "tiny-q4_0.gguf")
+    write_quantized_gguf(make_tiny_model("llama"), path, gguf.GGMLQuantizationType.Q4_0)
+    prompts = [[5, 6, 7, 8], [40, 41, 42], [100, 7, 3, 9, 12]]
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=1)
+    engine = dict(kv_cache_memory="16MiB", seed=0)
+    in_process = LLM(path, quantization="gguf", **engine).generate(prompts, params, use_tqdm=False)
+    fp32 = LLM(path, quantization="none", **engine).generate(prompts, params, use_tqdm=False)
+    async with asyncio.timeout(180):
+        async with AsyncClient(path, quantization="gguf", **engine) as client:
+            served = await client.generate_batch(prompts, params, use_tqdm=False)
+    tokens = [[o.outputs[0].token_ids for o in outputs] for outputs in (in_process, served, fp32)]
+    assert tokens[0] == tokens[1]
+    logprobs = [[o.outputs[0].cumulative_logprob for o in outputs] for outputs in (in_process, fp32)]
+    assert logprobs[0] != logprobs[1]
