@@ -28,5 +28,5 @@ def check_quantization(method: str | None, is_encoder: bool) -> str | None:
                          f"{', '.join(('none',) + QUANTIZATION_METHODS)}")
     if method in ENCODER_ONLY_METHODS and not is_encoder:
         raise ValueError(f"quantization {method!r} runs BERT-family encoders (runner 'pooling') so far; "
-                         "decoder models run unquantized")
+                         "decoder models run unquantized, or a .gguf model's own blocks (--quantization gguf)")
     return method
