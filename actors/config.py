@@ -168,7 +168,7 @@ class EngineConfig:
     tokenizer_path: str = ""  # directory holding the tokenizer files; defaults to model_path
     attention_backend: str = "auto"  # "auto" (Triton on CUDA, torch on CPU) | "triton" | "torch"
     load_format: str = "auto"  # "auto" (the checkpoint) | "dummy" (random weights, benchmarks)
-    quantization: str | None = None  # how linear layers run (actors/quantization): None, "int8"
+    quantization: str | None = None  # how linear layers run (actors/quantization): None, "int8", "gguf"
     max_logprobs: int = 20  # the most logprobs / prompt_logprobs a request may ask for (vLLM's default)
     structured_outputs_backend: str = "auto"  # "auto" (xgrammar) | "xgrammar" | "guidance"
     reasoning_parser: str | None = None  # "deepseek_r1" | "qwen3": output starts with <think>...</think>
@@ -180,6 +180,7 @@ class EngineConfig:
     extra: dict = field(default_factory=dict)
     # speculative method draft_model: the draft's config, resolved and checked at start-up (spec_decode/draft_config.py)
     draft_model: ModelConfig | None = None
+    gguf_file: str | None = None  # quantization "gguf": the .gguf whose blocks the worker runs (actors/quantization)
 
 
 def cache_dir() -> str:

@@ -29,7 +29,8 @@ from actors.kv_offload_args import check_kv_offload_dir, host_kv_bytes
 from actors.distributed_args import EXECUTOR_BACKENDS, check_distributed, check_distributed_flags
 from actors.pooling.engine import (CONVERTS, RUNNERS, TASKS, check_pooling_args, override_architecture,
                                   parse_hf_overrides, pooler_for)
-from actors.quantization import QUANTIZATION_METHODS, check_quantization
+from actors.quantization import GGUF_METHODS, QUANTIZATION_METHODS, check_quantization
+from actors.quantization.gguf_types import resolve_gguf
 from actors.spec_decode.config import check_engine_fit, parse_speculative_config
 from actors.spec_decode.draft_config import load_draft_model_config
 from actors.tracing import DETAILED_TRACES, check_tracing_available
@@ -76,8 +77,10 @@ class EngineArgs:
     load_format: str = _arg("auto", "'dummy' runs random weights, for benchmarks", group="model",
                             choices=LOAD_FORMATS)
     quantization: str | None = _arg(
-        None, "'int8': weights quantized to int8 at load time, activations per token as they come (W8A8; "
-              "BERT-family encoders so far); 'none' or unset: the checkpoint's dtype", group="model",
+        None, "'gguf': a .gguf model's Q4_0/Q4_1/Q8_0 weights run as they are on the CPU (docs/quantization.md); "
+              "'auto': gguf where it can run, else none; 'int8': weights quantized to int8 at load time, "
+              "activations per token as they come (W8A8; BERT-family encoders so far); 'none' or unset: the "
+              "checkpoint's dtype (a .gguf dequantized to float32)", group="model",
         choices=("none",) + QUANTIZATION_METHODS)
     seed: int = _arg(0, "the engine's random seed", group="model")
     max_logprobs: int = _arg(20, "the most logprobs / prompt_logprobs a request may ask for", group="model",
@@ -273,7 +276,13 @@ class EngineArgs:
         pooler = pooler_for(model_config, args.runner, args.convert, args.task, args.pooler_config, hf_overrides)
         if pooler is not None and pooler.classifier_from_token and args.tensor_parallel_size != 1:
             raise ValueError("tensor_parallel_size: a classifier made from the LM head's rows runs on one device")
-        quantization = check_quantization(args.quantization, model_config.is_encoder)
+        quantization, gguf_file = check_quantization(args.quantization, model_config.is_encoder), None
+        if quantization in GGUF_METHODS:
+            quantization, gguf_file = resolve_gguf(
+                quantization, args.model, model_config.num_hidden_layers, generates=pooler is None,
+                device=args.device, dtype=args.dtype,  # one device: pipeline stages count too
+                tensor_parallel_size=args.tensor_parallel_size * args.pipeline_parallel_size,
+                cuda_devices=cuda_device_count())
         if model_config.is_encoder:  # whole prompts, one step each; attention both ways shares no prefix
             if args.tensor_parallel_size != 1:
                 raise ValueError("tensor_parallel_size: an encoder model runs on one device")
@@ -311,7 +320,7 @@ class EngineArgs:
             structured_outputs_backend=args.structured_outputs_backend, reasoning_parser=args.reasoning_parser,
             otlp_traces_endpoint=args.otlp_traces_endpoint or None, collect_detailed_traces=args.collect_detailed_traces,
             lora=args._lora_config(),
-            pooler=pooler, speculative=speculative, draft_model=draft_model)
+            pooler=pooler, speculative=speculative, draft_model=draft_model, gguf_file=gguf_file)
 
     def _lora_config(self) -> LoRAConfig | None:
         if not self.enable_lora:

@@ -5,11 +5,16 @@
 - fused step: each step in one C++ call (actors/worker/cpu_model_step.py),
   C++ linear for a few rows (the CPU backend's default).
 
+With --quantization gguf (or none,gguf), engines with those --quantization values time
+their fused steps too, in the same process and rounds: `gguf` runs the .gguf's blocks as
+they are (docs/quantization.md), `none` (the variants above) its fp32 dequantization.
+
 Each batch: prompts of 100 random token ids (prefilled, and so prefix-cached, before the
 clock starts), 48 greedy tokens each, ignore_eos, on the embedded SmolLM2-135M-Instruct.
 
     python benchmarks/decode_latency.py
     python benchmarks/decode_latency.py --batch-sizes 1,8 --repeats 5
+    python benchmarks/decode_latency.py --batch-sizes 1 --quantization none,gguf
 """
 
 from __future__ import annotations
@@ -33,14 +38,18 @@ def main() -> None:
     parser.add_argument("--batch-sizes", default="1,4,8,16")
     parser.add_argument("--output-len", type=int, default=48)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--quantization", default="none",
+                        help="comma-separated --quantization values; 'none': the fp32 variants")
     args = parser.parse_args()
     rng = random.Random(0)
-    llm = LLM(args.model)
+    methods = args.quantization.split(",")
+    quantized = {method: LLM(args.model, quantization=method) for method in methods if method != "none"}
+    llm = LLM(args.model, quantization="none")
     params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
     backend = llm.engine.runner.backend
     few_rows = backend.few_rows
     variants = {"op by op, sgemm": (0, False), "op by op, C++ linear": (few_rows, False),
-                "fused step": (few_rows, True)}
+                "fused step": (few_rows, True)} if "none" in methods else {}
     batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
     results: dict[tuple[int, str], list[float]] = {}
     for _ in range(args.repeats):
@@ -52,12 +61,22 @@ def main() -> None:
                 start = time.perf_counter()
                 llm.generate(prompts, params, use_tqdm=False)
                 results.setdefault((batch_size, name), []).append((time.perf_counter() - start) / args.output_len)
+            for method, engine in quantized.items():
+                engine.generate(prompts, SamplingParams(max_tokens=1), use_tqdm=False)
+                start = time.perf_counter()
+                engine.generate(prompts, params, use_tqdm=False)
+                results.setdefault((batch_size, f"{method}, fused step"), []).append(
+                    (time.perf_counter() - start) / args.output_len)
     backend.few_rows, backend.fused_steps = few_rows, True
-    print("ms a token (median of repeats); last column: op by op with the C++ linear / fused step")
+    names = list(variants) + [f"{method}, fused step" for method in quantized]
+    print("ms a token (median of repeats); last column: op by op with the C++ linear / fused step (fp32), "
+          "fp32's fused step / each quantized one's")
     for batch_size in batch_sizes:
-        times = {name: statistics.median(results[batch_size, name]) * 1e3 for name in variants}
+        times = {name: statistics.median(results[batch_size, name]) * 1e3 for name in names}
         cells = ", ".join(f"{name} {ms:6.1f}" for name, ms in times.items())
-        print(f"decode batch {batch_size:3d}: {cells}: {times['op by op, C++ linear'] / times['fused step']:.2f}x")
+        ratios = [times["op by op, C++ linear"] / times["fused step"]] if variants else []
+        ratios += [times["fused step"] / times[f"{m}, fused step"] for m in quantized] if variants else []
+        print(f"decode batch {batch_size:3d}: {cells}: {', '.join(f'{r:.2f}x' for r in ratios)}")
 
 if __name__ == "__main__":
     main()

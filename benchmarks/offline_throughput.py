@@ -14,6 +14,7 @@ reported: on a shared machine both swing by a quarter from minute to minute.
     python benchmarks/offline_throughput.py                       # embedded SmolLM2-135M
     python benchmarks/offline_throughput.py --hf-batch-sizes 16,64
     python benchmarks/offline_throughput.py --hf-batch-sizes ''   # troupe and the floor only
+    python benchmarks/offline_throughput.py --hf-batch-sizes '' --quantization gguf  # the GGUF's own blocks
 
 Timings on a shared machine swing with its load: compare figures from one invocation.
 """
@@ -54,7 +55,7 @@ def run_troupe(args, prompts):
 
     llm = LLM(args.model, max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
               kv_cache_memory=args.kv_cache_memory, seed=0, speculative_config=args.speculative_config,
-              otlp_traces_endpoint=args.otlp_traces_endpoint)
+              otlp_traces_endpoint=args.otlp_traces_endpoint, quantization=args.quantization)
     params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
     llm.generate(prompts[:2], SamplingParams(temperature=0.0, max_tokens=4), use_tqdm=False)  # warm-up
 
@@ -99,7 +100,8 @@ def run_actors(args, prompts) -> tuple[float, int]:
         async with AsyncClient(args.model, max_num_seqs=args.max_num_seqs,
                                max_num_batched_tokens=args.max_num_batched_tokens,
                                kv_cache_memory=args.kv_cache_memory, seed=0,
-                               speculative_config=args.speculative_config) as client:
+                               speculative_config=args.speculative_config,
+                               quantization=args.quantization) as client:
             await client.generate_batch(prompts[:2], SamplingParams(temperature=0.0, max_tokens=4), use_tqdm=False)
             params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
             start = time.perf_counter()
@@ -176,6 +178,8 @@ def main() -> None:
                              "\"num_speculative_tokens\": 5}'")
     parser.add_argument("--otlp-traces-endpoint", default=None, metavar="URL",
                         help="export a span per request (the cost of tracing; a collector need not listen)")
+    parser.add_argument("--quantization", default=None,
+                        help="troupe's --quantization: 'gguf' runs the .gguf's blocks, 'none' its fp32 dequantization")
     parser.add_argument("--quiet", action="store_true")
     args = parser.parse_args()
     torch.manual_seed(args.seed)

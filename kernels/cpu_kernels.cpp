@@ -606,13 +606,23 @@ struct DecoderLayer {  // one layer's weights (null where the model has none) an
     const float *input_norm, *qkv_proj, *qkv_bias, *q_norm, *k_norm, *o_proj, *post_attention_norm;
     const float *gate_up_proj, *down_proj;
     float *key_cache, *value_cache;
+    // each projection's weight type: 0 float32, else a ggml block type (Q4_0, Q4_1, Q8_0) whose
+    // blocks the projection's pointer points at, run by DecoderShape::quant_linear
+    int64_t qkv_type, o_type, gate_up_type, down_type;
 };
+
+// kernels/gguf_linear.cpp's gguf_linear_f32
+typedef int (*QuantLinear)(int type, const float* x, int64_t x_stride, int64_t rows, const uint8_t* weight,
+                           int64_t in_features, int64_t out_features, const float* bias, float* y, int64_t y_stride,
+                           int64_t dequantize_rows, Sgemm sgemm, int num_threads);
 
 struct DecoderShape {
     int64_t num_layers, hidden_size, num_heads, num_kv_heads, head_size, intermediate_size;
     int64_t block_size, cache_block_stride, cache_head_stride, cache_slot_stride;
     int64_t few_rows;  // up to this many rows the linear layers take linear_few_rows_f32, else sgemm
     float eps, scale;
+    QuantLinear quant_linear;  // null where no layer is quantized
+    int64_t dequantize_rows;  // quant_linear's: past this many rows, dequantized tiles and sgemm
 };
 
 struct StepBatch {  // the flat batch: each sequence's tokens at query_start_loc
@@ -673,8 +683,13 @@ static void lora_add(const LoraStep* lora, int64_t layer, int group, int num_mod
 }
 
 static void decoder_linear(const DecoderShape& shape, Sgemm sgemm, const float* x, int64_t x_stride, int64_t rows,
-                           const float* weight, int64_t in_features, int64_t out_features, const float* bias,
-                           float* y, int num_threads) {
+                           const float* weight, int64_t weight_type, int64_t in_features, int64_t out_features,
+                           const float* bias, float* y, int num_threads) {
+    if (weight_type != 0) {  // GGUF blocks (the caller checked the type has a kernel)
+        shape.quant_linear((int)weight_type, x, x_stride, rows, (const uint8_t*)weight, in_features, out_features,
+                           bias, y, out_features, shape.dequantize_rows, sgemm, num_threads);
+        return;
+    }
     // as CpuBackend.linear: a few rows by linear_few_rows_f32, else as F.linear (addmm: the bias
     // copied into the output, then sgemm adds the product to it)
     if (rows <= shape.few_rows) {
@@ -723,8 +738,8 @@ int model_step_f32(const DecoderShape* shape_, const DecoderLayer* layers, const
         // 1. attention block
         rms_norm_f32(hidden, hidden_size, l == 0 ? nullptr : projection, hidden_size, layer.input_norm, x,
                      hidden_size, tokens, (int)hidden_size, shape.eps, num_threads);
-        decoder_linear(shape, sgemm, x, hidden_size, tokens, layer.qkv_proj, hidden_size, qkv_size, layer.qkv_bias,
-                       qkv, num_threads);
+        decoder_linear(shape, sgemm, x, hidden_size, tokens, layer.qkv_proj, layer.qkv_type, hidden_size, qkv_size,
+                       layer.qkv_bias, qkv, num_threads);
         lora_add(batch.lora, l, 0, 3, qkv_offsets, qkv_sizes, x, hidden_size, hidden_size, qkv, qkv_size, qkv_size,
                  sgemm);
         if (layer.q_norm != nullptr)  // Qwen3: each head normed as a row
@@ -756,20 +771,20 @@ int model_step_f32(const DecoderShape* shape_, const DecoderLayer* layers, const
                 q_size, head_size, num_threads);
             if (status != 0) return status;
         }
-        decoder_linear(shape, sgemm, attn, q_size, tokens, layer.o_proj, q_size, hidden_size, nullptr, projection,
-                       num_threads);
+        decoder_linear(shape, sgemm, attn, q_size, tokens, layer.o_proj, layer.o_type, q_size, hidden_size, nullptr,
+                       projection, num_threads);
         lora_add(batch.lora, l, 1, 1, whole, &hidden_size, attn, q_size, q_size, projection, hidden_size, hidden_size,
                  sgemm);
         // 2. MLP block
         rms_norm_f32(projection, hidden_size, hidden, hidden_size, layer.post_attention_norm, x, hidden_size, tokens,
                      (int)hidden_size, shape.eps, num_threads);
-        decoder_linear(shape, sgemm, x, hidden_size, tokens, layer.gate_up_proj, hidden_size, 2 * intermediate,
-                       nullptr, gate_up, num_threads);
+        decoder_linear(shape, sgemm, x, hidden_size, tokens, layer.gate_up_proj, layer.gate_up_type, hidden_size,
+                       2 * intermediate, nullptr, gate_up, num_threads);
         lora_add(batch.lora, l, 2, 2, gate_up_offsets, gate_up_sizes, x, hidden_size, hidden_size, gate_up,
                  2 * intermediate, 2 * intermediate, sgemm);
         silu_mul_f32(gate_up, 2 * intermediate, tokens, intermediate, num_threads);
-        decoder_linear(shape, sgemm, gate_up, 2 * intermediate, tokens, layer.down_proj, intermediate, hidden_size,
-                       nullptr, hidden, num_threads);
+        decoder_linear(shape, sgemm, gate_up, 2 * intermediate, tokens, layer.down_proj, layer.down_type, intermediate,
+                       hidden_size, nullptr, hidden, num_threads);
         lora_add(batch.lora, l, 3, 1, whole, &hidden_size, gate_up, 2 * intermediate, intermediate, hidden,
                  hidden_size, hidden_size, sgemm);
     }

@@ -179,7 +179,7 @@ class DecoderShape(ctypes.Structure):
     _fields_ = [(name, _i64) for name in (
         "num_layers", "hidden_size", "num_heads", "num_kv_heads", "head_size", "intermediate_size", "block_size",
         "cache_block_stride", "cache_head_stride", "cache_slot_stride", "few_rows")] + [
-        ("eps", ctypes.c_float), ("scale", ctypes.c_float)]
+        ("eps", ctypes.c_float), ("scale", ctypes.c_float), ("quant_linear", _ptr), ("dequantize_rows", _i64)]
 
 
 class DecoderLayer(ctypes.Structure):
@@ -187,7 +187,8 @@ class DecoderLayer(ctypes.Structure):
 
     _fields_ = [(name, _ptr) for name in (
         "input_norm", "qkv_proj", "qkv_bias", "q_norm", "k_norm", "o_proj", "post_attention_norm", "gate_up_proj",
-        "down_proj", "key_cache", "value_cache")]
+        "down_proj", "key_cache", "value_cache")] + [
+        (name, _i64) for name in ("qkv_type", "o_type", "gate_up_type", "down_type")]  # 0: float32, else ggml's
 
 
 class StepBatch(ctypes.Structure):

@@ -10,8 +10,12 @@ from __future__ import annotations
 #   int8: weights quantized at load time to int8 per output channel, activations per
 #         token at run time (W8A8, dynamic); BERT-family encoders so far (issue #21 has
 #         the decoder's kernels)
-QUANTIZATION_METHODS = ("int8",)
+#   gguf: a .gguf model's block-quantized weights (Q4_0, Q4_1, Q8_0) as the file has them,
+#         int8 block dot products on the CPU (gguf.py, kernels/gguf_linear.cpp)
+#   auto: gguf where a .gguf model can run so (the CPU, float32, one device), else none
+QUANTIZATION_METHODS = ("auto", "gguf", "int8")
 ENCODER_ONLY_METHODS = ("int8",)
+GGUF_METHODS = ("auto", "gguf")  # resolved against the model file at start-up (gguf_types.resolve_gguf)
 
 
 def check_quantization(method: str | None, is_encoder: bool) -> str | None:
@@ -24,5 +28,5 @@ def check_quantization(method: str | None, is_encoder: bool) -> str | None:
                          f"{', '.join(('none',) + QUANTIZATION_METHODS)}")
     if method in ENCODER_ONLY_METHODS and not is_encoder:
         raise ValueError(f"quantization {method!r} runs BERT-family encoders (runner 'pooling') so far; "
-                         "decoder models run unquantized")
+                         "decoder models run unquantized, or a .gguf model's own blocks (--quantization gguf)")
     return method

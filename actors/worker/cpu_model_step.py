@@ -36,6 +36,11 @@ def _address(tensor: torch.Tensor | None) -> int | None:
     return tensor.data_ptr() if tensor is not None else None
 
 
+def _type(weight) -> int:
+    """DecoderLayer's weight type: 0 for a float32 tensor, else a GGUF weight's ggml type."""
+    return getattr(weight, "ggml_type", 0)
+
+
 class CpuModelStep:
     """A model's steps through model_step_f32: built once per model, its shape and layers'
     pointers packed once per KV cache."""
@@ -63,7 +68,8 @@ class CpuModelStep:
         if not native.supports_attention(probe_query, probe_cache) or model.num_heads % model.num_kv_heads:
             return None
         tensors = [model.embed_tokens, model.final_norm, model.cos_sin_cache]
-        tensors += [t for layer in model.layers for t in vars(layer).values() if t is not None]
+        # GGUF blocks (actors/quantization/gguf.py) run through their own kernel
+        tensors += [t for layer in model.layers for t in vars(layer).values() if isinstance(t, torch.Tensor)]
         if not all(t.dtype == torch.float32 and t.is_contiguous() for t in tensors):
             return None
         sgemm = torch_sgemm()
@@ -138,12 +144,16 @@ class CpuModelStep:
                 cache_block_stride=key_cache.stride(0), cache_head_stride=key_cache.stride(1),
                 cache_slot_stride=key_cache.stride(2), few_rows=self.backend.few_rows,
                 eps=model.config.rms_norm_eps, scale=model.scale)
+            kernels = getattr(model.backend, "kernels", None)  # GGUFCpuBackend's, where weights are GGUF blocks
+            if kernels is not None:
+                shape.quant_linear, shape.dequantize_rows = kernels.linear_address, kernels.dequantize_rows
             layers = (DecoderLayer * len(kv_caches))(*[
                 DecoderLayer(input_norm=_address(w.input_norm), qkv_proj=_address(w.qkv_proj),
                              qkv_bias=_address(w.qkv_bias), q_norm=_address(w.q_norm), k_norm=_address(w.k_norm),
                              o_proj=_address(w.o_proj), post_attention_norm=_address(w.post_attention_norm),
                              gate_up_proj=_address(w.gate_up_proj), down_proj=_address(w.down_proj),
-                             key_cache=k.data_ptr(), value_cache=v.data_ptr())
+                             key_cache=k.data_ptr(), value_cache=v.data_ptr(), qkv_type=_type(w.qkv_proj),
+                             o_type=_type(w.o_proj), gate_up_type=_type(w.gate_up_proj), down_type=_type(w.down_proj))
                 for w, (k, v) in zip(model.layers, kv_caches)])
             self._prepared_for, self._prepared_key = (shape, layers), key
         return self._prepared_for

@@ -142,6 +142,9 @@ class ModelRunner:
                 and self.dtype == torch.float32:
             # past this many rows sgemm beats the C++ linear, which depends on the CPU's vectors
             self.backend.few_rows = tune_few_rows(self.backend.native, self.model.layers, MAX_FEW_ROWS)
+        if engine.quantization == "gguf":  # the projections' fp32 weights swapped for the file's blocks
+            from actors.quantization.gguf import use_gguf_weights
+            self.backend = use_gguf_weights(self.model, self.backend, engine.gguf_file)
         # the whole-step fast path where there is one for this model and backend (the C++
         # one-call step on the CPU); _forward picks it or model.forward step by step
         self.model_step = CpuModelStep.build(self.model, self.backend) if self.encoder is None else None

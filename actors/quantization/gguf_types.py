@@ -1,0 +1,93 @@
+"""Which GGUF files run quantized, decided at start-up (torch-free: EngineArgs.build calls it in
+the launching process). A tensor type without a kernel fails here, naming the tensor and its
+type, never at the first request."""
+
+from __future__ import annotations
+
+import os
+
+KERNEL_TYPES = {2: "Q4_0", 3: "Q4_1", 8: "Q8_0"}  # ggml type ids kernels/gguf_linear.cpp multiplies
+FLOAT_TYPES = {0: "F32", 1: "F16", 30: "BF16"}  # types the fp32 path runs (dequantized at conversion)
+
+
+class GGUFError(ValueError):
+    """A GGUF file or setting the quantized path cannot run."""
+
+
+def layer_tensor_names(layer: int) -> dict[str, list[str]]:
+    """A layer's fused projections (DecoderLayerWeights' names) and the file's tensors in each."""
+    prefix = f"blk.{layer}."
+    return {"qkv_proj": [f"{prefix}attn_{p}.weight" for p in "qkv"], "o_proj": [f"{prefix}attn_output.weight"],
+            "gate_up_proj": [f"{prefix}ffn_gate.weight", f"{prefix}ffn_up.weight"],
+            "down_proj": [f"{prefix}ffn_down.weight"]}
+
+
+def lm_head_name(tensor_names) -> str:
+    """The LM head's tensor: its own, or the tied embedding table."""
+    return "output.weight" if "output.weight" in tensor_names else "token_embd.weight"
+
+
+def gguf_source(model: str | None) -> str | None:
+    """The .gguf file a --model argument names (the embedded default model's included), else None."""
+    if model is None or model == "default":
+        from actors.worker.loader import default_model_path
+
+        return default_model_path()
+    path = os.path.abspath(os.path.expanduser(model))
+    return path if os.path.isfile(path) and path.endswith(".gguf") else None
+
+
+def tensor_types(gguf_path: str, num_layers: int) -> dict[str, tuple[str, int]]:
+    """The projections' and LM head's tensors: name -> (type name, ggml type id)."""
+    import gguf
+
+    tensors = {t.name: t for t in gguf.GGUFReader(gguf_path).tensors}
+    names = [name for layer in range(num_layers) for group in layer_tensor_names(layer).values()
+             for name in group] + [lm_head_name(tensors)]
+    return {name: (tensors[name].tensor_type.name, int(tensors[name].tensor_type)) for name in names}
+
+
+def check_gguf_types(gguf_path: str, num_layers: int) -> bool:
+    """True where the file's projections are block types with kernels, False where they are all
+    float (nothing to run quantized); GGUFError naming the first tensor whose type has no
+    kernel, or a fused group (q/k/v, gate/up) mixing types."""
+    types = tensor_types(gguf_path, num_layers)
+    if all(type_id in FLOAT_TYPES for name, (_, type_id) in types.items() if name.startswith("blk.")):
+        return False
+    for name, (type_name, type_id) in types.items():
+        if type_id not in KERNEL_TYPES and type_id not in FLOAT_TYPES:
+            raise GGUFError(f"{gguf_path}: tensor {name!r} is {type_name}, which has no CPU kernel (kernels: "
+                            f"{', '.join(KERNEL_TYPES.values())}); --quantization none runs it dequantized to "
+                            "float32")
+    for layer in range(num_layers):
+        for group in layer_tensor_names(layer).values():
+            group_types = {types[name][0] for name in group}
+            if len(group_types) > 1 or group_types & set(FLOAT_TYPES.values()):
+                raise GGUFError(f"{gguf_path}: tensors {', '.join(group)} are {', '.join(sorted(group_types))}; "
+                                "the quantized path runs projections quantized alike (--quantization none runs "
+                                "them dequantized)")
+    return True
+
+
+def resolve_gguf(method: str, model: str | None, num_layers: int, *, generates: bool, device: str, dtype: str,
+                 tensor_parallel_size: int, cuda_devices: int) -> tuple[str | None, str | None]:
+    """(quantization, gguf file) for `auto` or `gguf`: ("gguf", path) where the file runs
+    quantized, (None, None) where `auto` leaves it to the fp32 path (not a GGUF file, a
+    float GGUF, a GPU, another dtype, tensor parallelism); GGUFError where `gguf` was asked
+    for and cannot run, or a tensor's type has no kernel."""
+    path = gguf_source(model)
+    on_cpu = device == "cpu" or (device == "auto" and cuda_devices == 0)
+    needs = [need for need, failed in (
+        ("a .gguf model", path is None), ("a generating model (runner 'generate')", not generates),
+        ("the CPU (device 'cpu')", not on_cpu),
+        ("dtype 'float32'", dtype not in ("auto", "float32")),
+        ("one device (tensor_parallel_size and pipeline_parallel_size 1)", tensor_parallel_size != 1)) if failed]
+    if needs:
+        if method == "gguf":
+            raise GGUFError(f"quantization 'gguf' runs GGUF blocks on the CPU's kernels; it needs {', '.join(needs)}")
+        return None, None
+    if not check_gguf_types(path, num_layers):
+        if method == "gguf":
+            raise GGUFError(f"quantization 'gguf': {path} holds float weights, nothing quantized")
+        return None, None
+    return "gguf", path

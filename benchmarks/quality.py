@@ -1,0 +1,92 @@
+"""Accuracy of each --quantization method on the embedded model: perplexity on a fixed text
+(benchmarks/data/quality_text.txt: plain English prose written for this benchmark, about 20k
+tokens of varied topics), and how often its greedy token agrees with the first method's.
+
+The text is cut into windows of --window tokens; every token of a window after its first is
+scored from the window's tokens before it (prompt_logprobs), so each method sees exactly the
+same contexts ("gguf:dot": see score()). Greedy agreement is teacher-forced: at each scored position, whether the two
+methods' most likely next tokens are the same (free-running generations drift apart after
+their first difference and measure little else).
+
+    python benchmarks/quality.py                          # none (fp32), gguf and gguf:dot, the whole text
+    python benchmarks/quality.py --max-tokens 4000        # a quicker look
+    python benchmarks/quality.py --methods none,gguf --window 512
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import sys
+import time
+
+if __name__ == "__main__":
+    _here = os.path.dirname(os.path.abspath(__file__))  # (benchmarks/kernels.py would shadow kernels/)
+    sys.path = [os.path.dirname(_here)] + [p for p in sys.path if os.path.abspath(p or os.curdir) != _here]
+
+TEXT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "quality_text.txt")
+
+
+def score(model: str | None, method: str, windows: list[list[int]]) -> tuple[list[float], list[int], float]:
+    """Each scored position's log-probability of the text's token and the method's greedy
+    token, and the seconds the engine took. "gguf:dot" is gguf with every row through the
+    int8 block dot products, activations quantized per block as in decode steps (a prompt's
+    rows otherwise go through dequantized weights and sgemm, which is fp32's arithmetic)."""
+    from actors import LLM, SamplingParams
+
+    quantization, _, variant = method.partition(":")
+    llm = LLM(model, quantization=quantization, enable_prefix_caching=False)
+    kernels = getattr(llm.engine.runner.backend, "kernels", None)
+    dequantize_rows = kernels.dequantize_rows if kernels is not None else None
+    if variant == "dot":
+        kernels.dequantize_rows = 1 << 62
+    params = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=1)
+    start = time.perf_counter()
+    try:
+        outputs = llm.generate(windows, params, use_tqdm=False)
+    finally:
+        if kernels is not None:
+            kernels.dequantize_rows = dequantize_rows  # (the kernels are shared by the process's engines)
+    elapsed = time.perf_counter() - start
+    logprobs, greedy = [], []
+    for window, output in zip(windows, outputs, strict=True):
+        for token, position in zip(window[1:], output.prompt_logprobs[1:], strict=True):
+            logprobs.append(position[token].logprob)
+            greedy.append(next(t for t, logprob in position.items() if logprob.rank == 1))
+    return logprobs, greedy, elapsed
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default=None, help="default: the embedded SmolLM2-135M-Instruct (a Q4_1 GGUF)")
+    parser.add_argument("--methods", default="none,gguf,gguf:dot",
+                        help="--quantization values (gguf:dot: see score()); the first is the baseline")
+    parser.add_argument("--max-tokens", type=int, default=None, help="score only the text's first N tokens")
+    parser.add_argument("--window", type=int, default=1024, help="tokens of context per window")
+    args = parser.parse_args()
+    from actors.worker.loader import load_tokenizer, resolve_model
+
+    with open(TEXT, encoding="utf-8") as file:
+        text = file.read()
+    tokens = load_tokenizer(resolve_model(args.model))(text, add_special_tokens=False)["input_ids"]
+    tokens = tokens[:args.max_tokens] if args.max_tokens else tokens
+    windows = [tokens[i:i + args.window] for i in range(0, len(tokens), args.window)]
+    windows = [window for window in windows if len(window) > 1]
+    print(f"{TEXT}: {len(tokens)} tokens in {len(windows)} windows of up to {args.window}")
+    baseline = None
+    for method in args.methods.split(","):
+        logprobs, greedy, elapsed = score(args.model, method, windows)
+        perplexity = math.exp(-sum(logprobs) / len(logprobs))
+        line = f"{method:>6}: perplexity {perplexity:.3f} over {len(logprobs)} tokens ({elapsed:.1f} s)"
+        if baseline is None:
+            baseline = (perplexity, greedy)
+        else:
+            agreement = sum(a == b for a, b in zip(greedy, baseline[1])) / len(greedy)
+            line += (f"; {perplexity / baseline[0] - 1:+.2%} against {args.methods.split(',')[0]}, "
+                     f"greedy token agreement {agreement:.2%}")
+        print(line, flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,199 @@
+"""GGUF weights run as the file has them (--quantization gguf): tiny Llamas written as Q4_0,
+Q4_1 and Q8_0 GGUF files, and the embedded SmolLM2 (Q4_1, its LM head Q8_0). A step's logits
+through the fused C++ step equal a plain torch reference (the gguf package's dequantization of
+the same blocks, activations quantized per block of 32 as the kernel quantizes them) within
+1e-3; a type without a kernel fails at start-up, naming the tensor."""
+
+from __future__ import annotations
+
+import asyncio
+
+import gguf
+import pytest
+import torch
+
+from actors import LLM, AsyncClient, SamplingParams
+from actors.engine_args import EngineArgs
+from actors.quantization.gguf import GGUFCpuBackend, GGUFWeight
+from actors.quantization.gguf_types import GGUFError
+from actors.worker.model_runner import CachedRequest
+from kernels.gguf_linear import dequantize_reference, gguf_linear_reference
+from tests.actors.test_gguf_loader import write_gguf
+
+
+def write_quantized_gguf(model_dir: str, path: str, ggml_type: gguf.GGMLQuantizationType,
+                         head_type: gguf.GGMLQuantizationType = gguf.GGMLQuantizationType.Q8_0) -> None:
+    """write_gguf's file, its projections quantized to ggml_type, embedding and LM head to head_type."""
+    original = gguf.GGUFWriter.add_tensor
+
+    def quantizing(self, name, tensor, *args, **kwargs):
+        if tensor.ndim == 2:
+            kind = head_type if name in ("token_embd.weight", "output.weight") else ggml_type
+            return original(self, name, gguf.quants.quantize(tensor, kind), raw_dtype=kind)
+        return original(self, name, tensor, *args, **kwargs)
+
+    gguf.GGUFWriter.add_tensor = quantizing
+    try:
+        write_gguf(model_dir, path)
+    finally:
+        gguf.GGUFWriter.add_tensor = original
+
+
+class ReferenceBackend(GGUFCpuBackend):
+    """The op-by-op forward with each GGUF linear as the torch reference: x quantized per block
+    (up to the kernels' dequantize_rows rows; past that they multiply x as it is)."""
+
+    def linear(self, x, weight, bias=None):
+        if not isinstance(weight, GGUFWeight):
+            return super().linear(x, weight, bias)
+        quantize_x = x.shape[0] <= self.kernels.dequantize_rows
+        return gguf_linear_reference(x, weight.blocks, weight.ggml_type, weight.in_features, bias, quantize_x)
+
+
+def one_mixed_step(runner, shapes, generator, reference: bool = True):
+    """A step of decodes over cached keys and prefill chunks ((cached, new) tokens each) through
+    the fused step and the op-by-op forward (with the reference linears where reference): their
+    logits."""
+    batch, next_block = [], 1
+    for index, (num_cached, num_new) in enumerate(shapes):
+        seq_len = num_cached + num_new
+        num_blocks = -(-seq_len // 4)
+        token_ids = torch.randint(3, 200, (seq_len,), generator=generator).tolist()
+        request = CachedRequest(f"r{index}", token_ids, seq_len, SamplingParams(max_tokens=1),
+                                list(range(next_block + num_blocks - 1, next_block - 1, -1)), num_cached)
+        batch.append((request, num_new))
+        next_block += num_blocks
+    input_ids, positions, attention = runner._prepare_inputs(batch)
+    caches = [(torch.randn(k.shape, generator=generator), torch.randn(v.shape, generator=generator))
+              for k, v in runner.kv_caches]
+    reference_caches = [(k.clone(), v.clone()) for k, v in caches]
+    model = runner.model
+    with torch.inference_mode():
+        fused = model.compute_logits(runner.model_step(model.embed(input_ids), positions, caches, attention))
+        quantized_backend = model.backend
+        if reference:
+            model.backend = ReferenceBackend(quantized_backend, quantized_backend.kernels)
+        try:
+            reference = model.compute_logits(model.forward(input_ids, positions, reference_caches, attention))
+        finally:
+            model.backend = quantized_backend
+    return fused, reference
+
+
+def relative_error(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a - b).abs().max() / b.abs().max()).item()
+
+
+@pytest.mark.parametrize("type_name", ["Q4_0", "Q4_1", "Q8_0"])
+def test_tiny_llama_logits_match_the_torch_reference(make_tiny_model, tmp_path, type_name):
+    # 96 intermediate features: down_proj rows of 3 blocks, an odd one out of the kernel's pairs
+    model_dir = make_tiny_model("llama", intermediate_size=96)
+    path = str(tmp_path / f"tiny-{type_name}.gguf")
+    write_quantized_gguf(model_dir, path, gguf.GGMLQuantizationType[type_name])
+    llm = LLM(path, quantization="gguf", kv_cache_memory="16MiB", block_size=4)
+    runner = llm.engine.runner
+    layer = runner.model.layers[0]
+    assert isinstance(layer.qkv_proj, GGUFWeight) and layer.qkv_proj.type_name == type_name
+    assert isinstance(runner.model.lm_head, GGUFWeight) and runner.model.lm_head.type_name == "Q8_0"
+    assert runner.model_step is not None
+    # the blocks, dequantized, are the weights the fp32 path loads (q/k rows un-permuted alike)
+    fp32 = LLM(path, quantization="none", kv_cache_memory="16MiB").engine.runner.model.layers
+    for name in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj"):
+        weight = getattr(layer, name)
+        assert torch.equal(dequantize_reference(weight.blocks, weight.ggml_type, weight.in_features),
+                           getattr(fp32[0], name))
+    generator = torch.Generator().manual_seed(0)
+    # decodes only (the block dot products), then decodes with prefill chunks (past 8 rows: sgemm)
+    for shapes in ([(9, 1), (16, 1), (3, 1)], [(9, 1), (16, 1), (3, 1), (0, 11), (7, 6)]):
+        fused, reference = one_mixed_step(runner, shapes, generator)
+        assert relative_error(fused, reference) < 1e-3
+    outputs = llm.generate([[5, 6, 7, 8]], SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True),
+                           use_tqdm=False)
+    assert len(outputs[0].outputs[0].token_ids) == 8
+
+
+class CheckingBackend(GGUFCpuBackend):
+    """The kernels' linears, each checked against the reference on the same input (the LM head
+    of both forwards' logits included)."""
+
+    errors: list[float] = []
+
+    def linear(self, x, weight, bias=None):
+        out = super().linear(x, weight, bias)
+        if isinstance(weight, GGUFWeight):
+            quantize_x = x.shape[0] <= self.kernels.dequantize_rows
+            expected = gguf_linear_reference(x, weight.blocks, weight.ggml_type, weight.in_features, bias,
+                                             quantize_x)
+            self.errors.append(relative_error(out, expected))
+        return out
+
+
+def test_smollm2_logits_match_the_torch_reference(smollm2_dir):
+    """Through SmolLM2's 30 layers a whole-model comparison measures the model's sensitivity
+    more than the kernels: the kernel sums in fp32 and the reference in fp64, and one activation
+    rounded to the other int8 value grows layer by layer (measured: 2e-7 relative after 4
+    layers, 6e-4 after 8, 9e-2 after 30). So every linear of a real step is held to the
+    reference on its own input, and the fused step to the op-by-op forward."""
+    llm = LLM(quantization="gguf", kv_cache_memory="64MiB", block_size=4)
+    runner = llm.engine.runner
+    model = runner.model
+    assert {w.type_name for w in vars(model.layers[0]).values() if isinstance(w, GGUFWeight)} == {"Q4_1"}
+    assert model.lm_head.type_name == "Q8_0"
+    quantized_backend = model.backend
+    model.backend = CheckingBackend(quantized_backend, quantized_backend.kernels)
+    try:
+        # decodes (the block dot products), then with a prefill chunk (dequantized tiles and sgemm)
+        for shapes in ([(20, 1), (5, 1)], [(20, 1), (5, 1), (3, 12)]):
+            CheckingBackend.errors = []
+            fused, op_by_op = one_mixed_step(runner, shapes, torch.Generator().manual_seed(1), reference=False)
+            assert len(CheckingBackend.errors) == 4 * 30 + 2 and max(CheckingBackend.errors) < 1e-3
+            assert relative_error(fused, op_by_op) < 1e-5
+    finally:
+        model.backend = quantized_backend
+
+
+def test_a_type_without_a_kernel_fails_at_start_up_naming_the_tensor(make_tiny_model, tmp_path):
+    path = str(tmp_path / "tiny-q5_0.gguf")
+    write_quantized_gguf(make_tiny_model("llama"), path, gguf.GGMLQuantizationType.Q5_0)
+    for method in ("gguf", "auto"):
+        with pytest.raises(GGUFError, match=r"tensor 'blk\.0\.attn_q\.weight' is Q5_0, which has no CPU kernel"):
+            EngineArgs(model=path, quantization=method).build()
+    assert EngineArgs(model=path, quantization="none").build().quantization is None
+
+
+def test_auto_runs_gguf_files_quantized_and_leaves_the_rest(make_tiny_model, tmp_path):
+    model_dir = make_tiny_model("llama")
+    quantized, floats = str(tmp_path / "q8.gguf"), str(tmp_path / "f32.gguf")
+    write_quantized_gguf(model_dir, quantized, gguf.GGMLQuantizationType.Q8_0)
+    write_gguf(model_dir, floats)
+    config = EngineArgs(model=quantized, quantization="auto").build()
+    assert (config.quantization, config.gguf_file) == ("gguf", quantized)
+    assert EngineArgs(model=floats, quantization="auto").build().quantization is None
+    assert EngineArgs(model=model_dir, quantization="auto").build().quantization is None
+    assert EngineArgs(model=quantized, quantization="auto", dtype="bfloat16").build().quantization is None
+    with pytest.raises(GGUFError, match="needs a .gguf model"):
+        EngineArgs(model=model_dir, quantization="gguf").build()
+    with pytest.raises(GGUFError, match="dtype 'float32'"):
+        EngineArgs(model=quantized, quantization="gguf", dtype="bfloat16").build()
+
+
+async def test_actor_processes_run_the_blocks_as_the_in_process_engine_does(make_tiny_model, tmp_path):
+    """The worker process gets the file through EngineConfig.gguf_file: its greedy tokens are
+    the in-process engine's, and differ from float32's somewhere (the quantized path ran).
+    One sequence a step: a step of more than 8 rows multiplies unquantized activations
+    (dequantized tiles and sgemm), so tokens depend on what a step batches, which the two
+    engines schedule differently."""
+    path = str(tmp_path / "tiny-q4_0.gguf")
+    write_quantized_gguf(make_tiny_model("llama"), path, gguf.GGMLQuantizationType.Q4_0)
+    prompts = [[5, 6, 7, 8], [40, 41, 42], [100, 7, 3, 9, 12]]
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=1)
+    engine = dict(kv_cache_memory="16MiB", seed=0, max_num_seqs=1)
+    in_process = LLM(path, quantization="gguf", **engine).generate(prompts, params, use_tqdm=False)
+    fp32 = LLM(path, quantization="none", **engine).generate(prompts, params, use_tqdm=False)
+    async with asyncio.timeout(180):
+        async with AsyncClient(path, quantization="gguf", **engine) as client:
+            served = await client.generate_batch(prompts, params, use_tqdm=False)
+    tokens = [[o.outputs[0].token_ids for o in outputs] for outputs in (in_process, served, fp32)]
+    assert tokens[0] == tokens[1]
+    logprobs = [[o.outputs[0].cumulative_logprob for o in outputs] for outputs in (in_process, fp32)]
+    assert logprobs[0] != logprobs[1]
