@@ -8,6 +8,7 @@ import re
 from dataclasses import dataclass, field
 
 # a field of EngineConfig, which msgspec decodes in every actor process: imported for real (torch-free)
+from actors.multimodal.config import VisionConfig
 from actors.pooling.config import PoolerConfig
 from actors.spec_decode.config import SpeculativeConfig
 
@@ -53,6 +54,7 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...]
     bos_token_id: int | None = None
     sep_token_id: int | None = None  # an encoder's [SEP] (where a pair's second segment starts)
+    vision: VisionConfig | None = None  # a vision-language model's vision side (LLaVA); None: text only
 
     @property
     def can_generate(self) -> bool:
@@ -162,6 +164,7 @@ class EngineConfig:
     speculative: SpeculativeConfig | None = None  # speculative decoding (--speculative-config); None: off
     otlp_traces_endpoint: str | None = None  # OTLP collector of request spans (actors/tracing.py); None: off
     collect_detailed_traces: str | None = None  # "model" | "worker" | "all": prefill and decode times too
+    limit_mm_per_prompt: dict[str, int] = field(default_factory=dict)  # modality -> most items a prompt carries
     extra: dict = field(default_factory=dict)
 
 

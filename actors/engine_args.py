@@ -28,6 +28,7 @@ from actors.config import (CacheConfig, EngineConfig, LoRAConfig, ParallelConfig
 from actors.pooling.engine import (CONVERTS, RUNNERS, TASKS, check_pooling_args, override_architecture,
                                   parse_hf_overrides, pooler_for)
 from actors.quantization import QUANTIZATION_METHODS, check_quantization
+from actors.multimodal.config import check_vision_engine, parse_limit_mm_per_prompt
 from actors.spec_decode.config import check_engine_fit, parse_speculative_config
 from actors.tracing import DETAILED_TRACES, check_tracing_available
 from actors.worker.loader import load_model_config, resolve_model
@@ -113,6 +114,9 @@ class EngineArgs:
     speculative_config: str | dict | None = _arg(
         None, "speculative decoding, vLLM's JSON: '{\"method\": \"ngram\", \"num_speculative_tokens\": 5}' "
               "(method ngram or suffix; prompt_lookup_min/max, suffix_decoding_*, disable_by_batch_size)",
+        metavar="JSON")
+    limit_mm_per_prompt: str | dict | None = _arg(
+        None, "a vision model: the most images one prompt may carry, vLLM's JSON: '{\"image\": 4}' (default 999)",
         metavar="JSON")
     reasoning_parser: str | None = _arg(
         None, "the model thinks between <think> and </think> first: the API splits that into reasoning_content, "
@@ -226,6 +230,7 @@ class EngineArgs:
             check_tracing_available()  # the packages are an extra: say so before anything starts
         parse_hf_overrides(self.hf_overrides)
         parse_speculative_config(self.speculative_config)
+        parse_limit_mm_per_prompt(self.limit_mm_per_prompt)
 
     def build(self) -> EngineConfig:
         """Resolves the model and checks every argument (ValueError naming the field). The
@@ -255,6 +260,8 @@ class EngineArgs:
             args = dataclasses.replace(args, enable_prefix_caching=False, max_num_batched_tokens=max(
                 args.max_num_batched_tokens, max_model_len))
         speculative = parse_speculative_config(args.speculative_config)
+        check_vision_engine(model_config.vision, tensor_parallel_size=args.tensor_parallel_size,
+                            speculative=speculative is not None, enable_lora=args.enable_lora, pooling=pooler is not None)
         if speculative is not None:
             check_engine_fit(speculative, pooling=pooler is not None or not model_config.can_generate,
                              max_num_batched_tokens=args.max_num_batched_tokens)
@@ -276,8 +283,8 @@ class EngineArgs:
             max_logprobs=args.max_logprobs,
             structured_outputs_backend=args.structured_outputs_backend, reasoning_parser=args.reasoning_parser,
             otlp_traces_endpoint=args.otlp_traces_endpoint or None, collect_detailed_traces=args.collect_detailed_traces,
-            lora=args._lora_config(),
-            pooler=pooler, speculative=speculative)
+            lora=args._lora_config(), pooler=pooler, speculative=speculative,
+            limit_mm_per_prompt=parse_limit_mm_per_prompt(args.limit_mm_per_prompt))
 
     def _lora_config(self) -> LoRAConfig | None:
         if not self.enable_lora:

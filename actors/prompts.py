@@ -12,7 +12,7 @@ from messages.common import InvalidRequestError
 Prompt = str | list[int]
 PromptInput = Prompt | dict[str, Any]  # vLLM's TextPrompt / TokensPrompt dicts too
 
-_PROMPT_DICT_KEYS = {"prompt", "prompt_token_ids", "cache_salt"}
+_PROMPT_DICT_KEYS = {"prompt", "prompt_token_ids", "cache_salt", "multi_modal_data"}
 
 
 def split_prompt(prompt: PromptInput) -> tuple[Prompt, str | None]:
@@ -30,6 +30,11 @@ def split_prompt(prompt: PromptInput) -> tuple[Prompt, str | None]:
     if not isinstance(prompt, (str, list)):
         raise InvalidRequestError("prompt must be a string, a list of token ids or a prompt dict", param="prompt")
     return prompt, None
+
+
+def prompt_media(prompt: PromptInput) -> dict | None:
+    """A prompt dict's multi_modal_data ({"image": a PIL image or a list}), else None."""
+    return prompt.get("multi_modal_data") if isinstance(prompt, dict) else None
 
 
 def prompt_list(prompts: PromptInput | Sequence[PromptInput]) -> list[PromptInput]:

@@ -156,7 +156,8 @@ class LlamaModel:
                 positions: torch.Tensor,  # [num_tokens] int64
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]],  # per layer (key, value)
                 attention: AttentionMetadata,
-                lora: LoRABatch | None = None) -> torch.Tensor:  # [num_tokens, hidden]
+                lora: LoRABatch | None = None,
+                inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:  # [num_tokens, hidden]
         """The step op by op through the backend's kernels (the model runner may run it
         another way: actors/worker/cpu_model_step.py mirrors this function). lora: the
         step's adapters, whose deltas each projection's output gets (before the all-reduce
@@ -164,7 +165,7 @@ class LlamaModel:
         ops = self.backend
         eps = self.config.rms_norm_eps
         num_tokens = input_ids.shape[0]
-        hidden = self.embed(input_ids)
+        hidden = self.embed(input_ids) if inputs_embeds is None else inputs_embeds  # (images' rows replaced)
         residual = None
         for index, (layer, (key_cache, value_cache)) in enumerate(zip(self.layers, kv_caches)):
             # 1. attention block: norm (fused with the residual add), qkv, rotary, paged attention

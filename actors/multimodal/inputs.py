@@ -1,0 +1,139 @@
+"""The input processor's side of images: decoding them (PIL images, or OpenAI `image_url`
+content parts with base64 data URLs), running the model's Hugging Face image processor
+(PIL-based, no torchvision), and expanding each image's one placeholder token into as many
+as the vision encoder makes features (as transformers' LlavaProcessor does). The pixel
+values leave as MultiModalInput: raw bytes, dtype, shape and a content hash."""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import hashlib
+import io
+from typing import Any
+
+import numpy as np
+
+from actors.multimodal.config import VisionConfig
+from messages.common import InvalidRequestError
+from messages.multimodal import MultiModalInput
+
+_DATA_URL_IMAGE_TYPES = ("image/png", "image/jpeg", "image/jpg", "image/webp", "image/gif")
+
+
+def images_of(multi_modal_data: Any) -> list:
+    """The images of a prompt's multi_modal_data ({"image": image or list}); [] for None."""
+    if multi_modal_data is None:
+        return []
+    if not isinstance(multi_modal_data, dict) or set(multi_modal_data) - {"image"}:
+        raise InvalidRequestError("multi_modal_data must be a dict with an 'image' key (other modalities are not "
+                                  "supported)", param="multi_modal_data")
+    images = multi_modal_data.get("image")
+    return list(images) if isinstance(images, (list, tuple)) else [images]
+
+
+def split_image_parts(messages: list[dict], placeholder: str | None) -> tuple[list[dict], list]:
+    """The messages with each `image_url` (or "image") content part replaced by a text part
+    holding the model's image token, and the images (data URLs or PIL images) in order.
+    placeholder None: a text-only model, which refuses image parts by name."""
+    images: list = []
+    rewritten = []
+    for message in messages:
+        content = message.get("content") if isinstance(message, dict) else None
+        if not isinstance(content, list):
+            rewritten.append(message)
+            continue
+        parts = []
+        for part in content:
+            kind = part.get("type") if isinstance(part, dict) else None
+            if kind not in ("image_url", "image"):
+                parts.append(part)
+                continue
+            if placeholder is None:
+                raise InvalidRequestError("this model is text-only: it does not accept images (image_url content "
+                                          "parts)", param="messages")
+            if kind == "image_url":
+                url = part.get("image_url")
+                url = url.get("url") if isinstance(url, dict) else url
+                if not isinstance(url, str):
+                    raise InvalidRequestError("an image_url content part needs {'url': ...}", param="image_url")
+                images.append(url)
+            else:
+                images.append(part.get("image"))
+            parts.append({"type": "text", "text": placeholder})
+        rewritten.append({**message, "content": parts})
+    return rewritten, images
+
+
+def decode_image(image: Any, param: str = "image_url"):
+    """A PIL image in RGB from a PIL image or a base64 data URL; InvalidRequestError naming
+    the field for anything else (http(s) and file URLs are not fetched yet)."""
+    from PIL import Image, UnidentifiedImageError
+
+    if isinstance(image, Image.Image):
+        return image.convert("RGB")
+    if not isinstance(image, str):
+        raise InvalidRequestError(f"an image must be a PIL image or a data URL, got {type(image).__name__}",
+                                  param=param)
+    if not image.startswith("data:"):
+        scheme = image.split(":", 1)[0] if ":" in image else "a bare path"
+        raise InvalidRequestError(f"image_url: only base64 data URLs (data:image/png;base64,...) are supported; "
+                                  f"{scheme} URLs are not fetched", param=param)
+    header, _, payload = image.partition(",")
+    media_type = header[len("data:"):].split(";")[0].lower()
+    if media_type not in _DATA_URL_IMAGE_TYPES or ";base64" not in header:
+        raise InvalidRequestError(f"image_url: a data URL must be base64 with an image type "
+                                  f"({', '.join(_DATA_URL_IMAGE_TYPES)}), got {header!r}", param=param)
+    try:
+        decoded = Image.open(io.BytesIO(base64.b64decode(payload, validate=True)))
+        decoded.load()
+    except (binascii.Error, ValueError, UnidentifiedImageError, OSError) as error:
+        raise InvalidRequestError(f"image_url: the image could not be decoded ({error})", param=param) \
+            from None
+    return decoded.convert("RGB")
+
+
+class ImageInputs:
+    """Decodes and processes a prompt's images, and expands their placeholders."""
+
+    def __init__(self, model_dir: str, vision: VisionConfig, tokenizer, limit: int) -> None:
+        from transformers import AutoImageProcessor
+
+        self.image_processor = AutoImageProcessor.from_pretrained(model_dir)
+        self.vision = vision
+        self.limit = limit  # --limit-mm-per-prompt's "image"
+        self.placeholder = tokenizer.convert_ids_to_tokens(vision.image_token_id)
+
+    def check_count(self, num_images: int, param: str) -> None:
+        if num_images > self.limit:
+            raise InvalidRequestError(f"{num_images} images in one prompt; at most {self.limit} are allowed "
+                                      "(--limit-mm-per-prompt)", param=param)
+
+    def expand(self, token_ids: list[int], images: list, param: str) -> tuple[list[int], list[MultiModalInput]]:
+        """token_ids with the i-th image token repeated for the i-th image's features, and
+        the images as MultiModalInputs."""
+        self.check_count(len(images), param)
+        image_token = self.vision.image_token_id
+        positions = [i for i, token in enumerate(token_ids) if token == image_token]
+        if len(positions) != len(images):
+            raise InvalidRequestError(f"the prompt has {len(positions)} image placeholders "
+                                      f"({self.placeholder!r}) for {len(images)} images", param=param)
+        if not images:
+            return token_ids, []
+        decode_param = "image_url" if param == "messages" else param  # a chat's images are image_url parts
+        pixel_values = self.image_processor(images=[decode_image(image, decode_param) for image in images],
+                                            return_tensors="np")["pixel_values"].astype(np.float32)
+        expanded: list[int] = []
+        mm_inputs = []
+        previous = 0
+        for position, pixels in zip(positions, pixel_values):
+            expanded += token_ids[previous:position]
+            patches = (pixels.shape[-2] // self.vision.patch_size) * (pixels.shape[-1] // self.vision.patch_size)
+            length = patches + (1 if self.vision.feature_select_strategy == "full" else 0)
+            data = np.ascontiguousarray(pixels, dtype="<f4").tobytes()
+            mm_inputs.append(MultiModalInput(modality="image", content_hash=hashlib.blake2b(data, digest_size=16)
+                                             .hexdigest(), offset=len(expanded), length=length, pixel_values=data,
+                                             dtype="float32", shape=list(pixels.shape)))
+            expanded += [image_token] * length
+            previous = position + 1
+        return expanded + token_ids[previous:], mm_inputs
