@@ -261,7 +261,8 @@ class EngineArgs:
                 args.max_num_batched_tokens, max_model_len))
         speculative = parse_speculative_config(args.speculative_config)
         check_vision_engine(model_config.vision, tensor_parallel_size=args.tensor_parallel_size,
-                            speculative=speculative is not None, enable_lora=args.enable_lora, pooling=pooler is not None)
+                            speculative=speculative is not None, enable_lora=args.enable_lora,
+                            pooling=pooler is not None)
         if speculative is not None:
             check_engine_fit(speculative, pooling=pooler is not None or not model_config.can_generate,
                              max_num_batched_tokens=args.max_num_batched_tokens)

@@ -16,7 +16,7 @@ from actors.engine_core import EngineCore
 from actors.input_processor import InputProcessor, check_reasoning_markers, image_inputs
 from actors.lora.checker import LoRAChecker
 from actors.pooling.llm_api import LLMPoolingMixin
-from actors.prompts import PromptInput, per_prompt, prompt_list, prompt_media, split_prompt
+from actors.prompts import PromptInput, per_prompt, prompt_list, split_media, split_prompt
 from actors.request_stream import broadcast_params
 from actors.worker.loader import load_tokenizer
 from messages.common import InvalidRequestError, RequestOutput, SamplingParams
@@ -111,8 +111,8 @@ class LLM(LLMPoolingMixin):
         Outputs come back in prompt order. Any invalid prompt or parameter raises
         InvalidRequestError (a ValueError) before any request is added, so the engine
         keeps its other work."""
-        inputs = prompt_list(prompts)
-        split = [split_prompt(prompt) for prompt in inputs]
+        inputs = [split_media(prompt) for prompt in prompt_list(prompts)]  # (prompt, its images)
+        split = [split_prompt(prompt) for prompt, _ in inputs]
         params_list = broadcast_params(sampling_params, len(split))
         if logits_processors:
             params_list = [msgspec.structs.replace(p, logits_processors=[*(p.logits_processors or []),
@@ -120,8 +120,9 @@ class LLM(LLMPoolingMixin):
         priorities = per_prompt(priority, len(split), "priority", 0)
         loras = per_prompt(lora_request, len(split), "lora_request", None)
         processed = [self.inputs.process_media(prompt, params, priority=prio, cache_salt=salt, lora_request=lora,
-                                               multi_modal_data=prompt_media(original))
-                     for (prompt, salt), params, prio, lora, original in zip(split, params_list, priorities, loras, inputs)]
+                                               multi_modal_data=media)
+                     for (prompt, salt), params, prio, lora, (_, media)
+                     in zip(split, params_list, priorities, loras, inputs)]
         if self._remote is not None:
             if any(mm for _, _, mm in processed):
                 raise InvalidRequestError("images with several devices (LLM over AsyncClient) are not supported yet",

@@ -12,7 +12,7 @@ from messages.common import InvalidRequestError
 Prompt = str | list[int]
 PromptInput = Prompt | dict[str, Any]  # vLLM's TextPrompt / TokensPrompt dicts too
 
-_PROMPT_DICT_KEYS = {"prompt", "prompt_token_ids", "cache_salt", "multi_modal_data"}
+_PROMPT_DICT_KEYS = {"prompt", "prompt_token_ids", "cache_salt"}
 
 
 def split_prompt(prompt: PromptInput) -> tuple[Prompt, str | None]:
@@ -32,9 +32,13 @@ def split_prompt(prompt: PromptInput) -> tuple[Prompt, str | None]:
     return prompt, None
 
 
-def prompt_media(prompt: PromptInput) -> dict | None:
-    """A prompt dict's multi_modal_data ({"image": a PIL image or a list}), else None."""
-    return prompt.get("multi_modal_data") if isinstance(prompt, dict) else None
+def split_media(prompt: PromptInput) -> tuple[PromptInput, dict | None]:
+    """(the prompt without it, its multi_modal_data: {"image": a PIL image or a list}) of a
+    prompt dict; (prompt, None) for the rest. Only LLM.generate takes images in prompt dicts:
+    elsewhere split_prompt() refuses the key by name."""
+    if isinstance(prompt, dict) and "multi_modal_data" in prompt:
+        return {key: value for key, value in prompt.items() if key != "multi_modal_data"}, prompt["multi_modal_data"]
+    return prompt, None
 
 
 def prompt_list(prompts: PromptInput | Sequence[PromptInput]) -> list[PromptInput]:

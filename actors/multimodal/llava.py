@@ -78,7 +78,7 @@ class LlavaVisionEncoder:
                   "projector.linear_1.weight": (text_hidden_size, feature_size),
                   "projector.linear_2.weight": (text_hidden_size, text_hidden_size)}
         if c.projector_bias:
-            shapes.update({"projector.linear_1.bias": (text_hidden_size,), "projector.linear_2.bias": (text_hidden_size,)})
+            shapes.update({f"projector.linear_{i}.bias": (text_hidden_size,) for i in (1, 2)})
         for norm in ("pre_layrnorm", "post_layernorm"):
             shapes.update({f"tower.{norm}.weight": (c.hidden_size,), f"tower.{norm}.bias": (c.hidden_size,)})
         for index in range(c.num_hidden_layers):

@@ -1,0 +1,89 @@
+"""Images through the real server (`python -m actors.launch`) and the openai client: chat
+messages with image_url data URLs, streaming and not, against Hugging Face's greedy tokens;
+bad images, too many images, http URLs and images sent to a text-only model answered with
+400s naming the field, the server serving on."""
+
+from __future__ import annotations
+
+import openai
+import pytest
+
+from tests.api.conftest import MODEL_NAME, ServerProcess, served
+from tests.multimodal.tiny_llava import data_url, draw_image, hf_greedy_llava
+
+MAX_TOKENS = 8
+GREEDY = {"temperature": 0.0, "max_tokens": MAX_TOKENS, "extra_body": {"ignore_eos": True}}
+
+
+@pytest.fixture(scope="module")
+def llava_server(tiny_llava_dir, tmp_path_factory):
+    process = ServerProcess(tiny_llava_dir, tmp_path_factory.mktemp("llava_server") / "server.log",
+                            "--limit-mm-per-prompt", '{"image": 2}', "--log-level", "warning")
+    yield from served(process)
+
+
+@pytest.fixture(scope="module")
+def client(llava_server):
+    return openai.OpenAI(base_url=f"{llava_server.url}/v1", api_key="unused", max_retries=0, timeout=60.0)
+
+
+def image_message(*urls: str, text: str = "what is it?") -> list[dict]:
+    parts = [{"type": "image_url", "image_url": {"url": url}} for url in urls]
+    return [{"role": "user", "content": [*parts, {"type": "text", "text": text}]}]
+
+
+def expected_tokens(model_dir: str, tokenizer, images: list, text: str = "what is it?") -> list[int]:
+    rendered = "<|im_start|>user\n" + "\n".join(["<image>"] * len(images) + [text]) + \
+        "<|im_end|>\n<|im_start|>assistant\n"
+    ids = tokenizer.encode(rendered, add_special_tokens=False)
+    return hf_greedy_llava(model_dir, [(ids, images)], MAX_TOKENS)[0]
+
+
+def test_data_urls_match_hf_streaming_and_not(client, tiny_llava_dir):
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_llava_dir)
+    png, jpeg = draw_image(48, 36, 1), draw_image(30, 60, 2)
+    jpeg_url = data_url(jpeg, "JPEG")
+    from PIL import Image
+    import base64
+    import io
+    decoded_jpeg = Image.open(io.BytesIO(base64.b64decode(jpeg_url.split(",", 1)[1]))).convert("RGB")
+    for urls, images in (([data_url(png)], [png]), ([data_url(png), jpeg_url], [png, decoded_jpeg])):
+        expected = tokenizer.decode(expected_tokens(tiny_llava_dir, tokenizer, images))
+        reply = client.chat.completions.create(model=MODEL_NAME, messages=image_message(*urls), **GREEDY)
+        assert reply.choices[0].message.content == expected
+        stream = client.chat.completions.create(model=MODEL_NAME, messages=image_message(*urls), stream=True,
+                                                **GREEDY)
+        assert "".join(chunk.choices[0].delta.content or "" for chunk in stream if chunk.choices) == expected
+
+
+@pytest.mark.parametrize("urls, field, message", [
+    (["data:image/png;base64,AAAA"], "image_url", "could not be decoded"),
+    (["data:image/png;base64,%%%"], "image_url", "could not be decoded"),
+    (["data:text/plain;base64,aGVsbG8="], "image_url", "image type"),
+    (["https://127.0.0.1:1/cat.png"], "image_url", "https URLs are not fetched"),
+    (["file:///etc/passwd"], "image_url", "file URLs are not fetched"),
+    ([data_url(draw_image(30, 30, 3))] * 3, "messages", "at most 2"),
+])
+def test_bad_images_are_400s_naming_the_field(client, urls, field, message):
+    with pytest.raises(openai.BadRequestError) as error:
+        client.chat.completions.create(model=MODEL_NAME, messages=image_message(*urls), **GREEDY)
+    assert message in str(error.value)
+    assert error.value.body["param"] == field
+    # the server serves on
+    reply = client.chat.completions.create(model=MODEL_NAME, messages=image_message(data_url(draw_image(30, 30, 4))),
+                                           **GREEDY)
+    assert reply.choices[0].finish_reason == "length"
+
+
+def test_an_image_to_a_text_only_model_is_a_400(tiny_llama_dir, tmp_path_factory):
+    process = ServerProcess(tiny_llama_dir, tmp_path_factory.mktemp("text_server") / "server.log",
+                            "--log-level", "warning")
+    for running in served(process):
+        text_client = openai.OpenAI(base_url=f"{running.url}/v1", api_key="unused", max_retries=0, timeout=60.0)
+        with pytest.raises(openai.BadRequestError) as error:
+            text_client.chat.completions.create(model=MODEL_NAME, messages=image_message(
+                data_url(draw_image(30, 30, 5))), **GREEDY)
+        assert "text-only" in str(error.value)
+        assert error.value.body["param"] == "messages"
