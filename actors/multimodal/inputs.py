@@ -60,7 +60,7 @@ def split_image_parts(messages: list[dict], placeholder: str | None) -> tuple[li
                 images.append(url)
             else:
                 images.append(part.get("image"))
-            parts.append({"type": "text", "text": placeholder})
+            parts.append({"type": "image", "text": placeholder})  # (chat_template.normalise_message)
         rewritten.append({**message, "content": parts})
     return rewritten, images
 

@@ -163,3 +163,24 @@ def test_images_to_a_text_only_model_are_refused(tiny_llama_dir):
 def test_unsupported_features_are_refused_at_start_up(tiny_llava_dir, engine_kwargs, name):
     with pytest.raises(ValueError, match=name):
         LLM(tiny_llava_dir, **engine_kwargs)
+
+
+# as llava-hf's templates: a loop over each message's content parts, the template writing <image>
+PARTS_TEMPLATE = ("{% for message in messages %}{{ message['role'] | upper }}: "
+                  "{% for part in message['content'] %}{% if part['type'] == 'image' %}<image>\n"
+                  "{% elif part['type'] == 'text' %}{{ part['text'] }}{% endif %}{% endfor %}\n{% endfor %}"
+                  "{% if add_generation_prompt %}ASSISTANT:{% endif %}")
+
+
+def test_a_template_looping_over_content_parts_gets_them(tiny_llava_dir):
+    llm = LLM(tiny_llava_dir, kv_cache_memory="64MiB")
+    image = draw_image(44, 36, 9)
+    messages = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": data_url(image)}},
+                                             {"type": "text", "text": "what is it?"}]},
+                {"role": "assistant", "content": "a cat"}, {"role": "user", "content": "sure?"}]
+    chat = llm.chat(messages, GREEDY, use_tqdm=False, chat_template=PARTS_TEMPLATE)[0]
+    text = "USER: <image>\nwhat is it?ASSISTANT: a catUSER: sure?ASSISTANT:"  # (jinja trims the block ends)
+    ids = llm.get_tokenizer().encode(text, add_special_tokens=False)
+    assert chat.prompt_token_ids == [t for t in ids for t in ([t] * NUM_IMAGE_TOKENS
+                                                              if t == llm.config.model.vision.image_token_id else [t])]
+    assert chat.outputs[0].token_ids == hf_greedy_llava(tiny_llava_dir, [(ids, [image])], GREEDY.max_tokens)[0]
