@@ -177,3 +177,8 @@ def runtime_lora_updating_allowed() -> bool:
     """vLLM's VLLM_ALLOW_RUNTIME_LORA_UPDATING ("true" or "1"): the server may load and unload
     LoRA adapters on request (POST /v1/load_lora_adapter, /v1/unload_lora_adapter)."""
     return os.environ.get("VLLM_ALLOW_RUNTIME_LORA_UPDATING", "").strip().lower() in ("1", "true")
+
+
+def image_fetch_timeout() -> float:
+    """vLLM's VLLM_IMAGE_FETCH_TIMEOUT: seconds an http(s) image_url may take to download (default 5)."""
+    return float(os.environ.get("VLLM_IMAGE_FETCH_TIMEOUT", "5"))

@@ -8,12 +8,16 @@ can run side by side (the frontend's PUSH socket balances requests across them).
 
 from __future__ import annotations
 
+import asyncio
 import logging
+
+import msgspec
 
 from actors.actor import Actor, ActorSpec
 from actors.chat_template import render_chat_text
 from actors.lora.checker import LoRAChecker
 from actors.multimodal.config import DEFAULT_LIMIT_PER_PROMPT
+from actors.multimodal.fetch import fetch_message_images, has_http_images
 from actors.multimodal.inputs import ImageInputs, images_of, split_image_parts
 from actors.pooling.config import PoolerConfig, check_dimensions
 from actors.structured_output import check_constraint
@@ -287,6 +291,7 @@ class InputProcessorActor(Actor):
         self.inbox.socket.connect(addresses["input_processor"])
         self.to_scheduler = sockets.outbox(addresses["scheduler"])
         self.processor = processor
+        self._fetches: set[asyncio.Task] = set()  # requests waiting for their http(s) images
 
     @classmethod
     def from_spec(cls, spec: ActorSpec, sockets: Sockets) -> InputProcessorActor:
@@ -303,6 +308,29 @@ class InputProcessorActor(Actor):
         return cls(spec.name, spec.addresses, sockets, processor)
 
     def handle(self, message: AddRequest) -> None:
+        if self.processor.images is not None and has_http_images(message.messages):
+            # downloads run on threads; the request is processed when they are done
+            task = asyncio.get_running_loop().create_task(self._fetch_then_process(message))
+            self._fetches.add(task)
+            task.add_done_callback(self._fetches.discard)
+            return
+        self._process(message)
+
+    async def _fetch_then_process(self, message: AddRequest) -> None:
+        try:
+            _, images = split_image_parts(message.messages, self.processor.images.placeholder)
+            self.processor.images.check_count(len(images), "messages")  # before anything is downloaded
+            messages = await fetch_message_images(message.messages)
+        except InvalidRequestError as error:
+            self._reject(message.request_id, str(error), "invalid_request", error.param)
+            return
+        except Exception as error:  # noqa: BLE001 - one bad request must not end the actor
+            logger.exception("request %s: fetching its images failed", message.request_id)
+            self._reject(message.request_id, f"fetching images failed: {error}", "internal_error", None)
+            return
+        self._process(msgspec.structs.replace(message, messages=messages))
+
+    def _process(self, message: AddRequest) -> None:
         try:
             _, token_ids, mm_inputs = self._tokenize(message)
         except InvalidRequestError as error:

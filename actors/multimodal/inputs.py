@@ -1,5 +1,5 @@
 """The input processor's side of images: decoding them (PIL images, or OpenAI `image_url`
-content parts with base64 data URLs), running the model's Hugging Face image processor
+content parts with base64 data URLs or http(s) URLs), running the model's Hugging Face image processor
 (PIL-based, no torchvision), and expanding each image's one placeholder token into as many
 as the vision encoder makes features (as transformers' LlavaProcessor does). The pixel
 values leave as MultiModalInput: raw bytes, dtype, shape and a content hash."""
@@ -15,6 +15,7 @@ from typing import Any
 import numpy as np
 
 from actors.multimodal.config import VisionConfig
+from actors.multimodal.fetch import fetch_image, is_http_url
 from messages.common import InvalidRequestError
 from messages.multimodal import MultiModalInput
 
@@ -55,7 +56,7 @@ def split_image_parts(messages: list[dict], placeholder: str | None) -> tuple[li
             if kind == "image_url":
                 url = part.get("image_url")
                 url = url.get("url") if isinstance(url, dict) else url
-                if not isinstance(url, str):
+                if not isinstance(url, (str, bytes)):  # (bytes: fetched by the input processor actor)
                     raise InvalidRequestError("an image_url content part needs {'url': ...}", param="image_url")
                 images.append(url)
             else:
@@ -66,31 +67,43 @@ def split_image_parts(messages: list[dict], placeholder: str | None) -> tuple[li
 
 
 def decode_image(image: Any, param: str = "image_url"):
-    """A PIL image in RGB from a PIL image or a base64 data URL; InvalidRequestError naming
-    the field for anything else (http(s) and file URLs are not fetched yet)."""
+    """A PIL image in RGB from a PIL image, a base64 data URL, an http(s) URL (downloaded
+    here unless the input processor actor fetched it already: then its bytes); an
+    InvalidRequestError naming the field for anything else (file URLs are not read yet)."""
     from PIL import Image, UnidentifiedImageError
 
     if isinstance(image, Image.Image):
         return image.convert("RGB")
-    if not isinstance(image, str):
-        raise InvalidRequestError(f"an image must be a PIL image or a data URL, got {type(image).__name__}",
-                                  param=param)
-    if not image.startswith("data:"):
-        scheme = image.split(":", 1)[0] if ":" in image else "a bare path"
-        raise InvalidRequestError(f"image_url: only base64 data URLs (data:image/png;base64,...) are supported; "
-                                  f"{scheme} URLs are not fetched", param=param)
-    header, _, payload = image.partition(",")
+    if is_http_url(image):
+        image = fetch_image(image)
+    if isinstance(image, str):
+        image = _data_url_bytes(image, param)
+    if not isinstance(image, bytes):
+        raise InvalidRequestError(f"an image must be a PIL image or a data or http(s) URL, got "
+                                  f"{type(image).__name__}", param=param)
+    try:
+        decoded = Image.open(io.BytesIO(image))
+        decoded.load()
+    except (ValueError, UnidentifiedImageError, OSError) as error:
+        raise InvalidRequestError(f"image_url: the image could not be decoded ({error})", param=param) \
+            from None
+    return decoded.convert("RGB")
+
+
+def _data_url_bytes(url: str, param: str) -> bytes:
+    if not url.startswith("data:"):
+        scheme = url.split(":", 1)[0] if ":" in url else "a bare path"
+        raise InvalidRequestError(f"image_url: only base64 data URLs and http(s) URLs are supported; {scheme} URLs "
+                                  "are not read", param=param)
+    header, _, payload = url.partition(",")
     media_type = header[len("data:"):].split(";")[0].lower()
     if media_type not in _DATA_URL_IMAGE_TYPES or ";base64" not in header:
         raise InvalidRequestError(f"image_url: a data URL must be base64 with an image type "
                                   f"({', '.join(_DATA_URL_IMAGE_TYPES)}), got {header!r}", param=param)
     try:
-        decoded = Image.open(io.BytesIO(base64.b64decode(payload, validate=True)))
-        decoded.load()
-    except (binascii.Error, ValueError, UnidentifiedImageError, OSError) as error:
-        raise InvalidRequestError(f"image_url: the image could not be decoded ({error})", param=param) \
-            from None
-    return decoded.convert("RGB")
+        return base64.b64decode(payload, validate=True)
+    except (binascii.Error, ValueError) as error:
+        raise InvalidRequestError(f"image_url: the image could not be decoded ({error})", param=param) from None
 
 
 class ImageInputs:

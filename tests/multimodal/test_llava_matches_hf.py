@@ -119,10 +119,10 @@ def test_chat_with_a_data_url_matches_a_prompt_dict(tiny_llava_dir):
 
 
 @pytest.mark.parametrize("request_kwargs, field, message", [
-    ({"multi_modal_data": {"image": [42]}}, "multi_modal_data", "PIL image or a data URL"),
+    ({"multi_modal_data": {"image": [42]}}, "multi_modal_data", "PIL image or a data or http"),
     ({"multi_modal_data": {"image": ["data:image/png;base64,AAAA"]}}, "multi_modal_data", "could not be decoded"),
-    ({"multi_modal_data": {"image": ["https://example.com/cat.png"]}}, "multi_modal_data",
-     "https URLs are not fetched"),
+    ({"multi_modal_data": {"image": ["file:///etc/hostname"]}}, "multi_modal_data",
+     "file URLs are not read"),
     ({"multi_modal_data": {"audio": [b""]}}, "multi_modal_data", "'image' key"),
     ({"multi_modal_data": {"image": []}}, "multi_modal_data", "1 image placeholders .* for 0 images"),
 ])
@@ -184,3 +184,19 @@ def test_a_template_looping_over_content_parts_gets_them(tiny_llava_dir):
     assert chat.prompt_token_ids == [t for t in ids for t in ([t] * NUM_IMAGE_TOKENS
                                                               if t == llm.config.model.vision.image_token_id else [t])]
     assert chat.outputs[0].token_ids == hf_greedy_llava(tiny_llava_dir, [(ids, [image])], GREEDY.max_tokens)[0]
+
+
+def test_an_http_image_url_offline_matches_its_data_url(tiny_llava_dir):
+    from tests.multimodal.image_server import image_server
+
+    llm = LLM(tiny_llava_dir, kv_cache_memory="64MiB")
+    image = draw_image(36, 52, 12)
+    with image_server(image) as url:
+        replies = [llm.chat([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": image_url}},
+                                                          {"type": "text", "text": "what?"}]}], GREEDY,
+                            use_tqdm=False)[0] for image_url in (f"{url}/image.png", data_url(image))]
+        with pytest.raises(InvalidRequestError, match="Not Found") as error:
+            llm.chat([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": f"{url}/gone.png"}}]}],
+                     GREEDY, use_tqdm=False)
+        assert error.value.param == "image_url"
+    assert replies[0].outputs[0].token_ids == replies[1].outputs[0].token_ids
