@@ -321,24 +321,16 @@ class InputProcessorActor(Actor):
             _, images = split_image_parts(message.messages, self.processor.images.placeholder)
             self.processor.images.check_count(len(images), "messages")  # before anything is downloaded
             messages = await fetch_message_images(message.messages)
-        except InvalidRequestError as error:
-            self._reject(message.request_id, str(error), "invalid_request", error.param)
-            return
         except Exception as error:  # noqa: BLE001 - one bad request must not end the actor
-            logger.exception("request %s: fetching its images failed", message.request_id)
-            self._reject(message.request_id, f"fetching images failed: {error}", "internal_error", None)
+            self._reject_error(message.request_id, error, "fetching images")
             return
         self._process(msgspec.structs.replace(message, messages=messages))
 
     def _process(self, message: AddRequest) -> None:
         try:
             _, token_ids, mm_inputs = self._tokenize(message)
-        except InvalidRequestError as error:
-            self._reject(message.request_id, str(error), "invalid_request", error.param)
-            return
         except Exception as error:  # noqa: BLE001 - one bad request must not end the actor
-            logger.exception("request %s: input processing failed", message.request_id)
-            self._reject(message.request_id, f"input processing failed: {error}", "internal_error", None)
+            self._reject_error(message.request_id, error, "input processing")
             return
         self.to_scheduler.send(TokenizedRequest(request_id=message.request_id, prompt_token_ids=token_ids,
                                                 params=message.params, arrival_time=message.arrival_time,
@@ -353,6 +345,14 @@ class InputProcessorActor(Actor):
                                             chat=message.chat, add_special_tokens=message.add_special_tokens,
                                             priority=message.priority, cache_salt=message.cache_salt,
                                             lora_request=message.lora_request, pooling_params=message.pooling_params)
+
+    def _reject_error(self, request_id: str, error: Exception, what: str) -> None:
+        """A request's error to the frontend: the caller's (HTTP 400), or ours (logged)."""
+        if isinstance(error, InvalidRequestError):
+            self._reject(request_id, str(error), "invalid_request", error.param)
+        else:
+            logger.error("request %s: %s failed", request_id, what, exc_info=error)
+            self._reject(request_id, f"{what} failed: {error}", "internal_error", None)
 
     def _reject(self, request_id: str, text: str, error_type: str, param: str | None) -> None:
         self.to_frontend.send(RequestRejected(request_id=request_id, message=text, error_type=error_type,
