@@ -200,3 +200,14 @@ def test_an_http_image_url_offline_matches_its_data_url(tiny_llava_dir):
                      GREEDY, use_tqdm=False)
         assert error.value.param == "image_url"
     assert replies[0].outputs[0].token_ids == replies[1].outputs[0].token_ids
+
+
+def test_n_completions_share_the_image_prompt(tiny_llava_dir):
+    # the n sequences share the prompt's blocks; a 5-token budget chunks the image span too
+    llm = LLM(tiny_llava_dir, kv_cache_memory="64MiB", max_num_batched_tokens=5, block_size=4)
+    ids = llm.get_tokenizer().encode("Hello there <image> what is it, tell me?")
+    image = draw_image(40, 40, 3)
+    params = SamplingParams(n=2, temperature=0.0, max_tokens=6, ignore_eos=True)
+    output = llm.generate({"prompt_token_ids": ids, "multi_modal_data": {"image": image}}, params, use_tqdm=False)[0]
+    expected = hf_greedy_llava(tiny_llava_dir, [(ids, [image])], 6)[0]
+    assert [c.token_ids for c in output.outputs] == [expected, expected]
