@@ -2,8 +2,6 @@ from __future__ import annotations
 
 import pytest
 
-pytest.importorskip("PIL", reason="images need pillow (a dependency in pyproject.toml)")
-
 
 @pytest.fixture(scope="session")
 def tiny_llava_dir(tmp_path_factory) -> str:

@@ -12,6 +12,8 @@ import io
 import openai
 import pytest
 
+pytest.importorskip("PIL", reason="images need pillow (a dependency in pyproject.toml)")
+
 from tests.api.conftest import MODEL_NAME, ServerProcess, served
 from tests.multimodal.image_server import image_server
 from tests.multimodal.tiny_llava import data_url, draw_image, hf_greedy_llava

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import pytest
 
+pytest.importorskip("PIL", reason="images need pillow (a dependency in pyproject.toml)")
+
 from actors import LLM, SamplingParams
 from actors.multimodal.llava import LlavaVisionEncoder
 from messages.common import InvalidRequestError
