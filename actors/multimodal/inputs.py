@@ -10,6 +10,7 @@ import base64
 import binascii
 import hashlib
 import io
+from collections import OrderedDict
 from typing import Any
 
 import numpy as np
@@ -106,12 +107,57 @@ def _data_url_bytes(url: str, param: str) -> bytes:
         raise InvalidRequestError(f"image_url: the image could not be decoded ({error})", param=param) from None
 
 
+# (pixel values as little-endian float32 bytes, their shape, their content hash)
+Processed = tuple[bytes, tuple[int, ...], str]
+PROCESSOR_CACHE_BYTES = 64 * 2**20  # each input processor's cache of processed images
+
+
+class ProcessedImageCache:
+    """Processed images by the hash of their input (a PIL image's pixels, an encoded image's
+    bytes, a data URL), least recently used evicted past max_bytes: a repeated image is not
+    decoded or processed again. http(s) URLs are keyed by the bytes they download, never by
+    the URL, whose content may change."""
+
+    def __init__(self, max_bytes: int = PROCESSOR_CACHE_BYTES) -> None:
+        self.max_bytes = max_bytes
+        self.entries: OrderedDict[str, Processed] = OrderedDict()
+        self.num_bytes = 0
+        self.hits = 0
+
+    @staticmethod
+    def key_of(image: Any) -> str | None:
+        if isinstance(image, (bytes, str)) and not is_http_url(image):
+            data = image.encode() if isinstance(image, str) else image
+        elif hasattr(image, "tobytes") and hasattr(image, "mode"):  # a PIL image
+            data = f"{image.mode}{image.size}".encode() + image.tobytes()
+        else:
+            return None
+        return hashlib.blake2b(data, digest_size=16).hexdigest()
+
+    def get(self, key: str | None) -> Processed | None:
+        entry = self.entries.get(key) if key is not None else None
+        if entry is not None:
+            self.entries.move_to_end(key)
+            self.hits += 1
+        return entry
+
+    def put(self, key: str | None, entry: Processed) -> None:
+        if key is None or key in self.entries or len(entry[0]) > self.max_bytes:
+            return
+        self.entries[key] = entry
+        self.num_bytes += len(entry[0])
+        while self.num_bytes > self.max_bytes:
+            _, evicted = self.entries.popitem(last=False)
+            self.num_bytes -= len(evicted[0])
+
+
 class ImageInputs:
     """Decodes and processes a prompt's images, and expands their placeholders."""
 
     def __init__(self, model_dir: str, vision: VisionConfig, tokenizer, limit: int) -> None:
         from transformers import AutoImageProcessor
 
+        self.cache = ProcessedImageCache()
         self.image_processor = AutoImageProcessor.from_pretrained(model_dir)
         self.vision = vision
         self.limit = limit  # --limit-mm-per-prompt's "image"
@@ -133,20 +179,30 @@ class ImageInputs:
                                       f"({self.placeholder!r}) for {len(images)} images", param=param)
         if not images:
             return token_ids, []
-        decode_param = "image_url" if param == "messages" else param  # a chat's images are image_url parts
-        pixel_values = self.image_processor(images=[decode_image(image, decode_param) for image in images],
-                                            return_tensors="np")["pixel_values"].astype(np.float32)
         expanded: list[int] = []
         mm_inputs = []
         previous = 0
-        for position, pixels in zip(positions, pixel_values):
+        for position, (data, shape, content_hash) in zip(positions, self._process(images, param)):
             expanded += token_ids[previous:position]
-            patches = (pixels.shape[-2] // self.vision.patch_size) * (pixels.shape[-1] // self.vision.patch_size)
+            patches = (shape[-2] // self.vision.patch_size) * (shape[-1] // self.vision.patch_size)
             length = patches + (1 if self.vision.feature_select_strategy == "full" else 0)
-            data = np.ascontiguousarray(pixels, dtype="<f4").tobytes()
-            mm_inputs.append(MultiModalInput(modality="image", content_hash=hashlib.blake2b(data, digest_size=16)
-                                             .hexdigest(), offset=len(expanded), length=length, pixel_values=data,
-                                             dtype="float32", shape=list(pixels.shape)))
+            mm_inputs.append(MultiModalInput(modality="image", content_hash=content_hash, offset=len(expanded),
+                                             length=length, pixel_values=data, dtype="float32", shape=list(shape)))
             expanded += [image_token] * length
             previous = position + 1
         return expanded + token_ids[previous:], mm_inputs
+
+    def _process(self, images: list, param: str) -> list[Processed]:
+        """Each image processed, from the cache where it is, the others in one call."""
+        keys = [self.cache.key_of(image) for image in images]
+        processed = [self.cache.get(key) for key in keys]
+        missing = [i for i, entry in enumerate(processed) if entry is None]
+        if missing:
+            decode_param = "image_url" if param == "messages" else param  # a chat's images are image_url parts
+            pixel_values = self.image_processor(images=[decode_image(images[i], decode_param) for i in missing],
+                                                return_tensors="np")["pixel_values"]
+            for i, pixels in zip(missing, pixel_values):
+                data = np.ascontiguousarray(pixels, dtype="<f4").tobytes()
+                processed[i] = (data, tuple(pixels.shape), hashlib.blake2b(data, digest_size=16).hexdigest())
+                self.cache.put(keys[i], processed[i])
+        return processed

@@ -213,3 +213,23 @@ def test_n_completions_share_the_image_prompt(tiny_llava_dir):
     output = llm.generate({"prompt_token_ids": ids, "multi_modal_data": {"image": image}}, params, use_tqdm=False)[0]
     expected = hf_greedy_llava(tiny_llava_dir, [(ids, [image])], 6)[0]
     assert [c.token_ids for c in output.outputs] == [expected, expected]
+
+
+def test_a_repeated_image_is_processed_once_and_the_processor_cache_is_bounded(tiny_llava_dir):
+    llm = LLM(tiny_llava_dir, kv_cache_memory="64MiB")
+    cache = llm.inputs.images.cache
+    ids = llm.get_tokenizer().encode("Hello <image> what?")
+    image = draw_image(40, 30, 21)
+
+    def run(picture):
+        request = {"prompt_token_ids": ids, "multi_modal_data": {"image": picture}}
+        return llm.generate(request, GREEDY, use_tqdm=False)[0].outputs[0].token_ids
+
+    assert run(image) == run(image.copy())  # an equal image, another object
+    assert cache.hits == 1 and len(cache.entries) == 1
+    entry_bytes = cache.num_bytes
+    cache.max_bytes = 3 * entry_bytes
+    for seed in range(6):
+        run(draw_image(40, 30, 100 + seed))
+    assert len(cache.entries) == 3 and cache.num_bytes == 3 * entry_bytes
+    assert cache.hits == 1
