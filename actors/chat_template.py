@@ -1,14 +1,16 @@
 """A conversation rendered with a chat template, with vLLM's request options: the
 request's own template or the tokenizer's, add_generation_prompt or
 continue_final_message, extra template variables, documents, tools. OpenAI's message shapes are
-normalised first: a list of text parts becomes one string, the `developer` role is the
-`system` role, `name` is kept for templates that read it.
+normalised first: a list of text parts becomes one string (a list of text and image parts
+for a template that loops over them), the `developer` role is the `system` role, `name` is
+kept for templates that read it.
 
 Used by the input processor (every generation request) and by /tokenize, so the two
 render a conversation the same way."""
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 from jinja2 import TemplateError
@@ -20,6 +22,9 @@ from messages.input_processor import ChatOptions
 _RESERVED_KWARGS = frozenset({"conversation", "messages", "tools", "documents", "chat_template",
                               "add_generation_prompt", "continue_final_message", "tokenize", "return_dict",
                               "tokenizer_kwargs"})
+# a template that loops over a message's content parts (vLLM's "openai" content format, as
+# llava-hf's templates do) gets the parts, not one string
+_LOOPS_OVER_PARTS = re.compile(r"for\s+\w+\s+in\s+message\s*(?:\[\s*['\"]content['\"]\s*\]|\.content)")
 
 
 def render_chat_text(tokenizer, messages: list[dict], options: ChatOptions) -> str:
@@ -34,7 +39,8 @@ def render_chat_text(tokenizer, messages: list[dict], options: ChatOptions) -> s
     if options.add_generation_prompt and options.continue_final_message:
         raise InvalidRequestError("continue_final_message and add_generation_prompt cannot both be true",
                                   param="continue_final_message")
-    conversation = [normalise_message(message) for message in messages]
+    keep_parts = bool(_LOOPS_OVER_PARTS.search(template)) if isinstance(template, str) else False
+    conversation = [normalise_message(message, keep_parts) for message in messages]
     if options.continue_final_message and conversation[-1]["role"] != "assistant":
         raise InvalidRequestError("continue_final_message needs the last message to be the assistant's",
                                   param="continue_final_message")
@@ -53,8 +59,10 @@ def render_chat_text(tokenizer, messages: list[dict], options: ChatOptions) -> s
         raise InvalidRequestError(f"the chat template rejected the messages: {error}", param="messages") from error
 
 
-def normalise_message(message: dict[str, Any]) -> dict[str, Any]:
-    """A message whose content is one string and whose role a template knows."""
+def normalise_message(message: dict[str, Any], keep_parts: bool = False) -> dict[str, Any]:
+    """A message whose content is one string (keep_parts: a list of {"type": "text", "text"}
+    and {"type": "image"} parts) and whose role a template knows. An image part
+    (actors/multimodal/inputs.py's) carries its placeholder as its text."""
     role, content = message.get("role"), message.get("content")
     if not isinstance(role, str):
         raise InvalidRequestError("each message needs a string 'role'", param="messages")
@@ -63,14 +71,18 @@ def normalise_message(message: dict[str, Any]) -> dict[str, Any]:
     if content is None:
         content = ""
     if isinstance(content, list):
-        texts = []
+        parts = []
         for part in content:
-            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+            kind = part.get("type") if isinstance(part, dict) else None
+            if kind not in ("text", "image") or not isinstance(part.get("text"), str):
                 raise InvalidRequestError("only text content parts ({'type': 'text', 'text': ...}) are supported",
                                           param="messages")
-            texts.append(part["text"])
-        content = "\n".join(texts) if len(texts) > 1 else "".join(texts)
-    if not isinstance(content, str):
+            image = kind == "image" and keep_parts  # the template writes its own placeholder
+            parts.append({"type": "image"} if image else {"type": "text", "text": part["text"]})
+        content = parts if keep_parts else "\n".join(part["text"] for part in parts)
+    elif keep_parts and isinstance(content, str):
+        content = [{"type": "text", "text": content}]
+    if not isinstance(content, (list, str)):
         raise InvalidRequestError("message content must be a string or a list of text parts", param="messages")
     normalised = {**message, "role": role, "content": content}
     if normalised.get("name") is None:

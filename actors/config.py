@@ -8,6 +8,7 @@ import re
 from dataclasses import dataclass, field
 
 # a field of EngineConfig, which msgspec decodes in every actor process: imported for real (torch-free)
+from actors.multimodal.config import VisionConfig
 from actors.pooling.config import PoolerConfig
 from actors.spec_decode.config import SpeculativeConfig
 
@@ -53,6 +54,7 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...]
     bos_token_id: int | None = None
     sep_token_id: int | None = None  # an encoder's [SEP] (where a pair's second segment starts)
+    vision: VisionConfig | None = None  # a vision-language model's vision side (LLaVA); None: text only
 
     @property
     def can_generate(self) -> bool:
@@ -177,6 +179,7 @@ class EngineConfig:
     speculative: SpeculativeConfig | None = None  # speculative decoding (--speculative-config); None: off
     otlp_traces_endpoint: str | None = None  # OTLP collector of request spans (actors/tracing.py); None: off
     collect_detailed_traces: str | None = None  # "model" | "worker" | "all": prefill and decode times too
+    limit_mm_per_prompt: dict[str, int] = field(default_factory=dict)  # modality -> most items a prompt carries
     extra: dict = field(default_factory=dict)
     # speculative method draft_model: the draft's config, resolved and checked at start-up (spec_decode/draft_config.py)
     draft_model: ModelConfig | None = None
@@ -192,3 +195,8 @@ def runtime_lora_updating_allowed() -> bool:
     """vLLM's VLLM_ALLOW_RUNTIME_LORA_UPDATING ("true" or "1"): the server may load and unload
     LoRA adapters on request (POST /v1/load_lora_adapter, /v1/unload_lora_adapter)."""
     return os.environ.get("VLLM_ALLOW_RUNTIME_LORA_UPDATING", "").strip().lower() in ("1", "true")
+
+
+def image_fetch_timeout() -> float:
+    """vLLM's VLLM_IMAGE_FETCH_TIMEOUT: seconds an http(s) image_url may take to download (default 5)."""
+    return float(os.environ.get("VLLM_IMAGE_FETCH_TIMEOUT", "5"))

@@ -31,6 +31,7 @@ from actors.pooling.engine import (CONVERTS, RUNNERS, TASKS, check_pooling_args,
                                   parse_hf_overrides, pooler_for)
 from actors.quantization import GGUF_METHODS, QUANTIZATION_METHODS, check_quantization
 from actors.quantization.gguf_types import resolve_gguf
+from actors.multimodal.config import check_vision_engine, parse_limit_mm_per_prompt
 from actors.spec_decode.config import check_engine_fit, parse_speculative_config
 from actors.spec_decode.draft_config import load_draft_model_config
 from actors.tracing import DETAILED_TRACES, check_tracing_available
@@ -135,6 +136,9 @@ class EngineArgs:
     speculative_config: str | dict | None = _arg(
         None, "speculative decoding, vLLM's JSON: '{\"method\": \"ngram\", \"num_speculative_tokens\": 5}' "
               "(method ngram or suffix; prompt_lookup_min/max, suffix_decoding_*, disable_by_batch_size)",
+        metavar="JSON")
+    limit_mm_per_prompt: str | dict | None = _arg(
+        None, "a vision model: the most images one prompt may carry, vLLM's JSON: '{\"image\": 4}' (default 999)",
         metavar="JSON")
     reasoning_parser: str | None = _arg(
         None, "the model thinks between <think> and </think> first: the API splits that into reasoning_content, "
@@ -254,6 +258,7 @@ class EngineArgs:
         parse_hf_overrides(self.hf_overrides)
         parse_speculative_config(self.speculative_config)
         check_distributed_flags(self)
+        parse_limit_mm_per_prompt(self.limit_mm_per_prompt)
 
     def build(self) -> EngineConfig:
         """Resolves the model and checks every argument (ValueError naming the field). The
@@ -289,6 +294,10 @@ class EngineArgs:
             args = dataclasses.replace(args, enable_prefix_caching=False, max_num_batched_tokens=max(
                 args.max_num_batched_tokens, max_model_len))
         speculative = parse_speculative_config(args.speculative_config)
+        check_vision_engine(model_config.vision, tensor_parallel_size=args.tensor_parallel_size,
+                            speculative=speculative is not None, enable_lora=args.enable_lora,
+                            pooling=pooler is not None, pipeline_parallel_size=args.pipeline_parallel_size,
+                            data_parallel_size=args.data_parallel_size)
         if speculative is not None:
             check_engine_fit(speculative, pooling=pooler is not None or not model_config.can_generate,
                              max_num_batched_tokens=args.max_num_batched_tokens)
@@ -320,7 +329,8 @@ class EngineArgs:
             structured_outputs_backend=args.structured_outputs_backend, reasoning_parser=args.reasoning_parser,
             otlp_traces_endpoint=args.otlp_traces_endpoint or None, collect_detailed_traces=args.collect_detailed_traces,
             lora=args._lora_config(),
-            pooler=pooler, speculative=speculative, draft_model=draft_model, gguf_file=gguf_file)
+            pooler=pooler, speculative=speculative, draft_model=draft_model, gguf_file=gguf_file,
+            limit_mm_per_prompt=parse_limit_mm_per_prompt(args.limit_mm_per_prompt))
 
     def _lora_config(self) -> LoRAConfig | None:
         if not self.enable_lora:

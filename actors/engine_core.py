@@ -47,13 +47,14 @@ class EngineCore:
     def add_request(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
                     params: SamplingParams, cache_salt: str | None = None,
                     lora_request: LoRARequest | None = None, pooling_params: PoolingParams | None = None,
-                    priority: int = 0) -> None:
+                    priority: int = 0, mm_inputs: list | None = None) -> None:
         """A generation request, or with pooling_params a pooling one (no text: the
         detokenizer never sees it)."""
         if self.is_sleeping():
             raise RuntimeError("the engine is asleep: call wake_up() before sending requests")
         self.scheduler.add_request(request_id, prompt_token_ids, params, cache_salt=cache_salt,
-                                   lora_request=lora_request, pooling_params=pooling_params, priority=priority)
+                                   lora_request=lora_request, pooling_params=pooling_params, priority=priority,
+                                   mm_inputs=mm_inputs or None)
         if pooling_params is not None:
             self._pooling_ids.add(request_id)
         else:

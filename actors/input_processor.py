@@ -8,11 +8,17 @@ can run side by side (the frontend's PUSH socket balances requests across them).
 
 from __future__ import annotations
 
+import asyncio
 import logging
+
+import msgspec
 
 from actors.actor import Actor, ActorSpec
 from actors.chat_template import render_chat_text
 from actors.lora.checker import LoRAChecker
+from actors.multimodal.config import DEFAULT_LIMIT_PER_PROMPT
+from actors.multimodal.fetch import fetch_message_images, has_http_images
+from actors.multimodal.inputs import ImageInputs, images_of, split_image_parts
 from actors.pooling.config import PoolerConfig, check_dimensions
 from actors.structured_output import check_constraint
 from actors.structured_output.reasoning import reasoning_marker_ids
@@ -20,6 +26,7 @@ from messages.common import MAX_LOGPROBS, InvalidRequestError, SamplingParams
 from messages.frontend import RequestRejected
 from messages.input_processor import AddRequest, ChatOptions, InputProcessorInbox
 from messages.lora import LoRARequest
+from messages.multimodal import MultiModalInput
 from messages.pooling import PoolingParams
 from messages.scheduler import TokenizedRequest
 from messages.transport import Sockets
@@ -42,8 +49,9 @@ class InputProcessor:
     def __init__(self, tokenizer, vocab_size: int, max_model_len: int, max_logprobs: int = MAX_LOGPROBS,
                  structured_outputs_backend: str = "auto", lora: LoRAChecker | None = None,
                  pooler: PoolerConfig | None = None, hidden_size: int | None = None, generates: bool = True,
-                 priority_scheduling: bool = False) -> None:
+                 priority_scheduling: bool = False, images: ImageInputs | None = None) -> None:
         self.tokenizer = tokenizer
+        self.images = images  # a vision model's image processing; None: a text-only model
         self.pooler = pooler  # a pooling model's pooler: it takes pooling requests only
         self.hidden_size = hidden_size
         self.generates = generates  # the model has a language-model head (else: pooling requests only)
@@ -58,6 +66,48 @@ class InputProcessor:
                 chat: ChatOptions | None = None, add_special_tokens: bool | None = None, priority: int = 0,
                 cache_salt: str | None = None, lora_request: LoRARequest | None = None,
                 pooling_params: PoolingParams | None = None) -> tuple[str | None, list[int]]:
+        """process_media() for entry points that carry no images (InvalidRequestError if the
+        messages hold some)."""
+        text, token_ids, mm_inputs = self.process_media(
+            prompt, params, messages=messages, chat=chat, add_special_tokens=add_special_tokens, priority=priority,
+            cache_salt=cache_salt, lora_request=lora_request, pooling_params=pooling_params)
+        if mm_inputs:
+            raise InvalidRequestError("this entry point does not take images", param="messages")
+        return text, token_ids
+
+    def process_media(self, prompt: Prompt | None, params: SamplingParams, *, messages: list[dict] | None = None,
+                      chat: ChatOptions | None = None, add_special_tokens: bool | None = None, priority: int = 0,
+                      cache_salt: str | None = None, lora_request: LoRARequest | None = None,
+                      pooling_params: PoolingParams | None = None, multi_modal_data: dict | None = None
+                      ) -> tuple[str | None, list[int], list[MultiModalInput]]:
+        """(text, token ids, images) of a request whose images come in multi_modal_data or
+        as the messages' image_url parts: each image's placeholder expanded to its features
+        (actors/multimodal/inputs.py)."""
+        images = images_of(multi_modal_data)
+        param = "messages" if messages is not None else "multi_modal_data"
+        if messages is not None:
+            messages, chat_images = split_image_parts(messages, self.images.placeholder if self.images else None)
+            images += chat_images
+        if images and self.images is None:
+            raise InvalidRequestError("this model is text-only: it does not accept images", param=param)
+        if images and (params.truncate_prompt_tokens is not None or pooling_params is not None):
+            raise InvalidRequestError("truncate_prompt_tokens and pooling do not take images yet", param=param)
+        if self.images is not None:
+            self.images.check_count(len(images), param)  # before anything is decoded
+        text, token_ids = self._process_text(prompt, params, messages=messages, chat=chat,
+                                             add_special_tokens=add_special_tokens, priority=priority,
+                                             cache_salt=cache_salt, lora_request=lora_request,
+                                             pooling_params=pooling_params)
+        if self.images is None:
+            return text, token_ids, []
+        token_ids, mm_inputs = self.images.expand(token_ids, images, param)
+        self.check_prompt_tokens(token_ids)
+        return text, token_ids, mm_inputs
+
+    def _process_text(self, prompt: Prompt | None, params: SamplingParams, *, messages: list[dict] | None = None,
+                      chat: ChatOptions | None = None, add_special_tokens: bool | None = None, priority: int = 0,
+                      cache_salt: str | None = None, lora_request: LoRARequest | None = None,
+                      pooling_params: PoolingParams | None = None) -> tuple[str | None, list[int]]:
         """Returns (prompt text or None, prompt token ids) after validating both and the
         parameters (and the LoRA adapter: LoRAAdapterError); fills in
         params.bad_words_token_ids. A pooling request (pooling_params) has no output, so its
@@ -178,6 +228,13 @@ class InputProcessor:
         text = render_chat_text(self.tokenizer, messages, options)
         return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
 
+    def render_chat_prompt(self, messages: list[dict], options: ChatOptions) -> list[int] | dict:
+        """render_chat()'s token ids; with images in the messages, a prompt dict carrying them
+        as multi_modal_data (each image_url part rendered as the model's image token)."""
+        messages, images = split_image_parts(messages, self.images.placeholder if self.images else None)
+        token_ids = self.render_chat(messages, options)
+        return {"prompt_token_ids": token_ids, "multi_modal_data": {"image": images}} if images else token_ids
+
     def check_prompt_tokens(self, token_ids: list[int], room: int = 1) -> None:
         """room: the tokens the prompt must leave for output (0 for a pooling request)."""
         if not token_ids:
@@ -207,6 +264,15 @@ def check_request_options(priority: int, cache_salt: str | None, priority_schedu
         raise InvalidRequestError("cache_salt must be a non-empty string", param="cache_salt")
 
 
+def image_inputs(engine, tokenizer) -> ImageInputs | None:
+    """A vision model's image processing (its image processor loaded from the model's
+    directory), or None for a text-only model."""
+    if engine.model.vision is None:
+        return None
+    limit = engine.limit_mm_per_prompt.get("image", DEFAULT_LIMIT_PER_PROMPT)
+    return ImageInputs(engine.model.model_path, engine.model.vision, tokenizer, limit)
+
+
 def check_reasoning_markers(tokenizer, reasoning_parser: str | None) -> None:
     """A reasoning parser needs its markers as tokens of the vocabulary (ValueError at start-up)."""
     if reasoning_parser is not None:
@@ -225,6 +291,7 @@ class InputProcessorActor(Actor):
         self.inbox.socket.connect(addresses["input_processor"])
         self.to_scheduler = sockets.outbox(addresses["scheduler"])
         self.processor = processor
+        self._fetches: set[asyncio.Task] = set()  # requests waiting for their http(s) images
 
     @classmethod
     def from_spec(cls, spec: ActorSpec, sockets: Sockets) -> InputProcessorActor:
@@ -236,32 +303,56 @@ class InputProcessorActor(Actor):
         processor = InputProcessor(tokenizer, engine.model.vocab_size, engine.scheduler.max_model_len,
                                    engine.max_logprobs, engine.structured_outputs_backend,
                                    LoRAChecker(engine.model, engine.lora), engine.pooler, engine.model.hidden_size,
-                                   engine.model.can_generate, engine.scheduler.scheduling_policy == "priority")
+                                   engine.model.can_generate, engine.scheduler.scheduling_policy == "priority",
+                                   image_inputs(engine, tokenizer))
         return cls(spec.name, spec.addresses, sockets, processor)
 
     def handle(self, message: AddRequest) -> None:
-        try:
-            token_ids = self._tokenize(message)
-        except InvalidRequestError as error:
-            self._reject(message.request_id, str(error), "invalid_request", error.param)
+        if self.processor.images is not None and has_http_images(message.messages):
+            # downloads run on threads; the request is processed when they are done
+            task = asyncio.get_running_loop().create_task(self._fetch_then_process(message))
+            self._fetches.add(task)
+            task.add_done_callback(self._fetches.discard)
             return
+        self._process(message)
+
+    async def _fetch_then_process(self, message: AddRequest) -> None:
+        try:
+            _, images = split_image_parts(message.messages, self.processor.images.placeholder)
+            self.processor.images.check_count(len(images), "messages")  # before anything is downloaded
+            messages = await fetch_message_images(message.messages)
         except Exception as error:  # noqa: BLE001 - one bad request must not end the actor
-            logger.exception("request %s: input processing failed", message.request_id)
-            self._reject(message.request_id, f"input processing failed: {error}", "internal_error", None)
+            self._reject_error(message.request_id, error, "fetching images")
+            return
+        self._process(msgspec.structs.replace(message, messages=messages))
+
+    def _process(self, message: AddRequest) -> None:
+        try:
+            _, token_ids, mm_inputs = self._tokenize(message)
+        except Exception as error:  # noqa: BLE001 - one bad request must not end the actor
+            self._reject_error(message.request_id, error, "input processing")
             return
         self.to_scheduler.send(TokenizedRequest(request_id=message.request_id, prompt_token_ids=token_ids,
                                                 params=message.params, arrival_time=message.arrival_time,
                                                 cache_salt=message.cache_salt, priority=message.priority,
                                                 lora_request=message.lora_request,
-                                                pooling_params=message.pooling_params))
+                                                pooling_params=message.pooling_params, mm_inputs=mm_inputs or None))
 
-    def _tokenize(self, message: AddRequest) -> list[int]:
+    def _tokenize(self, message: AddRequest) -> tuple[str | None, list[int], list[MultiModalInput]]:
         if message.prompt is None and message.messages is None:
             raise InvalidRequestError("a request needs a prompt or messages", param="prompt")
-        return self.processor.process(message.prompt, message.params, messages=message.messages, chat=message.chat,
-                                      add_special_tokens=message.add_special_tokens, priority=message.priority,
-                                      cache_salt=message.cache_salt, lora_request=message.lora_request,
-                                      pooling_params=message.pooling_params)[1]
+        return self.processor.process_media(message.prompt, message.params, messages=message.messages,
+                                            chat=message.chat, add_special_tokens=message.add_special_tokens,
+                                            priority=message.priority, cache_salt=message.cache_salt,
+                                            lora_request=message.lora_request, pooling_params=message.pooling_params)
+
+    def _reject_error(self, request_id: str, error: Exception, what: str) -> None:
+        """A request's error to the frontend: the caller's (HTTP 400), or ours (logged)."""
+        if isinstance(error, InvalidRequestError):
+            self._reject(request_id, str(error), "invalid_request", error.param)
+        else:
+            logger.error("request %s: %s failed", request_id, what, exc_info=error)
+            self._reject(request_id, f"{what} failed: {error}", "internal_error", None)
 
     def _reject(self, request_id: str, text: str, error_type: str, param: str | None) -> None:
         self.to_frontend.send(RequestRejected(request_id=request_id, message=text, error_type=error_type,

@@ -14,13 +14,13 @@ from actors.beam_search import BeamPrompt, BeamSearchBatch, BeamSearchOutput, Be
 from actors.engine_args import EngineArgs, takes_engine_args
 from actors.distributed_args import runs_in_process
 from actors.engine_core import EngineCore
-from actors.input_processor import InputProcessor, check_reasoning_markers
+from actors.input_processor import InputProcessor, check_reasoning_markers, image_inputs
 from actors.lora.checker import LoRAChecker
 from actors.pooling.llm_api import LLMPoolingMixin
-from actors.prompts import PromptInput, per_prompt, prompt_list, split_prompt
+from actors.prompts import PromptInput, per_prompt, prompt_list, split_media, split_prompt
 from actors.request_stream import broadcast_params
 from actors.worker.loader import load_tokenizer
-from messages.common import RequestOutput, SamplingParams
+from messages.common import InvalidRequestError, RequestOutput, SamplingParams
 from messages.control import check_wake_tags
 from messages.input_processor import ChatOptions
 from messages.lora import LoRARequest
@@ -52,7 +52,8 @@ class LLM(LLMPoolingMixin):
                                      self.config.structured_outputs_backend,
                                      LoRAChecker(self.config.model, self.config.lora), self.config.pooler,
                                      self.config.model.hidden_size, self.config.model.can_generate,
-                                     self.config.scheduler.scheduling_policy == "priority")
+                                     self.config.scheduler.scheduling_policy == "priority",
+                                     image_inputs(self.config, self.tokenizer))
         self._request_counter = itertools.count()
 
     def get_tokenizer(self):
@@ -113,25 +114,31 @@ class LLM(LLMPoolingMixin):
         Outputs come back in prompt order. Any invalid prompt or parameter raises
         InvalidRequestError (a ValueError) before any request is added, so the engine
         keeps its other work."""
-        split = [split_prompt(prompt) for prompt in prompt_list(prompts)]
+        inputs = [split_media(prompt) for prompt in prompt_list(prompts)]  # (prompt, its images)
+        split = [split_prompt(prompt) for prompt, _ in inputs]
         params_list = broadcast_params(sampling_params, len(split))
         if logits_processors:
             params_list = [msgspec.structs.replace(p, logits_processors=[*(p.logits_processors or []),
                                                                          *logits_processors]) for p in params_list]
         priorities = per_prompt(priority, len(split), "priority", 0)
         loras = per_prompt(lora_request, len(split), "lora_request", None)
-        processed = [self.inputs.process(prompt, params, priority=prio, cache_salt=salt, lora_request=lora)
-                     for (prompt, salt), params, prio, lora in zip(split, params_list, priorities, loras)]
+        processed = [self.inputs.process_media(prompt, params, priority=prio, cache_salt=salt, lora_request=lora,
+                                               multi_modal_data=media)
+                     for (prompt, salt), params, prio, lora, (_, media)
+                     in zip(split, params_list, priorities, loras, inputs)]
         if self._remote is not None:
+            if any(mm for _, _, mm in processed):
+                raise InvalidRequestError("images with several devices (LLM over AsyncClient) are not supported yet",
+                                          param="multi_modal_data")
             params_list = [p.with_pickled_processors() for p in params_list]
             tokens_prompts = [{"prompt_token_ids": ids, **({"cache_salt": salt} if salt else {})}
-                              for (_, ids), (_, salt) in zip(processed, split)]
+                              for (_, ids, _), (_, salt) in zip(processed, split)]
             outputs = self._remote.generate_batch(tokens_prompts, params_list, use_tqdm, loras, priorities)
-            for output, (text, _) in zip(outputs, processed):
+            for output, (text, _, _) in zip(outputs, processed):
                 output.prompt = text
             return outputs
-        return self._run(self._add_requests((text, token_ids, params, salt, lora, None, prio)
-                                            for (text, token_ids), params, (_, salt), lora, prio
+        return self._run(self._add_requests((text, token_ids, params, salt, lora, None, prio, mm)
+                                            for (text, token_ids, mm), params, (_, salt), lora, prio
                                             in zip(processed, params_list, split, loras, priorities)), use_tqdm)
 
     def _add_requests(self, requests: Iterable[tuple]) -> list[str]:
@@ -140,10 +147,11 @@ class LLM(LLMPoolingMixin):
         before it."""
         request_ids: list[str] = []
         try:
-            for text, token_ids, params, salt, lora, pooling, *priority in requests:
+            for text, token_ids, params, salt, lora, pooling, *extra in requests:  # extra: [priority[, images]]
                 request_id = str(next(self._request_counter))
                 self.engine.add_request(request_id, text, token_ids, params, cache_salt=salt, lora_request=lora,
-                                        pooling_params=pooling, priority=priority[0] if priority else 0)
+                                        pooling_params=pooling, priority=extra[0] if extra else 0,
+                                        mm_inputs=extra[1] if len(extra) > 1 else None)
                 request_ids.append(request_id)
         except ValueError:
             for request_id in request_ids:
@@ -163,7 +171,7 @@ class LLM(LLMPoolingMixin):
         options = ChatOptions(add_generation_prompt=add_generation_prompt,
                               continue_final_message=continue_final_message, chat_template=chat_template,
                               chat_template_kwargs=chat_template_kwargs, documents=documents, tools=tools)
-        prompts = [self.inputs.render_chat(c, options) for c in conversations]
+        prompts = [self.inputs.render_chat_prompt(c, options) for c in conversations]
         return self.generate(prompts, sampling_params, use_tqdm, lora_request=lora_request)
 
     def beam_search(self, prompts: BeamPrompt | Sequence[BeamPrompt], params: BeamSearchParams,

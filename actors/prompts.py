@@ -32,6 +32,15 @@ def split_prompt(prompt: PromptInput) -> tuple[Prompt, str | None]:
     return prompt, None
 
 
+def split_media(prompt: PromptInput) -> tuple[PromptInput, dict | None]:
+    """(the prompt without it, its multi_modal_data: {"image": a PIL image or a list}) of a
+    prompt dict; (prompt, None) for the rest. Only LLM.generate takes images in prompt dicts:
+    elsewhere split_prompt() refuses the key by name."""
+    if isinstance(prompt, dict) and "multi_modal_data" in prompt:
+        return {key: value for key, value in prompt.items() if key != "multi_modal_data"}, prompt["multi_modal_data"]
+    return prompt, None
+
+
 def prompt_list(prompts: PromptInput | Sequence[PromptInput]) -> list[PromptInput]:
     """One prompt (text, token ids or a prompt dict) as a list of one; a list as it is."""
     if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):

@@ -203,8 +203,9 @@ class CompletionRequest(SamplingRequest, kw_only=True):
 
 
 class ContentPart(msgspec.Struct, kw_only=True):
-    type: str  # only "text" is supported; the input processor rejects the others
+    type: str  # "text", or "image_url" (a vision model's; the input processor rejects the others)
     text: str | None = None
+    image_url: dict | None = None  # {"url": a base64 data URL, "detail": ...}
 
 
 class HistoryFunctionCall(msgspec.Struct, kw_only=True):

@@ -8,6 +8,7 @@ import msgspec
 from messages.common import Ping, SamplingParams, Shutdown
 from messages.control import EngineControl, WorkerControlDone
 from messages.lora import LoRARequest
+from messages.multimodal import MultiModalInput
 from messages.pooling import PooledData, PoolingParams
 
 
@@ -53,6 +54,7 @@ class TokenizedRequest(msgspec.Struct, array_like=True, frozen=True, kw_only=Tru
     priority: int = 0
     lora_request: LoRARequest | None = None  # checked against the model by the input processor
     pooling_params: PoolingParams | None = None  # a pooling request: prefill only, then its pooled output
+    mm_inputs: list[MultiModalInput] | None = None  # its images, in prompt order (a vision model's)
 
 
 class AbortRequest(msgspec.Struct, array_like=True, frozen=True, tag="abort"):

@@ -14,6 +14,7 @@ import msgspec
 from messages.common import Ping, SamplingParams, Shutdown
 from messages.control import WorkerControl
 from messages.lora import LoRARequest
+from messages.multimodal import MultiModalInput
 from messages.pooling import PoolingParams
 
 
@@ -29,6 +30,7 @@ class NewRequest(msgspec.Struct, array_like=True, frozen=True, gc=False):
     num_computed_tokens: int  # leading tokens whose KV is already cached (prefix hit)
     lora_request: LoRARequest | None = None  # the adapter it runs with (loaded on first use)
     pooling_params: PoolingParams | None = None  # a pooling request: pooled, never sampled
+    mm_inputs: list[MultiModalInput] | None = None  # its images (sent again on resumption: recomputed)
 
 
 class ContinuingRequest(msgspec.Struct, array_like=True, frozen=True, gc=False):

@@ -108,7 +108,8 @@ class SchedulerActor(Actor):
         try:
             self.scheduler.add_request(request.request_id, request.prompt_token_ids, request.params,
                                        cache_salt=request.cache_salt, lora_request=request.lora_request,
-                                       pooling_params=request.pooling_params, priority=request.priority)
+                                       pooling_params=request.pooling_params, priority=request.priority,
+                                       mm_inputs=request.mm_inputs)
         except ValueError as error:
             self.to_frontend.send(RequestRejected(request_id=request.request_id, message=str(error),
                                                   param=getattr(error, "param", None)))

@@ -36,6 +36,14 @@ class ExtraHashKeys:
     # equal placeholder tokens stand for different images
     mm_inputs: tuple[tuple[str, int, int], ...] = ()
 
+    @classmethod
+    def of(cls, adapter_id: str | None, cache_salt: str | None, mm_inputs: list | None = None
+           ) -> ExtraHashKeys | None:
+        """A request's keys (mm_inputs: its MultiModalInputs); None when it has none."""
+        if adapter_id is None and cache_salt is None and not mm_inputs:
+            return None
+        return cls(adapter_id, cache_salt, tuple((mm.content_hash, mm.offset, mm.length) for mm in mm_inputs or ()))
+
 
 class SequenceStatus(enum.Enum):
     WAITING = enum.auto()  # new, or preempted (then its KV is gone and is recomputed)
@@ -76,6 +84,7 @@ class Sequence:
         self.extra_hash_keys = extra_hash_keys  # None: its KV depends on its tokens alone
         self.lora_request: LoRARequest | None = None  # the adapter it runs with
         self.pooling_params: PoolingParams | None = None  # a pooling request: prefill only, then pooled
+        self.mm_inputs: list | None = None  # its images (messages.multimodal.MultiModalInput), for the workers
         self.pools_every_token = False  # its pooling reads every prompt row (MEAN, CLS, ALL), not just the last
         self.times_overtaken = 0  # later sequences admitted while max_loras held it back
         self.priority = 0  # lower is served first (the priority policy; 0 under FCFS)

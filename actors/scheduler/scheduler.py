@@ -85,7 +85,7 @@ class Scheduler:
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                     cache_salt: str | None = None, lora_request: LoRARequest | None = None,
-                    pooling_params: PoolingParams | None = None, priority: int = 0) -> None:
+                    pooling_params: PoolingParams | None = None, priority: int = 0, mm_inputs: list | None = None) -> None:
         """Queues a request; params.n > 1 makes n sequences that share the prompt's blocks.
         A cache_salt keeps its prefix-cache entries apart from those of other salts (or
         none), as a LoRA adapter does from other adapters' and the base model's. A pooling
@@ -105,13 +105,13 @@ class Scheduler:
         if priority:  # PriorityScheduler (priority.py) orders by it; FCFS would ignore it
             raise ValueError(f"priority {priority} needs scheduling_policy 'priority' (this engine is FCFS)")
         adapter_id = lora_request.cache_key if lora_request is not None else None
-        extra_hash_keys = ExtraHashKeys(adapter_id=adapter_id, cache_salt=cache_salt) \
-            if cache_salt is not None or adapter_id is not None else None
+        extra_hash_keys = ExtraHashKeys.of(adapter_id, cache_salt, mm_inputs)  # (images: their hashes too)
         sequences = make_sequences(request_id, prompt_token_ids, params, self.max_seq_len,
                                    kv_cache.enable_prefix_caching, extra_hash_keys)
         for seq in sequences:
             seq.lora_request = lora_request
             seq.pooling_params = pooling_params
+            seq.mm_inputs = mm_inputs
             seq.pools_every_token = pooling_params is not None and (
                 self.pooling_type != "LAST" or pooling_params.task in PER_TOKEN_TASKS)
         for seq in sequences:
@@ -233,7 +233,7 @@ class Scheduler:
                     request_id=seq.seq_id, token_ids=list(seq.token_ids),
                     num_prompt_tokens=seq.num_prompt_tokens, params=seq.params,
                     block_ids=list(seq.block_ids), num_computed_tokens=seq.num_computed_tokens,
-                    lora_request=seq.lora_request, pooling_params=seq.pooling_params))
+                    lora_request=seq.lora_request, pooling_params=seq.pooling_params, mm_inputs=seq.mm_inputs))
                 seq.sent_to_worker = True
                 scheduled[seq.seq_id] = advance(seq, num_new_tokens)
                 num_scheduled_tokens[seq.seq_id] = num_new_tokens

@@ -23,16 +23,21 @@ import time
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from actors.structured_output import GrammarBackend, GrammarMatcher, make_backend
 from actors.structured_output.reasoning import reasoning_ended, reasoning_marker_ids
-from actors.worker.logits_processors import RequestProcessor
+from actors.worker.logits_processors import LogitsProcessor, RequestProcessor, default_processors
 from actors.worker.sampling_batch import StepRows
 from kernels.token_bitmask import apply_token_bitmask
 from messages.common import SamplingParams
 from messages.structured_outputs import StructuredOutputsParams
+
+if TYPE_CHECKING:
+    from actors.config import EngineConfig
+    from actors.worker.parallel import TensorParallel
 
 logger = logging.getLogger(__name__)
 
@@ -255,3 +260,14 @@ class StructuredOutputs(RequestProcessor):
         if waited > _SLOW_WAIT_S:
             logger.info("a step waited %.0f ms for %s of a structured output", 1e3 * waited, what)
         return result
+
+
+def sampling_processors(engine: EngineConfig, parallel: TensorParallel) -> list[LogitsProcessor]:
+    """The sampler's logits processors: the built-in ones, then (on the rank that samples)
+    the structured outputs' grammar masks, last, so nothing lifts them."""
+    processors = default_processors(list(engine.model.eos_token_ids))
+    if parallel.rank == 0:
+        processors.append(StructuredOutputs(GrammarConfig(
+            engine.structured_outputs_backend, engine.tokenizer_path or engine.model.model_path,
+            engine.model.vocab_size, engine.model.eos_token_ids, engine.reasoning_parser)))
+    return processors

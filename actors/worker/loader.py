@@ -19,6 +19,7 @@ from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
 from actors.config import ModelConfig, cache_dir
+from actors.multimodal.config import VISION_ARCHITECTURES, split_vision_config
 
 if TYPE_CHECKING:
     import torch
@@ -95,10 +96,14 @@ def load_model_config(model_dir: str) -> ModelConfig:
 
     if architecture in ENCODER_ARCHITECTURES:
         return encoder_model_config(model_dir, config, config_path)
+    vision = None
+    if architecture in VISION_ARCHITECTURES:  # the text model's config, and the vision side beside it
+        config, vision = split_vision_config(config, config_path)
+        architecture = config["architectures"][0]
     if architecture not in SUPPORTED_ARCHITECTURES:
         raise ValueError(
             f"{config_path}: architecture {architecture!r} is not supported "
-            f"(supported: {', '.join(SUPPORTED_ARCHITECTURES + ENCODER_ARCHITECTURES)})"
+            f"(supported: {', '.join(SUPPORTED_ARCHITECTURES + ENCODER_ARCHITECTURES + VISION_ARCHITECTURES)})"
         )
     _check_supported_features(config, architecture, config_path)
 
@@ -132,6 +137,7 @@ def load_model_config(model_dir: str) -> ModelConfig:
         qk_norm=architecture.startswith("Qwen3"),
         eos_token_ids=_eos_token_ids(config, model_dir),
         bos_token_id=config.get("bos_token_id"),
+        vision=vision,
     )
 
 

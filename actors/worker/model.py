@@ -161,12 +161,14 @@ class LlamaModel:
                 positions: torch.Tensor,  # [num_tokens] int64
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]],  # per layer (key, value)
                 attention: AttentionMetadata,
-                lora: LoRABatch | None = None) -> torch.Tensor:  # [num_tokens, hidden]
+                lora: LoRABatch | None = None,
+                inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:  # [num_tokens, hidden]
         """The step op by op through the backend's kernels (the model runner may run it
         another way: actors/worker/cpu_model_step.py mirrors this function). lora: the
         step's adapters, whose deltas each projection's output gets (before the all-reduce
         of a row-parallel one: the partial deltas sum as the partial outputs do)."""
-        hidden, residual = self.run_layers(self.embed(input_ids), None, positions, kv_caches, attention, lora)
+        hidden = self.embed(input_ids) if inputs_embeds is None else inputs_embeds  # (images' rows replaced)
+        hidden, residual = self.run_layers(hidden, None, positions, kv_caches, attention, lora)
         return self.final_norm_of(hidden, residual)
 
     def run_layers(self, hidden: torch.Tensor,  # [num_tokens, hidden]

@@ -13,6 +13,7 @@ import torch
 from actors.config import EngineConfig
 from actors.lora.batch import LoRABatch, segments_of
 from actors.lora.slots import LoRASlots
+from actors.multimodal.runner import VisionRunner
 from actors.pooling.classifier import SCORE_WEIGHT, split_score_weight
 from actors.pooling.encoder import BertClassifierHead, EncoderStep, build_encoder
 from actors.pooling.runner import PoolingRunner, pooling_runner
@@ -22,9 +23,8 @@ from actors.worker.cpu_model_step import CpuModelStep
 from actors.worker.cpu_tuning import MAX_FEW_ROWS, tune_allocator, tune_few_rows
 from actors.worker.device_config import DTYPES, kv_block_bytes, num_kv_blocks
 from actors.worker.draft_model import DraftModel
-from actors.worker.grammar_processor import GrammarConfig, StructuredOutputs
+from actors.worker.grammar_processor import sampling_processors
 from actors.worker.host_kv import HostKVCache
-from actors.worker.logits_processors import LogitsProcessor, default_processors
 from actors.worker.model import LlamaModel
 from actors.worker.parallel import TensorParallel
 from actors.worker.sampler import Sampler, prompt_token_logprobs
@@ -34,7 +34,6 @@ from messages.lora import LoRARequest
 from messages.pooling import PooledData, PoolingParams
 from messages.scheduler import StepResult, TokenLogprobs
 from messages.worker import StepPlan
-
 
 
 @dataclass
@@ -49,17 +48,7 @@ class CachedRequest:
     num_computed_tokens: int
     lora: LoRARequest | None = None  # the adapter it runs with
     pooling: PoolingParams | None = None  # a pooling request: its prompt rows are pooled, nothing is sampled
-
-
-def sampling_processors(engine: EngineConfig, parallel: TensorParallel) -> list[LogitsProcessor]:
-    """The sampler's logits processors: the built-in ones, then (on the rank that samples)
-    the structured outputs' grammar masks, last, so nothing lifts them."""
-    processors = default_processors(list(engine.model.eos_token_ids))
-    if parallel.rank == 0:
-        processors.append(StructuredOutputs(GrammarConfig(
-            engine.structured_outputs_backend, engine.tokenizer_path or engine.model.model_path,
-            engine.model.vocab_size, engine.model.eos_token_ids, engine.reasoning_parser)))
-    return processors
+    mm_inputs: list | None = None  # its images (messages.multimodal.MultiModalInput)
 
 
 def build_model_runner(engine: EngineConfig, parallel: TensorParallel = TensorParallel()
@@ -95,6 +84,7 @@ class ModelRunner:
         # forward and keeps no KV cache
         self.model: LlamaModel | None = None
         self.encoder: EncoderStep | None = None
+        self.vision: VisionRunner | None = None  # a vision-language model's vision tower and encoder cache
         head_weights: dict[str, object] = {}  # a classifier's score weight, split off the decoder's
         self.load_weights(head_weights)
         # BERT's classification head: its pooler and classifier, not a score weight
@@ -130,14 +120,17 @@ class ModelRunner:
                                          engine.seed, classify, engine.quantization)
         else:
             self.model = LlamaModel(engine.model, self.dtype, self.device, self.backend, parallel)
+            self.vision = VisionRunner(engine.model.vision, self.dtype, self.device) if engine.model.vision else None
             if self.load_format == "dummy":
                 self.model.init_dummy_weights(engine.seed)
             else:
                 from actors.worker.loader import iter_weight_slices
 
+                weights = VisionRunner.split(self.vision, iter_weight_slices(engine.model.model_path))
                 self.model.load_weights((name, parallel.shard(name, weight_slice, engine.model))
-                                        for name, weight_slice in split_score_weight(
-                                            iter_weight_slices(engine.model.model_path), head_weights))
+                                        for name, weight_slice in split_score_weight(weights, head_weights))
+            if self.vision is not None:
+                self.vision.load(self.load_format == "dummy", engine.model.hidden_size, engine.seed)
         if self.encoder is None and self.backend.name == "cpu" and self.backend.native is not None \
                 and self.dtype == torch.float32:
             # past this many rows sgemm beats the C++ linear, which depends on the CPU's vectors
@@ -213,6 +206,8 @@ class ModelRunner:
     def update_states(self, plan: StepPlan) -> None:
         for request_id in plan.finished_request_ids:
             request = self.requests.pop(request_id, None)
+            if self.vision is not None:
+                self.vision.remove_request(request_id)
             if self.speculator is not None:
                 self.speculator.remove_request(request_id, request.token_ids if request is not None else None)
             if request is not None and request.pooling is not None:
@@ -222,7 +217,7 @@ class ModelRunner:
         for new in plan.new_requests:
             self.requests[new.request_id] = CachedRequest(
                 new.request_id, list(new.token_ids), new.num_prompt_tokens, new.params,
-                list(new.block_ids), new.num_computed_tokens, new.lora_request, new.pooling_params)
+                list(new.block_ids), new.num_computed_tokens, new.lora_request, new.pooling_params, new.mm_inputs)
             if new.pooling_params is not None:
                 self._pooling_runner().add_request(new.request_id, new.pooling_params)
             else:
@@ -258,7 +253,8 @@ class ModelRunner:
         #    of a speculated decode), prompt-logprob positions
         sample_rows, samplers, prompt_rows = self._logit_rows(batch)
         sample_rows, samplers, spec_rows = drafts.split_rows(sample_rows, samplers)
-        hidden = self._forward(input_ids, positions, attention, lora)
+        embeds = self.vision.input_embeds(self.model.embed, input_ids, batch) if self.vision is not None else None
+        hidden = self._forward(input_ids, positions, attention, lora, embeds)
         pooled = self._pool(hidden, batch)
         rows = sample_rows + spec_rows + [row for _, rows_of_request, _ in prompt_rows for row in rows_of_request]
         # (a collective under tensor parallelism: the logits end up on rank 0 only)
@@ -326,12 +322,14 @@ class ModelRunner:
         return batch, LoRABatch(self.lora_slots, segments_of([(slot(request), n) for request, n in batch]))
 
     def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attention: AttentionMetadata,
-                 lora: LoRABatch | None = None) -> torch.Tensor:  # [num_tokens, hidden]
+                 lora: LoRABatch | None = None, embeds: torch.Tensor | None = None) -> torch.Tensor:
+        # -> [num_tokens, hidden]; embeds: the input embeddings, when images replaced some rows
         if self.encoder is not None:  # whole prompts: the step's query offsets are its sequences
             return self.encoder(input_ids, attention.host.query_start_loc)
         if self.model_step is not None and self.model_step.takes(attention):
-            return self.model_step(self.model.embed(input_ids), positions, self.kv_caches, attention, lora)
-        return self.model.forward(input_ids, positions, self.kv_caches, attention, lora)
+            return self.model_step(self.model.embed(input_ids) if embeds is None else embeds, positions,
+                                   self.kv_caches, attention, lora)
+        return self.model.forward(input_ids, positions, self.kv_caches, attention, lora, embeds)
 
     def _prepare_inputs(self, batch: list[tuple[CachedRequest, int]]
                         ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:

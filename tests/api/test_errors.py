@@ -43,6 +43,8 @@ BAD_REQUESTS = [
     ("/v1/chat/completions", {"messages": []}, "messages", None),
     ("/v1/chat/completions", {"messages": [{"content": "no role"}]}, "messages[0].role", None),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "messages", None),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": [  # an image to a text-only model
+        {"type": "image_url", "image_url": {"url": "data:image/png;base64,iVBORw0KGgo="}}]}]}, "messages", None),
     ("/v1/chat/completions", {**CHAT, "top_logprobs": 2}, "top_logprobs", None),
     ("/v1/chat/completions", {**CHAT, "logprobs": True, "top_logprobs": 30}, "top_logprobs", None),
     ("/v1/chat/completions", {**CHAT, "max_completion_tokens": -1}, "max_tokens", None),

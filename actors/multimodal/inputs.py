@@ -1,0 +1,208 @@
+"""The input processor's side of images: decoding them (PIL images, or OpenAI `image_url`
+content parts with base64 data URLs or http(s) URLs), running the model's Hugging Face image processor
+(PIL-based, no torchvision), and expanding each image's one placeholder token into as many
+as the vision encoder makes features (as transformers' LlavaProcessor does). The pixel
+values leave as MultiModalInput: raw bytes, dtype, shape and a content hash."""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import hashlib
+import io
+from collections import OrderedDict
+from typing import Any
+
+import numpy as np
+
+from actors.multimodal.config import VisionConfig
+from actors.multimodal.fetch import fetch_image, is_http_url
+from messages.common import InvalidRequestError
+from messages.multimodal import MultiModalInput
+
+_DATA_URL_IMAGE_TYPES = ("image/png", "image/jpeg", "image/jpg", "image/webp", "image/gif")
+
+
+def images_of(multi_modal_data: Any) -> list:
+    """The images of a prompt's multi_modal_data ({"image": image or list}); [] for None."""
+    if multi_modal_data is None:
+        return []
+    if not isinstance(multi_modal_data, dict) or set(multi_modal_data) - {"image"}:
+        raise InvalidRequestError("multi_modal_data must be a dict with an 'image' key (other modalities are not "
+                                  "supported)", param="multi_modal_data")
+    images = multi_modal_data.get("image")
+    return list(images) if isinstance(images, (list, tuple)) else [images]
+
+
+def split_image_parts(messages: list[dict], placeholder: str | None) -> tuple[list[dict], list]:
+    """The messages with each `image_url` (or "image") content part replaced by a text part
+    holding the model's image token, and the images (data URLs or PIL images) in order.
+    placeholder None: a text-only model, which refuses image parts by name."""
+    images: list = []
+    rewritten = []
+    for message in messages:
+        content = message.get("content") if isinstance(message, dict) else None
+        if not isinstance(content, list):
+            rewritten.append(message)
+            continue
+        parts = []
+        for part in content:
+            kind = part.get("type") if isinstance(part, dict) else None
+            if kind not in ("image_url", "image"):
+                parts.append(part)
+                continue
+            if placeholder is None:
+                raise InvalidRequestError("this model is text-only: it does not accept images (image_url content "
+                                          "parts)", param="messages")
+            if kind == "image_url":
+                url = part.get("image_url")
+                url = url.get("url") if isinstance(url, dict) else url
+                if not isinstance(url, (str, bytes)):  # (bytes: fetched by the input processor actor)
+                    raise InvalidRequestError("an image_url content part needs {'url': ...}", param="image_url")
+                images.append(url)
+            else:
+                images.append(part.get("image"))
+            parts.append({"type": "image", "text": placeholder})  # (chat_template.normalise_message)
+        rewritten.append({**message, "content": parts})
+    return rewritten, images
+
+
+def decode_image(image: Any, param: str = "image_url"):
+    """A PIL image in RGB from a PIL image, a base64 data URL, an http(s) URL (downloaded
+    here unless the input processor actor fetched it already: then its bytes); an
+    InvalidRequestError naming the field for anything else (file URLs are not read yet)."""
+    from PIL import Image, UnidentifiedImageError
+
+    if isinstance(image, Image.Image):
+        return image.convert("RGB")
+    if is_http_url(image):
+        image = fetch_image(image)
+    if isinstance(image, str):
+        image = _data_url_bytes(image, param)
+    if not isinstance(image, bytes):
+        raise InvalidRequestError(f"an image must be a PIL image or a data or http(s) URL, got "
+                                  f"{type(image).__name__}", param=param)
+    try:
+        decoded = Image.open(io.BytesIO(image))
+        decoded.load()
+    except (ValueError, UnidentifiedImageError, OSError) as error:
+        raise InvalidRequestError(f"image_url: the image could not be decoded ({error})", param=param) \
+            from None
+    return decoded.convert("RGB")
+
+
+def _data_url_bytes(url: str, param: str) -> bytes:
+    if not url.startswith("data:"):
+        scheme = url.split(":", 1)[0] if ":" in url else "a bare path"
+        raise InvalidRequestError(f"image_url: only base64 data URLs and http(s) URLs are supported; {scheme} URLs "
+                                  "are not read", param=param)
+    header, _, payload = url.partition(",")
+    media_type = header[len("data:"):].split(";")[0].lower()
+    if media_type not in _DATA_URL_IMAGE_TYPES or ";base64" not in header:
+        raise InvalidRequestError(f"image_url: a data URL must be base64 with an image type "
+                                  f"({', '.join(_DATA_URL_IMAGE_TYPES)}), got {header!r}", param=param)
+    try:
+        return base64.b64decode(payload, validate=True)
+    except (binascii.Error, ValueError) as error:
+        raise InvalidRequestError(f"image_url: the image could not be decoded ({error})", param=param) from None
+
+
+# (pixel values as little-endian float32 bytes, their shape, their content hash)
+Processed = tuple[bytes, tuple[int, ...], str]
+PROCESSOR_CACHE_BYTES = 64 * 2**20  # each input processor's cache of processed images
+
+
+class ProcessedImageCache:
+    """Processed images by the hash of their input (a PIL image's pixels, an encoded image's
+    bytes, a data URL), least recently used evicted past max_bytes: a repeated image is not
+    decoded or processed again. http(s) URLs are keyed by the bytes they download, never by
+    the URL, whose content may change."""
+
+    def __init__(self, max_bytes: int = PROCESSOR_CACHE_BYTES) -> None:
+        self.max_bytes = max_bytes
+        self.entries: OrderedDict[str, Processed] = OrderedDict()
+        self.num_bytes = 0
+        self.hits = 0
+
+    @staticmethod
+    def key_of(image: Any) -> str | None:
+        if isinstance(image, (bytes, str)) and not is_http_url(image):
+            data = image.encode() if isinstance(image, str) else image
+        elif hasattr(image, "tobytes") and hasattr(image, "mode"):  # a PIL image
+            data = f"{image.mode}{image.size}".encode() + image.tobytes()
+        else:
+            return None
+        return hashlib.blake2b(data, digest_size=16).hexdigest()
+
+    def get(self, key: str | None) -> Processed | None:
+        entry = self.entries.get(key) if key is not None else None
+        if entry is not None:
+            self.entries.move_to_end(key)
+            self.hits += 1
+        return entry
+
+    def put(self, key: str | None, entry: Processed) -> None:
+        if key is None or key in self.entries or len(entry[0]) > self.max_bytes:
+            return
+        self.entries[key] = entry
+        self.num_bytes += len(entry[0])
+        while self.num_bytes > self.max_bytes:
+            _, evicted = self.entries.popitem(last=False)
+            self.num_bytes -= len(evicted[0])
+
+
+class ImageInputs:
+    """Decodes and processes a prompt's images, and expands their placeholders."""
+
+    def __init__(self, model_dir: str, vision: VisionConfig, tokenizer, limit: int) -> None:
+        from transformers import AutoImageProcessor
+
+        self.cache = ProcessedImageCache()
+        self.image_processor = AutoImageProcessor.from_pretrained(model_dir)
+        self.vision = vision
+        self.limit = limit  # --limit-mm-per-prompt's "image"
+        self.placeholder = tokenizer.convert_ids_to_tokens(vision.image_token_id)
+
+    def check_count(self, num_images: int, param: str) -> None:
+        if num_images > self.limit:
+            raise InvalidRequestError(f"{num_images} images in one prompt; at most {self.limit} are allowed "
+                                      "(--limit-mm-per-prompt)", param=param)
+
+    def expand(self, token_ids: list[int], images: list, param: str) -> tuple[list[int], list[MultiModalInput]]:
+        """token_ids with the i-th image token repeated for the i-th image's features, and
+        the images as MultiModalInputs."""
+        self.check_count(len(images), param)
+        image_token = self.vision.image_token_id
+        positions = [i for i, token in enumerate(token_ids) if token == image_token]
+        if len(positions) != len(images):
+            raise InvalidRequestError(f"the prompt has {len(positions)} image placeholders "
+                                      f"({self.placeholder!r}) for {len(images)} images", param=param)
+        if not images:
+            return token_ids, []
+        expanded: list[int] = []
+        mm_inputs = []
+        previous = 0
+        for position, (data, shape, content_hash) in zip(positions, self._process(images, param)):
+            expanded += token_ids[previous:position]
+            patches = (shape[-2] // self.vision.patch_size) * (shape[-1] // self.vision.patch_size)
+            length = patches + (1 if self.vision.feature_select_strategy == "full" else 0)
+            mm_inputs.append(MultiModalInput(modality="image", content_hash=content_hash, offset=len(expanded),
+                                             length=length, pixel_values=data, dtype="float32", shape=list(shape)))
+            expanded += [image_token] * length
+            previous = position + 1
+        return expanded + token_ids[previous:], mm_inputs
+
+    def _process(self, images: list, param: str) -> list[Processed]:
+        """Each image processed, from the cache where it is, the others in one call."""
+        keys = [self.cache.key_of(image) for image in images]
+        processed = [self.cache.get(key) for key in keys]
+        missing = [i for i, entry in enumerate(processed) if entry is None]
+        if missing:
+            decode_param = "image_url" if param == "messages" else param  # a chat's images are image_url parts
+            pixel_values = self.image_processor(images=[decode_image(images[i], decode_param) for i in missing],
+                                                return_tensors="np")["pixel_values"]
+            for i, pixels in zip(missing, pixel_values):
+                data = np.ascontiguousarray(pixels, dtype="<f4").tobytes()
+                processed[i] = (data, tuple(pixels.shape), hashlib.blake2b(data, digest_size=16).hexdigest())
+                self.cache.put(keys[i], processed[i])
+        return processed
