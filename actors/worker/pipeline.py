@@ -186,7 +186,8 @@ class StageRunner(ModelRunner):
         return StepResult(step_id=plan.step_id, request_ids=[], sampled_token_ids=[])
 
     def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attention: AttentionMetadata,
-                 lora=None) -> torch.Tensor | None:
+                 lora=None, embeds: torch.Tensor | None = None) -> torch.Tensor | None:
+        # (lora and embeds stay None: pipeline parallelism refuses LoRA and vision models at start-up)
         model = self.model
         if self.stage.is_first:
             hidden, residual = model.embed(input_ids), None
