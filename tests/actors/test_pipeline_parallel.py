@@ -42,6 +42,20 @@ async def test_stages_match_hf_through_chunked_prefill_and_preemption(make_tiny_
     assert all(info["weight_bytes"] < 0.8 * whole for info in ready.values())
 
 
+@pytest.mark.slow
+async def test_two_stages_on_smollm2_equal_one_worker(smollm2_dir):
+    """The embedded model over 2 stages (15 layers each; the tied head on the last), its prompts chunked
+    by a small budget, against one worker's greedy tokens."""
+    prompts = [[1, 504, 3458, 282, 4649, 314], [1, 19556, 28, 957, 1462, 314, 216] * 4]
+    with LLM(smollm2_dir, kv_cache_memory="64MiB") as one:
+        expected = [o.outputs[0].token_ids for o in one.generate(prompts, GREEDY, use_tqdm=False)]
+    async with asyncio.timeout(300):
+        async with AsyncClient(smollm2_dir, pipeline_parallel_size=2, max_num_batched_tokens=16,
+                               kv_cache_memory="64MiB") as client:
+            outputs = await client.generate_batch(prompts, GREEDY, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outputs] == expected
+
+
 async def test_two_stages_compute_different_plans_at_once(make_tiny_model, tmp_path, monkeypatch):
     from actors.worker.pipeline import STAGE_TIMES_DIR
 
