@@ -11,7 +11,7 @@ from actors.detokenizer import OutputProcessor, merge_delta
 from actors.pooling.outputs import pooling_request_output
 from actors.scheduler.kv_tiers import make_kv_tiers
 from actors.scheduler.priority import make_scheduler
-from actors.worker.host_kv import host_tier_info, with_failed_loads
+from actors.worker.host_kv import host_tier_info
 from actors.worker.device_config import resolve_device
 from actors.worker.model_runner import build_model_runner
 from messages.common import RequestOutput, SamplingParams
@@ -113,8 +113,6 @@ class EngineCore:
         """One model step; returns the requests that finished in it."""
         plan = self.scheduler.schedule()
         result = self.runner.execute(plan)
-        if plan.blocks_to_load:
-            result = with_failed_loads(result, self.runner.failed_loads)
         updates = self.scheduler.update(plan, result)
         finished: list[RequestOutput | PoolingRequestOutput] = []
         for pooled in self.scheduler.take_pooling_results():

@@ -13,7 +13,7 @@ import logging
 from actors.actor import Actor, ActorSpec
 from messages.control import WorkerControl, WorkerControlDone
 from messages.transport import Sockets
-from actors.worker.host_kv import host_tier_info, with_failed_loads
+from actors.worker.host_kv import host_tier_info
 from messages.worker import StepPlan, WorkerInbox
 
 logger = logging.getLogger(__name__)
@@ -68,8 +68,7 @@ class WorkerActor(Actor):
             self._control(message)
             return
         result = self.runner.execute(message)
-        if message.blocks_to_load:  # answered even without tokens: the scheduler waits for the loads
-            result = with_failed_loads(result, self.runner.failed_loads)
+        # a plan with disk loads is answered even without tokens: the scheduler waits for the loads
         if (message.num_scheduled_tokens or message.blocks_to_load) and self.to_scheduler is not None:
             self.to_scheduler.send(result)
 

@@ -10,25 +10,18 @@ go to files (actors/worker/disk_kv.py) and come back into host blocks."""
 
 from __future__ import annotations
 
-import msgspec
 import torch
 
 from actors.config import EngineConfig
 from actors.worker.device_config import kv_block_bytes
 from actors.worker.disk_kv import DiskKV, fingerprint
 from actors.worker.parallel import TensorParallel
-from messages.scheduler import StepResult
 from messages.worker import StepPlan
 
 # Rough speeds for the swap-or-recompute rule: recomputing a token costs 2 FLOPs per
 # weight, swapping it copies its KV out and back in.
 _FLOPS = {"cpu": 1e11, "cuda": 2e14}  # FLOP/s a step reaches
 _COPY_BYTES_PER_S = {"cpu": 1e10, "cuda": 2.5e10}  # host memory, or PCIe from pinned memory
-
-
-def with_failed_loads(result: StepResult, failed: list[int]) -> StepResult:
-    """The step's result, with the host blocks whose disk load failed."""
-    return msgspec.structs.replace(result, failed_loads=failed) if failed else result
 
 
 def swap_is_cheaper(engine: EngineConfig, weight_bytes: int, device: torch.device,

@@ -235,10 +235,10 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, plan: StepPlan) -> StepResult:
         self.update_states(plan)
-        if self.host_kv is not None:  # the plan's copies between the KV tiers, before its forward
-            self.failed_loads = self.host_kv.run(plan)  # (the caller adds them to the result)
+        # the plan's copies between the KV tiers, before its forward; the host blocks whose disk load failed
+        failed_loads = self.host_kv.run(plan) if self.host_kv is not None else []
         if not plan.num_scheduled_tokens:
-            return StepResult(step_id=plan.step_id, request_ids=[], sampled_token_ids=[])
+            return StepResult(step_id=plan.step_id, request_ids=[], sampled_token_ids=[], failed_loads=failed_loads)
         scheduled = [(self.requests[request_id], num_tokens)
                      for request_id, num_tokens in plan.num_scheduled_tokens.items()]
         # 1. drafts: a decode granted some verifies them as a causal chunk after its token
@@ -280,7 +280,8 @@ class ModelRunner:
             logprobs = logprobs + [TokenLogprobs([], [], [])] * len(drafts)
         return StepResult(step_id=plan.step_id, request_ids=[r.request_id for r in samplers + drafts.requests],
                           sampled_token_ids=tokens + [t[-1] for t in emitted], logprobs=logprobs,
-                          prompt_logprobs=prompt_logprobs, pooled=pooled, **drafts.result_fields(emitted))
+                          prompt_logprobs=prompt_logprobs, pooled=pooled, **drafts.result_fields(emitted),
+                          failed_loads=failed_loads)
 
     def _propose(self, plan: StepPlan, scheduled: list[tuple[CachedRequest, int]]) -> StepDrafts:
         """The drafts of the decodes the plan granted some, appended to their tokens."""
