@@ -77,10 +77,7 @@ class EngineProcesses:
     def _spawn(self, kind: str, name: str, **options) -> None:
         spec = ActorSpec(kind=kind, name=name, addresses=self.addresses, engine=self.engine, options=options,
                          log_level=self.log_level)
-        if kind == "worker" and self.engine.parallel.distributed_executor_backend == "ray":
-            self.processes[name] = self._ray_placement().spawn(spec, options["rank"])
-        else:
-            self.processes[name] = ActorProcess(spec)
+        self.processes[name] = ActorProcess(spec)
 
     def _ray_placement(self):
         if self.ray is None:
@@ -97,7 +94,10 @@ class EngineProcesses:
         stops whatever started and raises EngineStartupError."""
         deadline = time.monotonic() + timeout
         try:
-            self.spawn_local_workers()
+            if self.engine.parallel.distributed_executor_backend == "ray":
+                self._ray_placement().spawn_workers(self, control)  # each rank on its node's transport
+            else:
+                self.spawn_local_workers()
             for index in range(self.num_input_processors):
                 self._spawn("input_processor", f"input_processor{index}")
             self._spawn("detokenizer", "detokenizer")
