@@ -22,8 +22,6 @@ def check_distributed_flags(args: Any) -> None:
     if args.distributed_executor_backend not in EXECUTOR_BACKENDS:
         raise ValueError(f"distributed_executor_backend must be one of {', '.join(EXECUTOR_BACKENDS)}, "
                          f"got {args.distributed_executor_backend!r}")
-    if pp > 1 and args.nnodes > 1:
-        raise ValueError("pipeline_parallel_size > 1 with nnodes > 1 is not supported: run the stages on one node")
     if args.routing_logic not in ROUTING_LOGICS:
         raise ValueError(f"routing_logic must be one of {', '.join(ROUTING_LOGICS)}, got {args.routing_logic!r}")
     if args.routing_logic == "prefixaware" and dp == 1:

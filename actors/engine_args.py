@@ -252,8 +252,9 @@ class EngineArgs:
         check_kv_offload_dir(self.kv_offload_dir, host_kv_bytes(self.swap_space, self.kv_offload_size,
                                                                 self.preemption_mode),
                              self.enable_prefix_caching, self.tensor_parallel_size)
-        if self.tensor_parallel_size % self.nnodes:
-            raise ValueError(f"nnodes ({self.nnodes}) must divide tensor_parallel_size ({self.tensor_parallel_size})")
+        if (world_size := self.tensor_parallel_size * self.pipeline_parallel_size) % self.nnodes:
+            raise ValueError(f"nnodes ({self.nnodes}) must divide tensor_parallel_size ({self.tensor_parallel_size})"
+                             + (f" x pipeline_parallel_size ({world_size})" if self.pipeline_parallel_size > 1 else ""))
         if not 0 <= self.node_rank < self.nnodes:
             raise ValueError(f"node_rank must be in [0, {self.nnodes}), got {self.node_rank}")
         check_pooling_args(self.runner, self.convert, self.task, self.pooler_config)
