@@ -1,7 +1,8 @@
 """Workers as Ray actors over several Ray nodes: a ray.cluster_utils.Cluster on this
 machine (a head and a worker node with one CPU each), so that the two tensor-parallel
 ranks cannot share a node. The rank on the driver's node keeps ipc, the other talks tcp;
-greedy tokens equal the mp backend's; a SIGKILL of the other node's worker fails every
+greedy tokens equal the mp backend's, and two pipeline stages over the two nodes one
+worker's; a SIGKILL of the other node's worker fails every
 pending request within 5 s; a cluster too small for the ranks is refused at start-up.
 Skipped without the ray package (the troupe[ray] extra)."""
 
@@ -78,3 +79,15 @@ async def test_tensor_parallel_over_two_ray_nodes(make_tiny_model, two_node_clus
         async with asyncio.timeout(60):
             await client.close()
     assert not [pid for pid in pids if pid_exists(pid)]
+
+    # two pipeline stages on the two nodes: one worker's tokens (the last stage, which answers
+    # the scheduler, may be the remote one: its results then come over tcp too)
+    single = LLM(model_dir, kv_cache_memory="32MiB")
+    expected = [o.outputs[0].token_ids for o in single.generate(prompts, GREEDY, use_tqdm=False)]
+    async with asyncio.timeout(240), AsyncClient(model_dir, kv_cache_memory="32MiB", pipeline_parallel_size=2,
+                                                 distributed_executor_backend="ray",
+                                                 max_num_batched_tokens=32) as stages:
+        assert sum(not worker.local for name, worker in stages.processes.processes.items()
+                   if name.startswith("worker")) == 1
+        outputs = await stages.generate_batch(prompts, GREEDY, use_tqdm=False)
+        assert [o.outputs[0].token_ids for o in outputs] == expected
