@@ -57,8 +57,14 @@ def _ticks(stat_path: str) -> int:
     return int(fields[11]) + int(fields[12])  # utime + stime
 
 
-async def seconds_a_step(args, prompt: list[int], backend: str) -> tuple[float, float]:
-    """Seconds a step, and Ray's CPU seconds a step (0 with processes)."""
+def worker_cpu_seconds(worker_pids: set[int]) -> float:
+    """CPU seconds the worker processes (or actors) used so far, all their threads."""
+    return sum(_ticks(f"/proc/{pid}/stat") for pid in worker_pids) / os.sysconf("SC_CLK_TCK")
+
+
+async def seconds_a_step(args, prompt: list[int], backend: str) -> tuple[float, float, float]:
+    """Seconds a step, the workers' CPU seconds a step, and Ray's CPU seconds a step (0
+    with processes). CPU time is steadier than wall time on a loaded machine."""
     from actors import AsyncClient, SamplingParams
 
     params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
@@ -67,12 +73,14 @@ async def seconds_a_step(args, prompt: list[int], backend: str) -> tuple[float, 
         await client.generate(prompt, SamplingParams(temperature=0.0, max_tokens=8))  # warm-up
         workers = {pid for name, pid in client.actor_pids().items() if name.startswith("worker")}
         ray_cpu = ray_cpu_seconds(workers) if backend == "ray" else 0.0
+        worker_cpu = worker_cpu_seconds(workers)
         started = time.perf_counter()
         output = await client.generate(prompt, params)
         seconds = time.perf_counter() - started
+        worker_cpu = worker_cpu_seconds(workers) - worker_cpu
         ray_cpu = ray_cpu_seconds(workers) - ray_cpu if backend == "ray" else 0.0
     steps = len(output.outputs[0].token_ids)
-    return seconds / steps, ray_cpu / steps
+    return seconds / steps, worker_cpu / steps, ray_cpu / steps
 
 
 def main() -> None:
@@ -90,16 +98,20 @@ def main() -> None:
     vocab_size = EngineArgs(args.model).build().model.vocab_size
     prompt = make_workload(1, args.input_len, args.input_len, vocab_size, seed=0)[0]
     per_step: dict[str, list[float]] = {"mp": [], "ray": []}
+    worker_cpu: dict[str, list[float]] = {"mp": [], "ray": []}
     ray_cpu: list[float] = []
     for _ in range(args.rounds):
         for backend in ("mp", "ray"):
-            step, cpu = asyncio.run(seconds_a_step(args, prompt, backend))
+            step, cpu, ray_own = asyncio.run(seconds_a_step(args, prompt, backend))
             per_step[backend].append(step)
+            worker_cpu[backend].append(cpu)
             if backend == "ray":
-                ray_cpu.append(cpu)
+                ray_cpu.append(ray_own)
     mp, ray = min(per_step["mp"]), min(per_step["ray"])
     print(json.dumps({backend: [round(s * 1e3, 3) for s in steps] for backend, steps in per_step.items()}))
-    print(f"Ray's own processes and threads: {statistics.median(ray_cpu) * 1e3:.3f} ms of CPU a step (median)")
+    print("the workers' CPU a step (ms, medians): " + ", ".join(
+        f"{backend} {statistics.median(cpu) * 1e3:.2f}" for backend, cpu in worker_cpu.items())
+        + f"; Ray's own processes and threads: {statistics.median(ray_cpu) * 1e3:.3f} ms of CPU a step")
     print(f"TP={args.tensor_parallel_size}, one stream: {mp * 1e3:.2f} ms a step with processes, {ray * 1e3:.2f} ms "
           f"with Ray actors: {ray / mp:.3f}x (fastest of {args.rounds}); medians "
           f"{statistics.median(per_step['ray']) / statistics.median(per_step['mp']):.3f}x")
