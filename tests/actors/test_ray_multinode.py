@@ -3,7 +3,8 @@ machine (a head and a worker node with one CPU each), so that the two tensor-par
 ranks cannot share a node. The rank on the driver's node keeps ipc, the other talks tcp;
 greedy tokens equal the mp backend's, and two pipeline stages over the two nodes one
 worker's; a SIGKILL of the other node's worker fails every
-pending request within 5 s; a cluster too small for the ranks is refused at start-up.
+pending request within 5 s; a cluster too small for the ranks is refused at start-up, one
+whose CPUs another job holds fails after a bounded wait.
 Skipped without the ray package (the troupe[ray] extra)."""
 
 from __future__ import annotations
@@ -38,7 +39,11 @@ def two_node_cluster():
         cluster.shutdown()
 
 
-async def test_tensor_parallel_over_two_ray_nodes(make_tiny_model, two_node_cluster):
+async def test_tensor_parallel_over_two_ray_nodes(make_tiny_model, two_node_cluster, monkeypatch):
+    from ray.util.placement_group import placement_group, remove_placement_group
+
+    from actors import ray_executor
+    from actors.errors import EngineStartupError
     from actors.ray_executor import RayWorkerProcess
 
     model_dir = make_tiny_model("llama", max_position_embeddings=8192)
@@ -54,6 +59,17 @@ async def test_tensor_parallel_over_two_ray_nodes(make_tiny_model, two_node_clus
         async with asyncio.timeout(60):
             await too_big.start()
     assert time.monotonic() - started < 30
+
+    # enough CPUs in all, but one held by another job: a bounded wait, then a clear failure
+    other_job = placement_group([{"CPU": 1}])
+    ray.get(other_job.ready(), timeout=30)
+    monkeypatch.setattr(ray_executor, "_PLACEMENT_TIMEOUT_S", 2.0)
+    with pytest.raises(EngineStartupError, match="did not free 2 CPU bundles"):
+        async with asyncio.timeout(60):
+            await AsyncClient(model_dir, kv_cache_memory="32MiB", tensor_parallel_size=2,
+                              distributed_executor_backend="ray").start()
+    remove_placement_group(other_job)
+    monkeypatch.undo()
 
     client = AsyncClient(model_dir, kv_cache_memory="32MiB", tensor_parallel_size=2,
                          distributed_executor_backend="ray")
