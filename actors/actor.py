@@ -51,6 +51,8 @@ class Actor:
         self.addresses = addresses
         self.sockets = sockets
         self.inbox: Inbox = sockets.inbox(addresses[name], self.inbox_type, bind=True)
+        if f"{name}@tcp" in addresses:  # also reached from other nodes' Ray workers (actors/ray_executor.py)
+            self.inbox.socket.bind(addresses[f"{name}@tcp"])
         self.to_frontend: Outbox = sockets.outbox(addresses["frontend"])
         self._to_self: Outbox = sockets.outbox(addresses[name])
         self.stopping = False

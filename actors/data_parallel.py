@@ -5,11 +5,12 @@ AsyncClient(..., data_parallel_size=D) makes a DataParallelClient: D ordinary As
 ZeroMQ namespace), and one front that checks requests once (generate, chat, encode, beam
 search: everything that ends in AsyncClient._run) and hands each to the live replica
 with the fewest unfinished requests it knows of (waiting or running: the frontend's open
-streams), the earliest replica on a tie. Each replica is supervised as a single engine is:
-when one of its processes dies, its own requests fail with EngineDeadError and it stops;
-the others keep serving. The client is dead (check_health raises, wait_until_dead
-returns, /health answers 503) only once every replica is; while some are, /health lists
-each replica's state.
+streams), the earliest replica on a tie; or, with routing_logic='prefixaware', to the one
+that was sent the longest prefix of its prompt (actors/prefix_routing.py). Each replica
+is supervised as a single engine is: when one of its processes dies, its own requests
+fail with EngineDeadError and it stops; the others keep serving. The client is dead
+(check_health raises, wait_until_dead returns, /health answers 503) only once every
+replica is; while some are, /health lists each replica's state.
 
 Engine operations (sleep, wake_up, reset_prefix_cache) go to every live replica;
 get_stats sums the replicas' counters. LoRA adapters are refused with data parallelism
@@ -24,6 +25,7 @@ from typing import Any
 
 from actors.errors import EngineDeadError, InvalidRequestError
 from actors.frontend import AsyncClient
+from actors.prefix_routing import PrefixRouter, prefix_keys
 from messages.common import RequestOutput
 from messages.frontend import HistogramSnapshot
 from messages.input_processor import AddRequest
@@ -39,8 +41,11 @@ class DataParallelClient(AsyncClient):
         size = self.engine_args.data_parallel_size
         self.replicas = [AsyncClient(model, num_input_processors=num_input_processors, startup_timeout=startup_timeout,
                                      log_level=log_level, transport=transport,
-                                     **{**engine_args, "data_parallel_size": 1}) for _ in range(size)]
+                                     **{**engine_args, "data_parallel_size": 1, "routing_logic": "leastloaded"})
+                         for _ in range(size)]
         self._owners: dict[str, AsyncClient] = {}  # request id -> the replica running it
+        # --routing-logic prefixaware: where each prompt prefix went (actors/prefix_routing.py)
+        self.prefix_router = PrefixRouter(size) if self.engine_args.routing_logic == "prefixaware" else None
 
     # ---- life cycle ----
 
@@ -99,7 +104,10 @@ class DataParallelClient(AsyncClient):
         request_id = request.request_id
         if request_id in self._owners:
             raise InvalidRequestError(f"request_id {request_id!r} is already in use", param="request_id")
-        replica = min(self.live_replicas(), key=lambda live: live.num_unfinished_requests)
+        if self.prefix_router is None:
+            replica = min(self.live_replicas(), key=lambda live: live.num_unfinished_requests)
+        else:
+            replica = self._route_by_prefix(request)
         self._owners[request_id] = replica
         outputs = replica._run(request, prompt_text)
         try:
@@ -108,6 +116,14 @@ class DataParallelClient(AsyncClient):
         finally:
             self._owners.pop(request_id, None)
             await outputs.aclose()  # a stream left early: the replica aborts the request
+
+    def _route_by_prefix(self, request: AddRequest) -> AsyncClient:
+        keys = prefix_keys(request, self.config.cache.block_size)
+        loads = {index: replica.num_unfinished_requests for index, replica in enumerate(self.replicas)
+                 if replica.is_running}
+        index = self.prefix_router.choose(keys, loads)
+        self.prefix_router.record(index, keys)
+        return self.replicas[index]
 
     async def abort(self, request_id: str) -> None:
         replica = self._owners.get(request_id)

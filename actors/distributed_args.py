@@ -10,6 +10,7 @@ import importlib.util
 from typing import Any
 
 from actors.config import ModelConfig
+from actors.prefix_routing import ROUTING_LOGICS
 
 EXECUTOR_BACKENDS = ("mp", "ray")
 RAY_EXTRA_HINT = "pip install 'troupe[ray]' (or pip install ray)"
@@ -21,8 +22,10 @@ def check_distributed_flags(args: Any) -> None:
     if args.distributed_executor_backend not in EXECUTOR_BACKENDS:
         raise ValueError(f"distributed_executor_backend must be one of {', '.join(EXECUTOR_BACKENDS)}, "
                          f"got {args.distributed_executor_backend!r}")
-    if pp > 1 and args.nnodes > 1:
-        raise ValueError("pipeline_parallel_size > 1 with nnodes > 1 is not supported: run the stages on one node")
+    if args.routing_logic not in ROUTING_LOGICS:
+        raise ValueError(f"routing_logic must be one of {', '.join(ROUTING_LOGICS)}, got {args.routing_logic!r}")
+    if args.routing_logic == "prefixaware" and dp == 1:
+        raise ValueError("routing_logic='prefixaware' routes between replicas: it needs data_parallel_size > 1")
     if dp > 1 and args.nnodes > 1:
         raise ValueError("data_parallel_size > 1 with nnodes > 1 is not supported")
     if pp > 1:

@@ -27,6 +27,7 @@ from actors.config import (CacheConfig, EngineConfig, LoRAConfig, ParallelConfig
                            check_tensor_parallel_size, parse_size)
 from actors.kv_offload_args import check_kv_offload_dir, host_kv_bytes
 from actors.distributed_args import EXECUTOR_BACKENDS, check_distributed, check_distributed_flags
+from actors.prefix_routing import ROUTING_LOGICS
 from actors.pooling.engine import (CONVERTS, RUNNERS, TASKS, check_pooling_args, override_architecture,
                                   parse_hf_overrides, pooler_for)
 from actors.quantization import GGUF_METHODS, QUANTIZATION_METHODS, check_quantization
@@ -126,6 +127,9 @@ class EngineArgs:
                                    metavar="N")
     distributed_executor_backend: str = _arg("mp", "'mp': a process per worker; 'ray': Ray actors in a placement "
                                                    "group (needs troupe[ray])", choices=EXECUTOR_BACKENDS)
+    routing_logic: str = _arg("leastloaded", "how data-parallel replicas share requests: the least loaded, or "
+                                             "'prefixaware': where the prompt's prefix went before",
+                              choices=ROUTING_LOGICS)
     # two plans in flight (the actor engine; LLM with one device runs one step at a time)
     async_scheduling: bool = _arg(True, "build the next step's plan while the workers run the current one")
     scheduling_policy: str = _arg(
@@ -248,8 +252,9 @@ class EngineArgs:
         check_kv_offload_dir(self.kv_offload_dir, host_kv_bytes(self.swap_space, self.kv_offload_size,
                                                                 self.preemption_mode),
                              self.enable_prefix_caching, self.tensor_parallel_size)
-        if self.tensor_parallel_size % self.nnodes:
-            raise ValueError(f"nnodes ({self.nnodes}) must divide tensor_parallel_size ({self.tensor_parallel_size})")
+        if (world_size := self.tensor_parallel_size * self.pipeline_parallel_size) % self.nnodes:
+            raise ValueError(f"nnodes ({self.nnodes}) must divide tensor_parallel_size ({self.tensor_parallel_size})"
+                             + (f" x pipeline_parallel_size ({world_size})" if self.pipeline_parallel_size > 1 else ""))
         if not 0 <= self.node_rank < self.nnodes:
             raise ValueError(f"node_rank must be in [0, {self.nnodes}), got {self.node_rank}")
         check_pooling_args(self.runner, self.convert, self.task, self.pooler_config)

@@ -274,7 +274,7 @@ async def run_worker_node(args: argparse.Namespace) -> int:
         logger.error("bad engine arguments: %s", error)
         return 1
     ranks = engine.parallel.local_ranks
-    print(f"Node {args.node_rank} running ranks {ranks.start}..{ranks.stop - 1} of {args.tensor_parallel_size}",
+    print(f"Node {args.node_rank} running ranks {ranks.start}..{ranks.stop - 1} of {engine.parallel.world_size}",
           flush=True)
     return await run_ranks(engine, stop, "DEBUG" if args.log_level == "debug" else "WARNING")
 

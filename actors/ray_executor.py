@@ -14,9 +14,13 @@ ActorProcess's interface; an actor on this node is watched through a pidfd on it
 process, so its death fails every request at once; one on another node is polled
 (its run() call ends when it dies).
 
-Ray places ranks on other nodes only when one node lacks the room; ZeroMQ's ipc sockets
-then do not reach them (start the engine with AsyncClient(transport="tcp")); this has
-been run on one node only."""
+Ray places ranks on other nodes only when one node lacks the room. The transport is then
+chosen per rank (spawn_workers): a rank on the driver's node keeps the engine's ipc
+addresses; a rank on another node gets tcp addresses, on the driver node's IP for the
+sockets it connects to (the frontend's and the scheduler's inboxes, its plan socket:
+each bound on tcp as well) and on its own node's IP for its inbox; and torch.distributed
+meets at rank 0's node. A cluster that can never hold the placement group is refused at
+once, naming what it lacks; one that is busy gets a bounded wait."""
 
 from __future__ import annotations
 
@@ -24,14 +28,28 @@ import os
 import signal
 import time
 
+import logging
+
 import msgspec
 
 from actors.actor import ActorSpec
 from actors.config import ParallelConfig
 from actors.distributed_args import RAY_EXTRA_HINT
+from actors.errors import EngineStartupError
 from actors.process import open_pidfd
+from actors.supervisor import distributed_init_method
+from messages.transport import Inbox, free_tcp_port
+
+logger = logging.getLogger(__name__)
 
 _READY_TIMEOUT_S = 120.0
+# A local Ray started here runs only this engine's workers: no idle Python workers started
+# ahead (one a CPU by default), which sit idle beside the workers' actors and took half
+# of the Ray processes' CPU time on an idle 2-core machine (1.3% of a core of 2.9%),
+# taken from the steps (benchmarks/ray_overhead.py).
+_LOCAL_RAY_CONFIG = {"enable_worker_prestart": False, "prestart_worker_first_driver": False}
+# how long the placement group may wait for a busy cluster to free its bundles
+_PLACEMENT_TIMEOUT_S = float(os.environ.get("TROUPE_RAY_PLACEMENT_TIMEOUT_S", "60"))
 
 
 def _import_ray():
@@ -47,8 +65,6 @@ class RayPlacement:
 
     def __init__(self, parallel: ParallelConfig, on_cuda: bool) -> None:
         ray = _import_ray()
-        from ray.util.placement_group import placement_group
-
         world_size = parallel.world_size
         package_root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
         # the actors import this checkout; Ray must not narrow CUDA_VISIBLE_DEVICES (rank r
@@ -59,30 +75,61 @@ class RayPlacement:
                # the threads a worker process takes (Ray would give an actor one, its CPU bundle's)
                "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // world_size))),
                "RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES": "1"}
+        self.env = env
         self.owns_ray = not ray.is_initialized()
         if self.owns_ray:
             if os.environ.get("RAY_ADDRESS"):
                 ray.init(runtime_env={"env_vars": env}, log_to_driver=True)
             else:  # a local cluster: a CPU a rank at least, so every bundle fits
                 ray.init(num_cpus=max(os.cpu_count() or 1, world_size), include_dashboard=False,
-                         runtime_env={"env_vars": env})
+                         runtime_env={"env_vars": env}, _system_config=_LOCAL_RAY_CONFIG)
         resource = "GPU" if on_cuda else "CPU"
         self.resource = resource
-        fits_one_node = any(node["Alive"] and node["Resources"].get(resource, 0) >= world_size
-                            for node in ray.nodes())
-        self.group = placement_group([{resource: 1}] * world_size,
-                                     strategy="STRICT_PACK" if fits_one_node else "PACK")
-        ray.get(self.group.ready(), timeout=_READY_TIMEOUT_S)
+        self.group = _reserve(ray, resource, world_size)
         self.node_id = ray.get_runtime_context().get_node_id()
+        self.node_ip = ray.util.get_node_ip_address()
 
-    def spawn(self, spec: ActorSpec, rank: int) -> RayWorkerProcess:
+    def _actor(self, rank: int):
         ray = _import_ray()
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         strategy = PlacementGroupSchedulingStrategy(placement_group=self.group, placement_group_bundle_index=rank)
         resources = {"num_gpus": 1, "num_cpus": 0} if self.resource == "GPU" else {"num_cpus": 1}
-        handle = ray.remote(_RayWorker).options(scheduling_strategy=strategy, name=None, **resources).remote()
-        return RayWorkerProcess(spec, handle, local_node_id=self.node_id)
+        # the environment per actor too: a cluster this engine joined was started without it
+        return ray.remote(_RayWorker).options(scheduling_strategy=strategy, name=None,
+                                              runtime_env={"env_vars": self.env}, **resources).remote()
+
+    def spawn_workers(self, processes, control: Inbox) -> None:
+        """Starts every rank's actor and its worker in processes (an EngineProcesses),
+        each with the addresses of its node's transport; control is the frontend's inbox."""
+        ray = _import_ray()
+        handles = [self._actor(rank) for rank in range(self.group.bundle_count)]
+        places = ray.get([handle.where.remote() for handle in handles], timeout=_READY_TIMEOUT_S)
+        remote = [rank for rank, (_, node_id, *_) in enumerate(places) if node_id != self.node_id]
+        _, _, rank0_ip, _, rank0_port = places[0]
+        init_method = f"tcp://{rank0_ip}:{rank0_port}" if remote else distributed_init_method(processes.engine.parallel)
+        addresses = processes.addresses
+        if remote:
+            addresses["frontend@tcp"] = control_address = self._tcp_address()
+            control.socket.bind(control_address)
+            addresses["scheduler@tcp"] = self._tcp_address()  # the scheduler binds it too (actor.py)
+            logger.info("ranks %s are on other Ray nodes: they talk over tcp to %s", remote, self.node_ip)
+        for rank, handle in enumerate(handles):
+            name = f"worker{rank}"
+            rank_addresses = dict(addresses)
+            if rank in remote:
+                addresses[f"plans{rank}"] = self._tcp_address()  # the executor binds it
+                addresses[name] = f"tcp://{places[rank][2]}:{places[rank][3]}"  # the frontend's pings
+                rank_addresses.update({"frontend": addresses["frontend@tcp"], "scheduler": addresses["scheduler@tcp"],
+                                       f"plans{rank}": addresses[f"plans{rank}"], name: addresses[name]})
+            spec = ActorSpec(kind="worker", name=name, addresses=rank_addresses, engine=processes.engine,
+                             options={"rank": rank, "distributed_init_method": init_method},
+                             log_level=processes.log_level)
+            processes.processes[name] = RayWorkerProcess(spec, handle, local_node_id=self.node_id,
+                                                         place=places[rank])
+
+    def _tcp_address(self) -> str:
+        return f"tcp://{self.node_ip}:{free_tcp_port(self.node_ip)}"
 
     def shutdown(self) -> None:
         ray = _import_ray()
@@ -97,10 +144,19 @@ class RayPlacement:
 class _RayWorker:
     """The Ray actor of one rank (made remote in RayPlacement.spawn)."""
 
-    def where(self) -> tuple[int, str]:
+    def where(self) -> tuple[int, str, str, int, int]:
+        """This actor's pid, node id, node IP and two ports free there now (for its inbox
+        and, on rank 0, torch.distributed's rendezvous)."""
+        import socket
+
         import ray
 
-        return os.getpid(), ray.get_runtime_context().get_node_id()
+        ip = ray.util.get_node_ip_address()
+        with socket.socket() as first, socket.socket() as second:  # both open at once: two different ports
+            first.bind((ip, 0))
+            second.bind((ip, 0))
+            ports = first.getsockname()[1], second.getsockname()[1]
+        return (os.getpid(), ray.get_runtime_context().get_node_id(), ip) + ports
 
     def run(self, spec_bytes: bytes) -> None:
         from actors.process import run_spec
@@ -118,11 +174,11 @@ class _RayWorker:
 class RayWorkerProcess:
     """ActorProcess's interface (supervisor.py) over one rank's Ray actor."""
 
-    def __init__(self, spec: ActorSpec, handle, local_node_id: str) -> None:
+    def __init__(self, spec: ActorSpec, handle, local_node_id: str, place: tuple | None = None) -> None:
         ray = _import_ray()
         self.name = spec.name
         self.handle = handle
-        self.pid, node_id = ray.get(handle.where.remote(), timeout=_READY_TIMEOUT_S)
+        self.pid, node_id, *_ = place or ray.get(handle.where.remote(), timeout=_READY_TIMEOUT_S)
         self.local = node_id == local_node_id
         self.run_ref = handle.run.remote(msgspec.msgpack.encode(spec))
         self.pidfd = open_pidfd(self.pid) if self.local else None  # the supervisor's watch, as a process's
@@ -164,6 +220,29 @@ class RayWorkerProcess:
         if self.pidfd is not None:
             os.close(self.pidfd)
             self.pidfd = None
+
+
+def _reserve(ray, resource: str, world_size: int):
+    """The placement group of world_size one-resource bundles: STRICT_PACK when one live
+    node has room for all, PACK (spread over the fewest nodes) otherwise. ValueError at
+    once when the cluster has too few of the resource in all; EngineStartupError when the
+    bundles are not free within _PLACEMENT_TIMEOUT_S (other jobs hold them)."""
+
+    from ray.util.placement_group import placement_group, remove_placement_group
+
+    nodes = [node for node in ray.nodes() if node["Alive"]]
+    total = sum(node["Resources"].get(resource, 0) for node in nodes)
+    if total < world_size:
+        raise ValueError(f"the Ray cluster has {total:g} {resource} in all ({len(nodes)} live nodes), fewer than the "
+                         f"{world_size} ranks (one {resource} each) this engine needs")
+    fits_one_node = any(node["Resources"].get(resource, 0) >= world_size for node in nodes)
+    group = placement_group([{resource: 1}] * world_size, strategy="STRICT_PACK" if fits_one_node else "PACK")
+    ready, _ = ray.wait([group.ready()], timeout=_PLACEMENT_TIMEOUT_S)
+    if not ready:
+        remove_placement_group(group)
+        raise EngineStartupError(f"the Ray cluster did not free {world_size} {resource} bundles for the workers in "
+                                 f"{_PLACEMENT_TIMEOUT_S:.0f} s (TROUPE_RAY_PLACEMENT_TIMEOUT_S); see `ray status`")
+    return group
 
 
 def _is_zombie(pid: int) -> bool:

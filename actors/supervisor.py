@@ -34,7 +34,8 @@ def engine_addresses(namespace: Namespace, num_input_processors: int, parallel: 
     that peers connect to: "input_processor" (the frontend's, shared by every input
     processor) and "plans{rank}" (the scheduler's executor's, one per rank). With several
     nodes, what other nodes reach (the frontend's inbox, the plan sockets) is on tcp at
-    master_addr, on the ports above master_port."""
+    master_addr, on the ports above master_port (and, with pipeline stages, the scheduler's
+    inbox for the last stage: world size + 3 ports in all, with the rendezvous)."""
     names = ["frontend", "input_processor", "scheduler", "detokenizer"]
     names += [f"input_processor{i}" for i in range(num_input_processors)]
     names += [f"worker{rank}" for rank in parallel.local_ranks]
@@ -46,6 +47,12 @@ def engine_addresses(namespace: Namespace, num_input_processors: int, parallel: 
         addresses["frontend"] = f"tcp://{host}:{port + 1}"
         for rank in range(parallel.world_size):
             addresses[f"plans{rank}"] = f"tcp://{host}:{port + 2 + rank}"
+        if parallel.pipeline_parallel_size > 1:
+            # the last stage's output rank is on another node: node 0's scheduler binds this
+            # too (actor.py), and other nodes' ranks send their results there
+            addresses["scheduler@tcp"] = f"tcp://{host}:{port + 2 + parallel.world_size}"
+            if parallel.node_rank > 0:
+                addresses["scheduler"] = addresses["scheduler@tcp"]
     return addresses
 
 
@@ -77,10 +84,7 @@ class EngineProcesses:
     def _spawn(self, kind: str, name: str, **options) -> None:
         spec = ActorSpec(kind=kind, name=name, addresses=self.addresses, engine=self.engine, options=options,
                          log_level=self.log_level)
-        if kind == "worker" and self.engine.parallel.distributed_executor_backend == "ray":
-            self.processes[name] = self._ray_placement().spawn(spec, options["rank"])
-        else:
-            self.processes[name] = ActorProcess(spec)
+        self.processes[name] = ActorProcess(spec)
 
     def _ray_placement(self):
         if self.ray is None:
@@ -97,7 +101,10 @@ class EngineProcesses:
         stops whatever started and raises EngineStartupError."""
         deadline = time.monotonic() + timeout
         try:
-            self.spawn_local_workers()
+            if self.engine.parallel.distributed_executor_backend == "ray":
+                self._ray_placement().spawn_workers(self, control)  # each rank on its node's transport
+            else:
+                self.spawn_local_workers()
             for index in range(self.num_input_processors):
                 self._spawn("input_processor", f"input_processor{index}")
             self._spawn("detokenizer", "detokenizer")

@@ -102,7 +102,7 @@ async def test_kill_9_of_a_stage_fails_pending_requests(make_tiny_model, victim)
     ({"pipeline_parallel_size": 3}, "layers"),
     ({"speculative_config": {"method": "ngram", "num_speculative_tokens": 2}}, "speculative_config"),
     ({"runner": "pooling"}, "pooling models"),
-    ({"nnodes": 2, "tensor_parallel_size": 2}, "pipeline_parallel_size > 1 with nnodes"),
+    ({"nnodes": 3}, r"nnodes \(3\) must divide tensor_parallel_size \(1\) x pipeline_parallel_size \(2\)"),
 ])
 def test_unsupported_combinations_are_refused_by_name(tiny_llama_dir, options, named):
     with pytest.raises(ValueError, match=named):

@@ -41,16 +41,21 @@ async def test_two_stages_as_ray_actors_match_one_process_and_a_killed_actor_fai
         outputs = await asyncio.wait_for(client.generate_batch(prompts, GREEDY, use_tqdm=False), 60)
         assert [o.outputs[0].token_ids for o in outputs] == expected
 
-        long = SamplingParams(temperature=0.0, max_tokens=8000, ignore_eos=True)
-        tasks = [asyncio.create_task(consume(client.generate(p, long))) for p in prompts[:4]]
-        await asyncio.sleep(0.5)
-        assert not any(task.done() for task in tasks)
-        os.kill(workers["worker1"].pid, signal.SIGKILL)
-        killed_at = time.monotonic()
-        results = await asyncio.wait_for(asyncio.gather(*tasks, return_exceptions=True), 5.0)
-        assert time.monotonic() - killed_at < 5.0
-        assert all(isinstance(result, EngineDeadError) for result in results), results
+        await kill_fails_requests(client, prompts[:4], workers["worker1"].pid)
     finally:
         async with asyncio.timeout(60):
             await client.close()
     assert not [pid for pid in pids if pid_exists(pid)]
+
+
+async def kill_fails_requests(client: AsyncClient, prompts: list, pid: int) -> None:
+    """SIGKILL of pid while prompts generate: each fails with EngineDeadError within 5 s."""
+    long = SamplingParams(temperature=0.0, max_tokens=8000, ignore_eos=True)
+    tasks = [asyncio.create_task(consume(client.generate(p, long))) for p in prompts]
+    await asyncio.sleep(0.5)
+    assert not any(task.done() for task in tasks)
+    os.kill(pid, signal.SIGKILL)
+    killed_at = time.monotonic()
+    results = await asyncio.wait_for(asyncio.gather(*tasks, return_exceptions=True), 5.0)
+    assert time.monotonic() - killed_at < 5.0
+    assert all(isinstance(result, EngineDeadError) for result in results), results

@@ -1,6 +1,7 @@
 """Two "nodes" on loopback: two launcher processes, node 0 serving HTTP with rank 0, node 1
-running rank 1 alone (gloo and ZeroMQ over tcp between them), give the tokens of one rank;
-stopping node 0 stops node 1 too."""
+running rank 1 alone (gloo and ZeroMQ over tcp between them), give the tokens of one rank,
+with the two ranks as tensor-parallel halves or as two pipeline stages (node 1's last stage
+then sends the results to node 0's scheduler over tcp); stopping node 0 stops node 1 too."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import subprocess
 import sys
 
 import httpx
+import pytest
 
 from actors import LLM, SamplingParams
 from messages.transport import free_tcp_port_range
@@ -16,9 +18,11 @@ from tests.actors.test_llm_matches_hf import PROMPT_LENGTHS, make_prompts
 from tests.api.conftest import AUTH, ENGINE_FLAGS, MODEL_NAME, REPO_ROOT, ServerProcess
 
 
-def test_two_launchers_on_loopback_serve_the_tokens_of_one_rank(tiny_llama_dir, tmp_path):
-    port = free_tcp_port_range(4)  # the rendezvous, node 0's frontend inbox, a plan socket per rank
-    flags = ["--tensor-parallel-size", "2", "--nnodes", "2", "--master-port", str(port)]
+@pytest.mark.parametrize("split", ["--tensor-parallel-size", "--pipeline-parallel-size"])
+def test_two_launchers_on_loopback_serve_the_tokens_of_one_rank(tiny_llama_dir, tmp_path, split):
+    # the rendezvous, node 0's frontend inbox, a plan socket per rank, the scheduler's inbox (PP)
+    port = free_tcp_port_range(5)
+    flags = [split, "2", "--nnodes", "2", "--master-port", str(port)]
     node1 = subprocess.Popen([sys.executable, "-m", "actors.launch", "--model", tiny_llama_dir, *ENGINE_FLAGS,
                               *flags, "--node-rank", "1"], cwd=REPO_ROOT, stdout=subprocess.PIPE, text=True,
                              env={**os.environ, "PYTHONPATH": str(REPO_ROOT)})
