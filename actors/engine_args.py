@@ -30,6 +30,7 @@ from actors.distributed_args import EXECUTOR_BACKENDS, check_distributed, check_
 from actors.pooling.engine import (CONVERTS, RUNNERS, TASKS, check_pooling_args, override_architecture,
                                   parse_hf_overrides, pooler_for)
 from actors.quantization import GGUF_METHODS, QUANTIZATION_METHODS, check_quantization
+from actors.quantization.checkpoint_config import resolve_checkpoint_quantization
 from actors.quantization.gguf_types import resolve_gguf
 from actors.multimodal.config import check_vision_engine, parse_limit_mm_per_prompt
 from actors.spec_decode.config import check_engine_fit, parse_speculative_config
@@ -288,6 +289,8 @@ class EngineArgs:
                 device=args.device, dtype=args.dtype,  # one device: pipeline stages count too
                 tensor_parallel_size=args.tensor_parallel_size * args.pipeline_parallel_size,
                 cuda_devices=cuda_device_count())
+        if gguf_file is None:  # a quantized checkpoint's own method, checked against the flag
+            quantization = resolve_checkpoint_quantization(quantization, model_config, args.tensor_parallel_size)
         if model_config.is_encoder:  # whole prompts, one step each; attention both ways shares no prefix
             if args.tensor_parallel_size != 1:
                 raise ValueError("tensor_parallel_size: an encoder model runs on one device")

@@ -127,6 +127,9 @@ class ModelRunner:
                 from actors.worker.loader import iter_weight_slices
 
                 weights = VisionRunner.split(self.vision, iter_weight_slices(engine.model.model_path))
+                if engine.quantization in ("gptq", "awq", "compressed-tensors", "fp8"):  # a quantized checkpoint's
+                    from actors.quantization.checkpoint_weights import checkpoint_weights  # packed tensors
+                    weights = checkpoint_weights(weights, engine.model.model_path)
                 self.model.load_weights((name, parallel.shard(name, weight_slice, engine.model))
                                         for name, weight_slice in split_score_weight(weights, head_weights))
             if self.vision is not None:
