@@ -165,3 +165,13 @@ def quantization_config(fmt, bits, group_size, sym, desc_act, per_channel) -> di
                "group_size": group_size if group_size > 0 else None, "actorder": "group" if desc_act else None}
     return {"quant_method": "compressed-tensors", "format": "pack-quantized", "ignore": ["lm_head"],
             "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights}}}
+
+
+def assert_matches_reference(outputs, expected_tokens, expected_logprobs) -> None:
+    """The engine's greedy outputs against hf_greedy's: the same tokens, and each returned
+    logprob within 1e-3 relative of Hugging Face's log-softmax."""
+    assert [o.outputs[0].token_ids for o in outputs] == expected_tokens
+    for output, steps in zip(outputs, expected_logprobs):
+        for token_logprobs, hf_step in zip(output.outputs[0].logprobs, steps):
+            for token_id, logprob in token_logprobs.items():
+                assert abs(logprob.logprob - hf_step[token_id].item()) <= 1e-3 * abs(hf_step[token_id].item()) + 1e-4

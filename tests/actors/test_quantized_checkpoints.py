@@ -16,7 +16,7 @@ from actors import LLM, SamplingParams
 from actors.engine_args import EngineArgs
 from actors.quantization.checkpoint_config import QuantConfigError
 from tests.actors.test_llm_matches_hf import hf_greedy, make_prompts
-from tests.quant_checkpoints import write_quantized_checkpoint
+from tests.quant_checkpoints import assert_matches_reference, write_quantized_checkpoint
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=5)
 LENGTHS = [3, 17, 40]
@@ -55,11 +55,7 @@ def test_greedy_and_logprobs_match_the_dequantized_weights(case, checkpoints):
     prompts = make_prompts(llm.config.model.vocab_size, LENGTHS)
     expected, expected_logprobs = hf_greedy(reference, prompts, GREEDY.max_tokens)
     outputs = llm.generate(prompts, GREEDY, use_tqdm=False)
-    assert [o.outputs[0].token_ids for o in outputs] == expected
-    for output, steps in zip(outputs, expected_logprobs):
-        for token_logprobs, hf_step in zip(output.outputs[0].logprobs, steps):
-            for token_id, logprob in token_logprobs.items():
-                assert logprob.logprob == pytest.approx(hf_step[token_id].item(), rel=1e-3, abs=1e-4)
+    assert_matches_reference(outputs, expected, expected_logprobs)
 
 
 def test_quantized_weights_differ_from_the_float_model(checkpoints, tiny_llama_dir):

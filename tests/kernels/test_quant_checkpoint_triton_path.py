@@ -1,0 +1,70 @@
+"""The Triton path of quantized checkpoints (actors/quantization/checkpoint_gpu.py): the
+engine on the Triton backend keeps the checkpoint's packed weights and runs them through
+kernels/quant_triton.py; on a CPU, under triton's interpreter (tests/kernels/conftest.py).
+Greedy tokens and logprobs equal Hugging Face's on the dequantized weights, and each
+tensor-parallel slice of a packed weight multiplies as the same slice of the dequantized one."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from actors import LLM, SamplingParams
+from actors.quantization.checkpoint_config import CheckpointQuant
+from actors.quantization.checkpoint_gpu import Fp8Weight, PackedWeight, PackedWeightBackend, fuse, slice_module
+from tests.actors.test_llm_matches_hf import hf_greedy, make_prompts
+from tests.kernels.helpers import generator, requires_triton
+from tests.quant_checkpoints import assert_matches_reference, _quantize_module, write_quantized_checkpoint
+
+pytestmark = requires_triton
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True, logprobs=3)
+
+
+@pytest.mark.parametrize("fmt,options", [
+    ("gptq", dict(bits=4, group_size=32, sym=False)),
+    ("awq", dict(group_size=32, sym=False)),
+    ("compressed-tensors", dict(bits=4, group_size=32)),
+    ("fp8", dict(per_channel=True)),
+])
+def test_triton_backend_runs_the_packed_weights(fmt, options, tiny_llama_dir, tmp_path):
+    out = write_quantized_checkpoint(tiny_llama_dir, str(tmp_path), fmt, **options)
+    quantized, reference = os.path.join(out, "quantized"), os.path.join(out, "reference")
+    prompts = make_prompts(256, [3, 11])
+    expected, expected_logprobs = hf_greedy(reference, prompts, GREEDY.max_tokens)
+    with LLM(quantized, attention_backend="triton", kv_cache_memory="16MiB") as llm:
+        runner = llm.engine.runner
+        assert isinstance(runner.backend, PackedWeightBackend)
+        assert isinstance(runner.model.layers[0].qkv_proj, Fp8Weight if fmt == "fp8" else PackedWeight)
+        outputs = llm.generate(prompts, GREEDY, use_tqdm=False)
+    assert_matches_reference(outputs, expected, expected_logprobs)
+
+
+QUANTS = {
+    "gptq": CheckpointQuant("gptq", "gptq", 4, 32, sym=False, desc_act=True),
+    "awq": CheckpointQuant("awq", "awq", 4, 32, sym=False),
+    "compressed-tensors": CheckpointQuant("compressed-tensors", "pack", 4, 32, desc_act=True),
+    "fp8": CheckpointQuant("fp8", "fp8", 8, 0),
+}
+
+
+@pytest.mark.parametrize("fmt", list(QUANTS))
+def test_tensor_parallel_slices_multiply_as_the_dequantized_slices(fmt):
+    quant = QUANTS[fmt]
+    out_features, in_features = 48, 128
+    w = torch.randn(out_features, in_features, generator=generator(1)) * 0.1
+    parts, dequantized = _quantize_module(w, fmt, 4, 32, fmt == "compressed-tensors", quant.desc_act, True,
+                                          generator(2))
+    x = torch.randn(5, 64, generator=generator(3))
+    backend = PackedWeightBackend(None)
+    # column-parallel: output features 16..40; row-parallel: input features 64..128
+    columns = slice_module(parts, quant, 0, 16, 40, in_features)
+    rows = slice_module(parts, quant, 1, 64, 128, in_features)
+    x_full = torch.randn(5, in_features, generator=generator(4))
+    torch.testing.assert_close(backend.linear(x_full, columns), x_full @ dequantized[16:40].T, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(backend.linear(x, rows), x @ dequantized[:, 64:].T, rtol=1e-4, atol=1e-4)
+    # fused: the two column slices side by side
+    both = fuse([slice_module(parts, quant, 0, 0, 16, in_features), columns], "fused")
+    torch.testing.assert_close(backend.linear(x_full, both), x_full @ dequantized[:40].T, rtol=1e-4, atol=1e-4)
