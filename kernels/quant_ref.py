@@ -30,19 +30,6 @@ def unpack_int32(packed: torch.Tensor, bits: int, dim: int, order: tuple[int, ..
     return values.reshape(new_shape)
 
 
-def pack_int32(values: torch.Tensor, bits: int, dim: int, order: tuple[int, ...] | None = None) -> torch.Tensor:
-    """unpack_int32's inverse: unsigned values (< 2**bits) packed along dim into int32 words."""
-    per_word = 32 // bits
-    moved = values.to(torch.int64).movedim(dim, -1)
-    grouped = moved.reshape(*moved.shape[:-1], moved.shape[-1] // per_word, per_word)
-    fields = order if order is not None else tuple(range(per_word))
-    words = torch.zeros(grouped.shape[:-1], dtype=torch.int64)
-    for position, field in enumerate(fields):
-        words |= grouped[..., position] << (field * bits)
-    words = torch.where(words >= 2**31, words - 2**32, words)  # the same bits as int32
-    return words.to(torch.int32).movedim(-1, dim).contiguous()
-
-
 def group_index(in_features: int, group_size: int, g_idx: torch.Tensor | None = None) -> torch.Tensor:
     """Each input channel's group: g_idx where the checkpoint has one (act-order), else k // group_size."""
     if g_idx is not None:

@@ -90,3 +90,21 @@ def dequantize_module(module: str, t: dict[str, torch.Tensor], quant: Checkpoint
 def _required(quant: CheckpointQuant) -> tuple[str, ...]:
     return {"gptq": ("qweight", "qzeros", "scales"), "awq": ("qweight", "qzeros", "scales"),
             "pack": ("weight_packed", "weight_scale", "weight_shape"), "fp8": ("weight", "weight_scale")}[quant.layout]
+
+
+def use_checkpoint_kernels(model, backend, model_dir: str, parallel):
+    """After the model loaded the dequantized weights: the backend that runs the checkpoint's
+    own integers where a kernel takes them, those swapped in for the float weights. The
+    Triton GEMMs on the Triton backend (checkpoint_gpu.py); the CPU's GGUF kernels where the
+    integers make exact GGUF blocks (checkpoint_cpu.py); else backend, the float weights."""
+    quant = read_checkpoint_quant(model_dir)
+    if backend.name == "triton":
+        from actors.quantization.checkpoint_gpu import use_packed_weights
+
+        return use_packed_weights(model, backend, model_dir, parallel)
+    from actors.quantization.checkpoint_cpu import can_use_gguf_blocks, use_gguf_blocks
+    from kernels.gguf_linear import gguf_kernels
+
+    if can_use_gguf_blocks(model, backend, quant) and (kernels := gguf_kernels()) is not None:
+        return use_gguf_blocks(model, backend, quant, model_dir, kernels)
+    return backend

@@ -15,6 +15,9 @@ import torch
 from actors import LLM, SamplingParams
 from actors.engine_args import EngineArgs
 from actors.quantization.checkpoint_config import QuantConfigError
+from actors.quantization.gguf import GGUFWeight
+from kernels.gguf_linear import dequantize_reference
+from tests.actors.test_gguf_quantized import one_mixed_step, relative_error
 from tests.actors.test_llm_matches_hf import hf_greedy, make_prompts
 from tests.quant_checkpoints import assert_matches_reference, write_quantized_checkpoint
 
@@ -23,10 +26,12 @@ LENGTHS = [3, 17, 40]
 
 CASES = {
     "gptq-4bit-g32": ("gptq", dict(bits=4, group_size=32, sym=False)),
+    "gptq-4bit-sym-g32": ("gptq", dict(bits=4, group_size=32, sym=True)),
     "gptq-4bit-sym-desc_act": ("gptq", dict(bits=4, group_size=32, sym=True, desc_act=True)),
     "gptq-8bit-channel": ("gptq", dict(bits=8, group_size=-1, sym=False)),
     "awq-4bit-g32": ("awq", dict(group_size=32, sym=False)),
     "ct-int4-g32-actorder": ("compressed-tensors", dict(bits=4, group_size=32, desc_act=True)),
+    "ct-int4-g32": ("compressed-tensors", dict(bits=4, group_size=32)),
     "ct-int8-channel": ("compressed-tensors", dict(bits=8, group_size=-1)),
     "ct-fp8-channel": ("compressed-tensors-fp8", dict(per_channel=True)),
     "fp8-tensor": ("fp8", dict(per_channel=False)),
@@ -49,13 +54,45 @@ def checkpoints(tiny_llama_dir, tmp_path_factory):
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_greedy_and_logprobs_match_the_dequantized_weights(case, checkpoints):
+    """Float activations: cases whose integers make GGUF blocks run on the torch backend,
+    which keeps the dequantized weights (test_gguf_blocks_... has the blocks)."""
     quantized, reference = checkpoints(case)
-    llm = LLM(quantized, kv_cache_memory="64MiB")
+    backend = "torch" if case in GGUF_BLOCK_CASES else "auto"
+    llm = LLM(quantized, kv_cache_memory="64MiB", attention_backend=backend)
     assert llm.config.quantization == CASES[case][0].removesuffix("-fp8")
+    assert not isinstance(llm.engine.runner.model.layers[0].qkv_proj, GGUFWeight)
     prompts = make_prompts(llm.config.model.vocab_size, LENGTHS)
     expected, expected_logprobs = hf_greedy(reference, prompts, GREEDY.max_tokens)
     outputs = llm.generate(prompts, GREEDY, use_tqdm=False)
     assert_matches_reference(outputs, expected, expected_logprobs)
+
+
+# the cases whose integers are GGUF blocks on the CPU, exactly: Q4_0 where the zero point is 8
+GGUF_BLOCK_CASES = {"gptq-4bit-g32": "Q8_0", "awq-4bit-g32": "Q8_0", "ct-int8-channel": "Q8_0",
+                    "gptq-4bit-sym-g32": "Q4_0", "ct-int4-g32": "Q4_0"}
+
+
+@pytest.mark.parametrize("case", list(GGUF_BLOCK_CASES))
+def test_gguf_blocks_hold_the_weights_exactly_and_run_on_the_cpu_kernels(case, checkpoints):
+    """The blocks, dequantized by the gguf package, are the reference's float weights bit for
+    bit; a step's logits through the fused C++ step equal the op-by-op forward with torch
+    reference linears (activations quantized per block of 32 as the kernel does) within 1e-3."""
+    from safetensors.torch import load_file
+
+    quantized, reference = checkpoints(case)
+    llm = LLM(quantized, kv_cache_memory="16MiB", block_size=4)
+    runner = llm.engine.runner
+    layer = runner.model.layers[0]
+    assert isinstance(layer.qkv_proj, GGUFWeight) and layer.qkv_proj.type_name == GGUF_BLOCK_CASES[case]
+    assert runner.model_step is not None
+    floats = load_file(os.path.join(reference, "model.safetensors"))
+    expected = torch.cat([floats[f"model.layers.0.self_attn.{p}_proj.weight"] for p in "qkv"])
+    weight = layer.qkv_proj
+    assert torch.equal(dequantize_reference(weight.blocks, weight.ggml_type, weight.in_features), expected)
+    generator = torch.Generator().manual_seed(0)
+    for shapes in ([(9, 1), (16, 1), (3, 1)], [(9, 1), (3, 1), (0, 11), (7, 6)]):
+        fused, reference_logits = one_mixed_step(runner, shapes, generator)
+        assert relative_error(fused, reference_logits) < 1e-3
 
 
 def test_quantized_weights_differ_from_the_float_model(checkpoints, tiny_llama_dir):
