@@ -81,8 +81,10 @@ class EngineArgs:
     quantization: str | None = _arg(
         None, "'gguf': a .gguf model's Q4_0/Q4_1/Q8_0 weights run as they are on the CPU (docs/quantization.md); "
               "'auto': gguf where it can run, else none; 'int8': weights quantized to int8 at load time, "
-              "activations per token as they come (W8A8; BERT-family encoders so far); 'none' or unset: the "
-              "checkpoint's dtype (a .gguf dequantized to float32)", group="model",
+              "activations per token as they come (W8A8; BERT-family encoders so far); 'gptq', 'awq', "
+              "'compressed-tensors', 'fp8': a quantized checkpoint's quantization_config, which unset follows "
+              "(docs/quantization.md); 'none' or unset: the checkpoint's dtype (a .gguf dequantized to float32)",
+        group="model",
         choices=("none",) + QUANTIZATION_METHODS)
     seed: int = _arg(0, "the engine's random seed", group="model")
     max_logprobs: int = _arg(20, "the most logprobs / prompt_logprobs a request may ask for", group="model",
