@@ -34,8 +34,11 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--formats", default=",".join(FORMATS))
     args = parser.parse_args()
-    source = resolve_model(None)
-    workdir = tempfile.mkdtemp(prefix="troupe-quant-bench-")
+    with tempfile.TemporaryDirectory(prefix="troupe-quant-bench-") as workdir:
+        run(args, resolve_model(None), workdir)
+
+
+def run(args: argparse.Namespace, source: str, workdir: str) -> None:
     engines = {}
     for name in args.formats.split(","):
         fmt, options = FORMATS[name]
