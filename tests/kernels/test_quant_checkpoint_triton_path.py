@@ -73,3 +73,21 @@ def test_tensor_parallel_slices_multiply_as_the_dequantized_slices(fmt):
     # fused: the two column slices side by side
     both = fuse([slice_module(parts, quant, 0, 0, 16, in_features), columns], "fused")
     torch.testing.assert_close(backend.linear(x_full, both), x_full @ dequantized[:40].T, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU's gloo ranks, the kernels interpreted")
+async def test_tensor_parallel_ranks_run_their_packed_slices(tiny_llama_dir, tmp_path, monkeypatch):
+    from tests.actors.test_tensor_parallel import greedy_tokens
+
+    monkeypatch.setenv("TRITON_INTERPRET", "1")  # the worker processes interpret the kernels too
+    out = write_quantized_checkpoint(tiny_llama_dir, str(tmp_path), "gptq", bits=4, group_size=32, sym=False)
+    quantized, reference = os.path.join(out, "quantized"), os.path.join(out, "reference")
+    prompts = make_prompts(256, [5, 12])
+    expected, _ = hf_greedy(reference, prompts, 10)  # greedy_tokens' 10 tokens
+    tokens, ready = await greedy_tokens(quantized, prompts, tensor_parallel_size=2, attention_backend="triton",
+                                        dtype="float32", kv_cache_memory="16MiB")
+    assert tokens == expected
+    with LLM(reference, kv_cache_memory="16MiB") as llm:
+        float_bytes = llm.engine.runner.model.num_weight_bytes()
+    # each rank: half the float embeddings and head, and its packed slices, ~1/6 of their floats
+    assert len(ready) == 2 and all(info["weight_bytes"] < 0.4 * float_bytes for info in ready.values())
