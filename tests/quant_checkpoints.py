@@ -92,16 +92,17 @@ def quantize_fp8(w: torch.Tensor, per_channel: bool):
 
 def write_quantized_checkpoint(src_dir: str, out_dir: str, fmt: str, *, bits: int = 4, group_size: int = 32,
                                sym: bool = True, desc_act: bool = False, per_channel: bool = False,
-                               seed: int = 0) -> str:
+                               seed: int = 0, keep_float: tuple[str, ...] = ()) -> str:
     """src_dir's model with its projections in fmt ("gptq", "awq", "compressed-tensors",
     "compressed-tensors-fp8", "fp8") at out_dir/quantized, and their dequantization as float32
-    at out_dir/reference; returns out_dir."""
+    at out_dir/reference; returns out_dir. keep_float: modules left float (AWQ's
+    modules_to_not_convert)."""
     generator = torch.Generator().manual_seed(seed)
     tensors = load_file(os.path.join(src_dir, "model.safetensors"))
     quantized, reference = {}, {}
     for name, tensor in tensors.items():
         module, _, part = name.rpartition(".")
-        if part != "weight" or module.rpartition(".")[2] not in PROJECTIONS:
+        if part != "weight" or module.rpartition(".")[2] not in PROJECTIONS or module in keep_float:
             quantized[name] = reference[name] = tensor
             continue
         parts, dequantized = _quantize_module(tensor.float(), fmt, bits, group_size, sym, desc_act, per_channel,
@@ -116,6 +117,8 @@ def write_quantized_checkpoint(src_dir: str, out_dir: str, fmt: str, *, bits: in
     with open(config_path) as f:
         config = json.load(f)
     config["quantization_config"] = quantization_config(fmt, bits, group_size, sym, desc_act, per_channel)
+    if keep_float:
+        config["quantization_config"]["modules_to_not_convert"] = list(keep_float)
     with open(config_path, "w") as f:
         json.dump(config, f)
     return out_dir

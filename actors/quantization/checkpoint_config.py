@@ -105,6 +105,12 @@ def _fp8(config: dict, path: str) -> CheckpointQuant:
 
 
 def _compressed_tensors(config: dict, path: str) -> CheckpointQuant:
+    for field, fine in (("quantization_status", config.get("quantization_status", "compressed") == "compressed"),
+                        ("kv_cache_scheme", not config.get("kv_cache_scheme")),
+                        ("sparsity_config", not (config.get("sparsity_config") or {}).get("format", "dense")
+                         not in ("dense", None))):
+        if not fine:
+            raise _refuse(path, field, config.get(field), "compressed, dense weights without a KV cache scheme")
     groups = config.get("config_groups") or {}
     if len(groups) != 1:
         raise _refuse(path, "config_groups", sorted(groups), "exactly one scheme for every quantized Linear")

@@ -85,18 +85,12 @@ def to_blocks(values: torch.Tensor, scales: torch.Tensor, ggml_type: int) -> tor
     return torch.from_numpy(np.concatenate([d_bytes, data], axis=-1).reshape(out_features, -1).copy())
 
 
-def use_gguf_blocks(model, backend, quant: CheckpointQuant, model_dir: str, kernels):
-    """Swaps model's projections for GGUF blocks of the checkpoint's integers; the backend
+def use_gguf_blocks(model, backend, quant: CheckpointQuant, tensors: dict[str, dict[str, torch.Tensor]], kernels):
+    """Swaps model's projections for GGUF blocks of the checkpoint's integers (tensors: each
+    projection's checkpoint tensors, by module name); the backend
     that runs them is returned (the model runner's from then on), or backend as it was where
     some block would not be exact (a scale that is no fp16 number, a zero point off 8 for Q4_0)."""
-    from actors.worker.loader import iter_weights
-
     ggml_type = block_type(quant)
-    tensors: dict[str, dict[str, torch.Tensor]] = {}
-    for name, tensor in iter_weights(model_dir):
-        module, _, part = name.rpartition(".")
-        if module.startswith("model.layers.") and module.endswith("_proj"):
-            tensors.setdefault(module, {})[part] = tensor
     swaps = []  # all built before any is swapped in: a block that would not be exact leaves the model as it was
     for index, layer in enumerate(model.layers):
         for attribute, modules in _FUSED.items():

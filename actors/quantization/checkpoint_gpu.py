@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from actors.quantization.checkpoint_config import CheckpointQuant, QuantConfigError, read_checkpoint_quant
+from actors.quantization.checkpoint_config import CheckpointQuant, QuantConfigError
 from kernels.quant_ref import group_index
 from kernels.quant_triton import fp8_linear, int_group_gemm
 
@@ -169,26 +169,18 @@ def fuse(parts: list, name: str):
                         sum(p.out_features for p in parts))
 
 
-def use_packed_weights(model, backend, model_dir: str, parallel) -> PackedWeightBackend:
-    """Swaps model's projections for the checkpoint's packed tensors (this rank's slice, on the
-    model's device), and returns the backend that runs them."""
-    from actors.worker.loader import iter_weights
-
-    quant = read_checkpoint_quant(model_dir)
+def use_packed_weights(model, backend, quant: CheckpointQuant, tensors: dict[str, dict[str, torch.Tensor]],
+                       parallel) -> PackedWeightBackend:
+    """Swaps model's projections for the checkpoint's packed tensors (tensors: each
+    projection's, by module name; this rank's slice of them, on the model's device), and
+    returns the backend that runs them."""
     config = model.config
-    tensors: dict[str, dict[str, torch.Tensor]] = {}
-    for name, tensor in iter_weights(model_dir):
-        module, _, part = name.rpartition(".")
-        if module.startswith("model.layers.") and module.rpartition(".")[2].endswith("_proj"):
-            tensors.setdefault(module, {})[part] = tensor
     for index, layer in enumerate(model.layers):
         for attribute, modules in _FUSED.items():
             parts = []
             for module in modules:
                 full = f"model.layers.{index}.{module}"
                 t = tensors[full]
-                if quant.layout == "fp8" and t["weight"].dtype != torch.float8_e4m3fn:
-                    raise QuantConfigError(f"{full}: not FP8; the Triton path runs every projection quantized")
                 in_features = _in_features(t, quant)
                 out_features = _out_features(t, quant)
                 dim, start, stop = shard_range(parallel, full, config, (out_features, in_features))

@@ -12,6 +12,7 @@ packed tensors go to the Triton kernels instead (actors/quantization/checkpoint_
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterable, Iterator
 
 import torch
@@ -27,6 +28,8 @@ PARTS = {
     "fp8": ("weight", "weight_scale", "input_scale"),
 }
 FP8_DTYPES = (torch.float8_e4m3fn,)
+
+logger = logging.getLogger(__name__)
 
 
 def checkpoint_weights(weights: Iterable[tuple[str, object]], model_dir: str) -> Iterator[tuple[str, object]]:
@@ -98,13 +101,25 @@ def use_checkpoint_kernels(model, backend, model_dir: str, parallel):
     Triton GEMMs on the Triton backend (checkpoint_gpu.py); the CPU's GGUF kernels where the
     integers make exact GGUF blocks (checkpoint_cpu.py); else backend, the float weights."""
     quant = read_checkpoint_quant(model_dir)
+    from actors.worker.loader import iter_weights
+
+    tensors: dict[str, dict[str, torch.Tensor]] = {}  # the projections' checkpoint tensors
+    for name, tensor in iter_weights(model_dir):
+        module, _, part = name.rpartition(".")
+        if module.startswith("model.layers.") and module.endswith("_proj"):
+            tensors.setdefault(module, {})[part] = tensor
+    unquantized = [module for module, t in tensors.items() if any(p not in t for p in _required(quant))
+                   or quant.layout == "fp8" and t["weight"].dtype not in FP8_DTYPES]
+    if unquantized:  # an ignored projection: the kernels run whole fused groups quantized alike
+        logger.warning("%s is not quantized in the checkpoint: every projection runs dequantized", unquantized[0])
+        return backend
     if backend.name == "triton":
         from actors.quantization.checkpoint_gpu import use_packed_weights
 
-        return use_packed_weights(model, backend, model_dir, parallel)
+        return use_packed_weights(model, backend, quant, tensors, parallel)
     from actors.quantization.checkpoint_cpu import can_use_gguf_blocks, use_gguf_blocks
     from kernels.gguf_linear import gguf_kernels
 
     if can_use_gguf_blocks(model, backend, quant) and (kernels := gguf_kernels()) is not None:
-        return use_gguf_blocks(model, backend, quant, model_dir, kernels)
+        return use_gguf_blocks(model, backend, quant, tensors, kernels)
     return backend

@@ -95,6 +95,18 @@ def test_gguf_blocks_hold_the_weights_exactly_and_run_on_the_cpu_kernels(case, c
         assert relative_error(fused, reference_logits) < 1e-3
 
 
+def test_a_projection_left_float_runs_every_projection_dequantized(tiny_llama_dir, tmp_path):
+    """AWQ's modules_to_not_convert: that projection stays float; the GGUF blocks need every
+    fused group quantized alike, so the model runs dequantized, as Hugging Face does."""
+    out = write_quantized_checkpoint(tiny_llama_dir, str(tmp_path), "awq", group_size=32, sym=False,
+                                     keep_float=("model.layers.1.mlp.down_proj",))
+    llm = LLM(os.path.join(out, "quantized"), kv_cache_memory="64MiB")
+    assert isinstance(llm.engine.runner.model.layers[0].qkv_proj, torch.Tensor)
+    prompts = make_prompts(llm.config.model.vocab_size, LENGTHS)
+    expected, expected_logprobs = hf_greedy(os.path.join(out, "reference"), prompts, GREEDY.max_tokens)
+    assert_matches_reference(llm.generate(prompts, GREEDY, use_tqdm=False), expected, expected_logprobs)
+
+
 def test_quantized_weights_differ_from_the_float_model(checkpoints, tiny_llama_dir):
     """The reference is not the float model itself: the quantizer moved the weights."""
     from safetensors.torch import load_file
@@ -131,6 +143,9 @@ def _with_config(quantized_dir: str, tmp_path, **changes) -> str:
     ("fp8-tensor", {"activation_scheme": "static"}, "activation_scheme='static'"),
     ("fp8-tensor", {"weight_block_size": [128, 128]}, "weight_block_size=[128, 128]"),
     ("ct-int8-channel", {"format": "marlin-24"}, "format='marlin-24'"),
+    ("ct-int8-channel", {"quantization_status": "frozen"}, "quantization_status='frozen'"),
+    ("ct-int8-channel", {"kv_cache_scheme": {"num_bits": 8}}, "kv_cache_scheme="),
+    ("ct-int8-channel", {"sparsity_config": {"format": "sparse-24-bitmask"}}, "sparsity_config="),
     ("fp8-tensor", {"quant_method": "bitsandbytes"}, "quant_method='bitsandbytes'"),
 ])
 def test_unsupported_variants_fail_at_start_up_naming_the_field(case, changes, message, checkpoints, tmp_path):
