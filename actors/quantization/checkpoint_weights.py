@@ -100,26 +100,34 @@ def use_checkpoint_kernels(model, backend, model_dir: str, parallel):
     own integers where a kernel takes them, those swapped in for the float weights. The
     Triton GEMMs on the Triton backend (checkpoint_gpu.py); the CPU's GGUF kernels where the
     integers make exact GGUF blocks (checkpoint_cpu.py); else backend, the float weights."""
-    quant = read_checkpoint_quant(model_dir)
-    from actors.worker.loader import iter_weights
+    from actors.quantization.checkpoint_cpu import can_use_gguf_blocks, use_gguf_blocks
+    from kernels.gguf_linear import gguf_kernels
 
-    tensors: dict[str, dict[str, torch.Tensor]] = {}  # the projections' checkpoint tensors
-    for name, tensor in iter_weights(model_dir):
-        module, _, part = name.rpartition(".")
-        if module.startswith("model.layers.") and module.endswith("_proj"):
-            tensors.setdefault(module, {})[part] = tensor
+    quant = read_checkpoint_quant(model_dir)
+    on_triton = backend.name == "triton"
+    kernels = gguf_kernels() if not on_triton and can_use_gguf_blocks(model, backend, quant) else None
+    if not on_triton and kernels is None:
+        return backend
+    tensors = _projection_tensors(model_dir)
     unquantized = [module for module, t in tensors.items() if any(p not in t for p in _required(quant))
                    or quant.layout == "fp8" and t["weight"].dtype not in FP8_DTYPES]
     if unquantized:  # an ignored projection: the kernels run whole fused groups quantized alike
         logger.warning("%s is not quantized in the checkpoint: every projection runs dequantized", unquantized[0])
         return backend
-    if backend.name == "triton":
+    if on_triton:
         from actors.quantization.checkpoint_gpu import use_packed_weights
 
         return use_packed_weights(model, backend, quant, tensors, parallel)
-    from actors.quantization.checkpoint_cpu import can_use_gguf_blocks, use_gguf_blocks
-    from kernels.gguf_linear import gguf_kernels
+    return use_gguf_blocks(model, backend, quant, tensors, kernels)
 
-    if can_use_gguf_blocks(model, backend, quant) and (kernels := gguf_kernels()) is not None:
-        return use_gguf_blocks(model, backend, quant, tensors, kernels)
-    return backend
+
+def _projection_tensors(model_dir: str) -> dict[str, dict[str, torch.Tensor]]:
+    """The decoder projections' checkpoint tensors: module name -> {part: tensor}."""
+    from actors.worker.loader import iter_weights
+
+    tensors: dict[str, dict[str, torch.Tensor]] = {}
+    for name, tensor in iter_weights(model_dir):
+        module, _, part = name.rpartition(".")
+        if module.startswith("model.layers.") and module.endswith("_proj"):
+            tensors.setdefault(module, {})[part] = tensor
+    return tensors
