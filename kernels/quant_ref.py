@@ -70,7 +70,7 @@ def dequantize_packed(weight_packed: torch.Tensor, weight_scale: torch.Tensor, b
 
 
 def dequantize_fp8(weight: torch.Tensor, weight_scale: torch.Tensor) -> torch.Tensor:
-    """FP8 E4M3 [out, in] times its scale: one number (per tensor) or one per output row."""
+    """FP8 E4M3 (or int8) [out, in] times its scale: one number (per tensor) or one per output row."""
     scale = weight_scale.float()
     scale = scale.reshape(-1, 1) if scale.numel() > 1 else scale.reshape(())
     return weight.float() * scale

@@ -94,7 +94,7 @@ def write_quantized_checkpoint(src_dir: str, out_dir: str, fmt: str, *, bits: in
                                sym: bool = True, desc_act: bool = False, per_channel: bool = False,
                                seed: int = 0, keep_float: tuple[str, ...] = ()) -> str:
     """src_dir's model with its projections in fmt ("gptq", "awq", "compressed-tensors",
-    "compressed-tensors-fp8", "fp8") at out_dir/quantized, and their dequantization as float32
+    "compressed-tensors-fp8", "compressed-tensors-int8", "fp8") at out_dir/quantized, and their dequantization as float32
     at out_dir/reference; returns out_dir. keep_float: modules left float (AWQ's
     modules_to_not_convert)."""
     generator = torch.Generator().manual_seed(seed)
@@ -125,6 +125,10 @@ def write_quantized_checkpoint(src_dir: str, out_dir: str, fmt: str, *, bits: in
 
 
 def _quantize_module(w, fmt, bits, group_size, sym, desc_act, per_channel, generator):
+    if fmt == "compressed-tensors-int8":  # int-quantized: int8 per output channel
+        scale = w.abs().amax(dim=1, keepdim=True) / 127.0
+        weight = torch.round(w / scale).clamp(-127, 127).to(torch.int8)
+        return {"weight": weight, "weight_scale": scale}, weight.float() * scale
     if fmt in ("fp8", "compressed-tensors-fp8"):
         weight, scale, dequantized = quantize_fp8(w, per_channel)
         if fmt == "compressed-tensors-fp8" and not per_channel:
@@ -163,6 +167,12 @@ def quantization_config(fmt, bits, group_size, sym, desc_act, per_channel) -> di
         return {"quant_method": "compressed-tensors", "format": "float-quantized", "ignore": ["lm_head"],
                 "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights,
                                               "input_activations": activations}}}
+    if fmt == "compressed-tensors-int8":  # W8A8 with per_channel=True (dynamic per-token activations), else W8A16
+        weights = {"num_bits": 8, "type": "int", "strategy": "channel", "symmetric": True, "dynamic": False}
+        activations = {"num_bits": 8, "type": "int", "strategy": "token", "symmetric": True, "dynamic": True}
+        return {"quant_method": "compressed-tensors", "format": "int-quantized", "ignore": ["lm_head"],
+                "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights,
+                                              "input_activations": activations if per_channel else None}}}
     weights = {"num_bits": bits, "type": "int", "symmetric": True, "dynamic": False,
                "strategy": "group" if group_size > 0 else "channel",
                "group_size": group_size if group_size > 0 else None, "actorder": "group" if desc_act else None}

@@ -8,7 +8,8 @@ Formats (docs/quantization.md has their on-disk layouts):
         zero points (AutoGPTQ's v1 layout: zeros stored minus one), g_idx for act-order
   awq: 4-bit, packed along the output dimension in AWQ's column order, group scales, zeros
   compressed-tensors: `pack-quantized` (int4/int8 packed along the input dimension,
-        symmetric, group or channel scales) and `float-quantized` (FP8 E4M3 weights)
+        symmetric, group or channel scales), `int-quantized` (int8 per channel, W8A16 or
+        W8A8 with dynamic per-token activations) and `float-quantized` (FP8 E4M3 weights)
   fp8: FP8 E4M3 weights with a per-tensor or per-channel weight_scale (vLLM's and HF's
         checkpoints), activations scaled dynamically."""
 
@@ -37,6 +38,7 @@ class CheckpointQuant:
     sym: bool = True
     desc_act: bool = False  # act-order: g_idx maps each input channel to its group
     ignore: tuple[str, ...] = ()  # modules left unquantized (names as the checkpoint lists them)
+    int8_activations: bool = False  # W8A8 (compressed-tensors int-quantized): activations int8 per token
 
 
 def _field(config: dict, names: tuple[str, ...], default=None):
@@ -137,8 +139,10 @@ def _compressed_tensors(config: dict, path: str) -> CheckpointQuant:
         return CheckpointQuant("compressed-tensors", "fp8", 8, 0, ignore=ignore)
     if kind != "int":
         raise _refuse(path, f"{field}.weights.type", kind, "'int' or 'float'")
+    if fmt == "int-quantized":
+        return _int8_channel(weights, activations, field, path, ignore)
     if fmt != "pack-quantized":
-        raise _refuse(path, "format", fmt, "integer weights run as 'pack-quantized'")
+        raise _refuse(path, "format", fmt, "integer weights run as 'pack-quantized' or 'int-quantized'")
     if bits not in (4, 8):
         raise _refuse(path, f"{field}.weights.num_bits", bits, "4 or 8")
     if not weights.get("symmetric", True):
@@ -157,6 +161,21 @@ def _compressed_tensors(config: dict, path: str) -> CheckpointQuant:
         raise _refuse(path, f"{field}.weights.actorder", actorder, "None, 'group' or 'weight'")
     return CheckpointQuant("compressed-tensors", "pack", bits, group_size, desc_act=actorder == "group",
                            ignore=ignore)
+
+
+def _int8_channel(weights: dict, activations: dict | None, field: str, path: str,
+                  ignore: tuple[str, ...]) -> CheckpointQuant:
+    """int-quantized: int8 weights [out, in] with a scale per output channel (W8A16), and
+    optionally int8 activations scaled per token at run time (W8A8, dynamic)."""
+    if weights.get("num_bits") != 8 or weights.get("strategy") != "channel" or not weights.get("symmetric", True):
+        raise _refuse(path, f"{field}.weights", {k: weights.get(k) for k in ("num_bits", "strategy", "symmetric")},
+                      "int-quantized runs 8 bits, 'channel', symmetric")
+    if activations:
+        wanted = {"type": "int", "num_bits": 8, "strategy": "token", "dynamic": True, "symmetric": True}
+        if any(activations.get(key) != value for key, value in wanted.items()):
+            raise _refuse(path, f"{field}.input_activations", {k: activations.get(k) for k in wanted},
+                          "int8 activations per token, dynamic and symmetric")
+    return CheckpointQuant("compressed-tensors", "int8", 8, -1, ignore=ignore, int8_activations=bool(activations))
 
 
 def _check_group_size(path: str, field: str, group_size) -> None:

@@ -21,7 +21,8 @@ import torch
 
 from actors.quantization.checkpoint_config import CheckpointQuant, QuantConfigError
 from kernels.quant_ref import group_index
-from kernels.quant_triton import fp8_linear, int_group_gemm
+from kernels.int8_linear import quantize_rows_reference
+from kernels.quant_triton import fp8_linear, int8_scaled_gemm, int_group_gemm
 
 logger = logging.getLogger(__name__)
 
@@ -71,6 +72,11 @@ class Fp8Weight:
         return 1
 
 
+class W8A8Weight(Fp8Weight):
+    """int8 weights [out, in] with a scale per output row (compressed-tensors int-quantized);
+    activations quantized to int8 per token at run time."""
+
+
 class PackedWeightBackend:
     """The model's backend, with a linear that also takes PackedWeight and Fp8Weight."""
 
@@ -84,6 +90,9 @@ class PackedWeightBackend:
         if isinstance(weight, PackedWeight):
             return int_group_gemm(x.contiguous(), weight.layout, weight.bits, weight.qweight, weight.scales,
                                   weight.qzeros, weight.g_idx, weight.out_features, bias)
+        if isinstance(weight, W8A8Weight):
+            xq, x_scale = quantize_rows_reference(x)
+            return int8_scaled_gemm(xq, x_scale, weight.weight, weight.scale, bias, out_dtype=x.dtype)
         if isinstance(weight, Fp8Weight):
             return fp8_linear(x.contiguous(), weight.weight, weight.scale, bias)
         return self.inner.linear(x, weight, bias)
@@ -112,12 +121,13 @@ def slice_module(t: dict[str, torch.Tensor], quant: CheckpointQuant, dim: int, s
                  in_features: int):
     """One linear's packed tensors cut to output features [start, stop) (dim 0) or input
     features [start, stop) (dim 1): a PackedWeight or an Fp8Weight."""
-    if quant.layout == "fp8":
+    if quant.layout in ("fp8", "int8"):
+        kind = W8A8Weight if quant.layout == "int8" else Fp8Weight
         weight, scale = t["weight"], t["weight_scale"].float().reshape(-1)
         scale = scale.expand(weight.shape[0]) if scale.numel() == 1 else scale
         if dim == 0:
-            return Fp8Weight(weight[start:stop].contiguous(), scale[start:stop].contiguous())
-        return Fp8Weight(weight[:, start:stop].contiguous(), scale.contiguous())
+            return kind(weight[start:stop].contiguous(), scale[start:stop].contiguous())
+        return kind(weight[:, start:stop].contiguous(), scale.contiguous())
     per = _per_word(quant)
     g_idx = t.get("g_idx" if quant.layout == "gptq" else "weight_g_idx") if quant.desc_act else None
     g_idx = group_index(in_features, quant.group_size, g_idx).to(torch.int32)
@@ -157,8 +167,8 @@ def fuse(parts: list, name: str):
     if len(parts) == 1:
         return parts[0]
     first = parts[0]
-    if isinstance(first, Fp8Weight):
-        return Fp8Weight(torch.cat([p.weight for p in parts]), torch.cat([p.scale for p in parts]))
+    if isinstance(first, Fp8Weight):  # (or W8A8Weight)
+        return type(first)(torch.cat([p.weight for p in parts]), torch.cat([p.scale for p in parts]))
     if any(not torch.equal(p.g_idx, first.g_idx) for p in parts):
         raise QuantConfigError(f"{name}: the fused projections have different g_idx (act-order); the Triton "
                                "path runs them fused, --attention-backend torch runs them dequantized")
@@ -211,7 +221,7 @@ def _out_features(t: dict[str, torch.Tensor], quant: CheckpointQuant) -> int:
 
 def _to_device(weight, device):
     if isinstance(weight, Fp8Weight):
-        return Fp8Weight(weight.weight.to(device), weight.scale.to(device))
+        return type(weight)(weight.weight.to(device), weight.scale.to(device))
     return PackedWeight(weight.layout, weight.bits, weight.qweight.to(device), weight.scales.to(device),
                         None if weight.qzeros is None else weight.qzeros.to(device), weight.g_idx.to(device),
                         weight.out_features)

@@ -26,6 +26,7 @@ PARTS = {
     "awq": ("qweight", "qzeros", "scales"),
     "pack": ("weight_packed", "weight_scale", "weight_shape", "weight_g_idx"),
     "fp8": ("weight", "weight_scale", "input_scale"),
+    "int8": ("weight", "weight_scale"),
 }
 FP8_DTYPES = (torch.float8_e4m3fn,)
 
@@ -47,23 +48,25 @@ def dequantized_weights(weights: Iterable[tuple[str, object]], quant: Checkpoint
     modules: dict[str, dict[str, torch.Tensor]] = {}
     for name, tensor_slice in weights:
         module, _, part = name.rpartition(".")
-        if part in parts and (part != "weight" or _is_fp8(tensor_slice)):
+        if part in parts and (part != "weight" or _is_quantized_weight(tensor_slice, quant.layout)):
             modules.setdefault(module, {})[part] = tensor_slice[...]  # (a scale may have no dimensions)
         elif part == "weight" and module in modules:  # cannot be: a module is quantized or not
             raise QuantConfigError(f"{module}: both a float weight and quantized tensors")
         else:
             yield name, tensor_slice
     for module, tensors in modules.items():
-        if quant.layout == "fp8" and "weight" not in tensors:
+        if quant.layout in ("fp8", "int8") and "weight" not in tensors:
             # a weight_scale/input_scale beside a float weight (an ignored layer keeps none)
-            raise QuantConfigError(f"{module}: FP8 scales without an FP8 weight")
+            raise QuantConfigError(f"{module}: {quant.layout} scales without an {quant.layout} weight")
         yield f"{module}.weight", dequantize_module(module, tensors, quant)
 
 
-def _is_fp8(tensor_slice) -> bool:
-    if hasattr(tensor_slice, "get_dtype"):  # a safetensors slice names its dtype: "F8_E4M3"
-        return tensor_slice.get_dtype().startswith("F8_E4M3")
-    return getattr(tensor_slice, "dtype", None) in FP8_DTYPES
+def _is_quantized_weight(tensor_slice, layout: str) -> bool:
+    """An FP8 (layout fp8) or int8 (layout int8) `weight`, not a float one an ignored layer keeps."""
+    if hasattr(tensor_slice, "get_dtype"):  # a safetensors slice names its dtype: "F8_E4M3", "I8"
+        return tensor_slice.get_dtype() == "I8" if layout == "int8" else tensor_slice.get_dtype().startswith("F8_E4M3")
+    dtype = getattr(tensor_slice, "dtype", None)
+    return dtype == torch.int8 if layout == "int8" else dtype in FP8_DTYPES
 
 
 def dequantize_module(module: str, t: dict[str, torch.Tensor], quant: CheckpointQuant) -> torch.Tensor:
@@ -87,12 +90,13 @@ def dequantize_module(module: str, t: dict[str, torch.Tensor], quant: Checkpoint
         if tuple(weight.shape) != expected:
             raise QuantConfigError(f"{module}: weight_shape {expected} but the packed tensor holds {tuple(weight.shape)}")
         return weight
-    return dequantize_fp8(t["weight"], t["weight_scale"])
+    return dequantize_fp8(t["weight"], t["weight_scale"])  # (int8 weights too: q * per-channel scale)
 
 
 def _required(quant: CheckpointQuant) -> tuple[str, ...]:
     return {"gptq": ("qweight", "qzeros", "scales"), "awq": ("qweight", "qzeros", "scales"),
-            "pack": ("weight_packed", "weight_scale", "weight_shape"), "fp8": ("weight", "weight_scale")}[quant.layout]
+            "pack": ("weight_packed", "weight_scale", "weight_shape"), "fp8": ("weight", "weight_scale"),
+            "int8": ("weight", "weight_scale")}[quant.layout]
 
 
 def use_checkpoint_kernels(model, backend, model_dir: str, parallel):
@@ -104,13 +108,13 @@ def use_checkpoint_kernels(model, backend, model_dir: str, parallel):
     from kernels.gguf_linear import gguf_kernels
 
     quant = read_checkpoint_quant(model_dir)
-    on_triton = backend.name == "triton"
+    on_triton = backend.name == "triton" and not (quant.layout == "int8" and not quant.int8_activations)  # W8A16
     kernels = gguf_kernels() if not on_triton and can_use_gguf_blocks(model, backend, quant) else None
     if not on_triton and kernels is None:
         return backend
     tensors = _projection_tensors(model_dir)
     unquantized = [module for module, t in tensors.items() if any(p not in t for p in _required(quant))
-                   or quant.layout == "fp8" and t["weight"].dtype not in FP8_DTYPES]
+                   or quant.layout in ("fp8", "int8") and not _is_quantized_weight(t["weight"], quant.layout)]
     if unquantized:  # an ignored projection: the kernels run whole fused groups quantized alike
         logger.warning("%s is not quantized in the checkpoint: every projection runs dequantized", unquantized[0])
         return backend

@@ -34,6 +34,7 @@ CASES = {
     "ct-int4-g32": ("compressed-tensors", dict(bits=4, group_size=32)),
     "ct-int8-channel": ("compressed-tensors", dict(bits=8, group_size=-1)),
     "ct-fp8-channel": ("compressed-tensors-fp8", dict(per_channel=True)),
+    "ct-int8-w8a8": ("compressed-tensors-int8", dict(per_channel=True)),  # activations float on the CPU
     "fp8-tensor": ("fp8", dict(per_channel=False)),
 }
 
@@ -59,7 +60,7 @@ def test_greedy_and_logprobs_match_the_dequantized_weights(case, checkpoints):
     quantized, reference = checkpoints(case)
     backend = "torch" if case in GGUF_BLOCK_CASES else "auto"
     llm = LLM(quantized, kv_cache_memory="64MiB", attention_backend=backend)
-    assert llm.config.quantization == CASES[case][0].removesuffix("-fp8")
+    assert llm.config.quantization == CASES[case][0].removesuffix("-fp8").removesuffix("-int8")
     assert not isinstance(llm.engine.runner.model.layers[0].qkv_proj, GGUFWeight)
     prompts = make_prompts(llm.config.model.vocab_size, LENGTHS)
     expected, expected_logprobs = hf_greedy(reference, prompts, GREEDY.max_tokens)

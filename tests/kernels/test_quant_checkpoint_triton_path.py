@@ -6,14 +6,19 @@ tensor-parallel slice of a packed weight multiplies as the same slice of the deq
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import os
+import unittest.mock
 
 import pytest
 import torch
 
 from actors import LLM, SamplingParams
 from actors.quantization.checkpoint_config import CheckpointQuant
-from actors.quantization.checkpoint_gpu import Fp8Weight, PackedWeight, PackedWeightBackend, fuse, slice_module
+from actors.quantization.checkpoint_gpu import (Fp8Weight, PackedWeight, PackedWeightBackend, W8A8Weight, fuse,
+                                                slice_module)
+from actors.quantization.linear import Int8Weight, int8_linear_reference
 from tests.actors.test_llm_matches_hf import hf_greedy, make_prompts
 from tests.kernels.helpers import generator, requires_triton
 from tests.quant_checkpoints import assert_matches_reference, _quantize_module, write_quantized_checkpoint
@@ -28,23 +33,55 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True, logprobs
     ("awq", dict(group_size=32, sym=False)),
     ("compressed-tensors", dict(bits=4, group_size=32)),
     ("fp8", dict(per_channel=True)),
+    ("compressed-tensors-int8", dict(per_channel=True)),  # W8A8
 ])
 def test_triton_backend_runs_the_packed_weights(fmt, options, tiny_llama_dir, tmp_path):
     out = write_quantized_checkpoint(tiny_llama_dir, str(tmp_path), fmt, **options)
     quantized, reference = os.path.join(out, "quantized"), os.path.join(out, "reference")
     prompts = make_prompts(256, [3, 11])
-    expected, expected_logprobs = hf_greedy(reference, prompts, GREEDY.max_tokens)
+    if fmt == "compressed-tensors-int8":  # W8A8: Hugging Face's linears quantize activations alike
+        with w8a8_reference_linears(reference, quantized):
+            expected, expected_logprobs = hf_greedy(reference, prompts, GREEDY.max_tokens)
+    else:
+        expected, expected_logprobs = hf_greedy(reference, prompts, GREEDY.max_tokens)
     # on CUDA (a `gpu` run) the compiled kernels, in float32: tl.dot's tf32 rounds at ~1e-3,
     # so there the tokens are compared, not the logprobs
     with LLM(quantized, attention_backend="triton", dtype="float32", kv_cache_memory="16MiB") as llm:
         runner = llm.engine.runner
         assert isinstance(runner.backend, PackedWeightBackend)
-        assert isinstance(runner.model.layers[0].qkv_proj, Fp8Weight if fmt == "fp8" else PackedWeight)
+        kind = {"fp8": Fp8Weight, "compressed-tensors-int8": W8A8Weight}.get(fmt, PackedWeight)
+        assert type(runner.model.layers[0].qkv_proj) is kind
         outputs = llm.generate(prompts, GREEDY, use_tqdm=False)
     if torch.cuda.is_available():
         assert [o.outputs[0].token_ids for o in outputs] == expected
     else:
         assert_matches_reference(outputs, expected, expected_logprobs)
+
+
+@contextlib.contextmanager
+def w8a8_reference_linears(reference: str, quantized: str):
+    """Hugging Face's Llama, while it is loaded from reference, with each int8-quantized
+    projection computing int8_linear_reference (activations int8 per token, the checkpoint's
+    int8 weights and scales, in float64)."""
+    from safetensors.torch import load_file
+    from transformers.models.llama import modeling_llama
+
+    tensors = load_file(os.path.join(quantized, "model.safetensors"))
+    original = modeling_llama.LlamaForCausalLM.from_pretrained
+
+    def linear(x, weight, bias):
+        return int8_linear_reference(x.reshape(-1, x.shape[-1]), weight, bias).reshape(*x.shape[:-1], -1)
+
+    def loading(*args, **kwargs):
+        model = original(*args, **kwargs)
+        for name, module in model.named_modules():
+            if f"{name}.weight_scale" in tensors:
+                weight = Int8Weight(tensors[f"{name}.weight"], tensors[f"{name}.weight_scale"].view(-1))
+                module.forward = functools.partial(linear, weight=weight, bias=module.bias)
+        return model
+
+    with unittest.mock.patch.object(modeling_llama.LlamaForCausalLM, "from_pretrained", loading):
+        yield
 
 
 QUANTS = {
