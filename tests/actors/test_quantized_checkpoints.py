@@ -155,7 +155,7 @@ def test_unsupported_variants_fail_at_start_up_naming_the_field(case, changes, m
         EngineArgs(model=_with_config(quantized, tmp_path, **changes)).build()
 
 
-def test_compressed_tensors_asymmetric_and_group_size_per_rank_are_refused(checkpoints, tmp_path):
+def test_compressed_tensors_asymmetric_static_and_group_size_per_rank_are_refused(checkpoints, tmp_path):
     quantized, _ = checkpoints("ct-int4-g32-actorder")
     config_path = os.path.join(quantized, "config.json")
     with open(config_path) as f:
@@ -163,6 +163,12 @@ def test_compressed_tensors_asymmetric_and_group_size_per_rank_are_refused(check
     groups["group_0"]["weights"]["symmetric"] = False
     with pytest.raises(QuantConfigError, match=r"config_groups.group_0.weights.symmetric=False"):
         EngineArgs(model=_with_config(quantized, tmp_path, config_groups=groups)).build()
+    w8a8, _ = checkpoints("ct-int8-w8a8")
+    with open(os.path.join(w8a8, "config.json")) as f:
+        groups = json.load(f)["quantization_config"]["config_groups"]
+    groups["group_0"]["input_activations"]["dynamic"] = False
+    with pytest.raises(QuantConfigError, match=r"config_groups.group_0.input_activations=.*'dynamic': False"):
+        EngineArgs(model=_with_config(w8a8, tmp_path / "static", config_groups=groups)).build()
     # 64 attention features over 4 ranks: 16 per rank, not whole groups of 32
     gptq, _ = checkpoints("gptq-4bit-g32")
     with pytest.raises(QuantConfigError, match=r"group_size=32 does not divide o_proj's 16 input features per rank"):
