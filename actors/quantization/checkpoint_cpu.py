@@ -26,15 +26,13 @@ import numpy as np
 import torch
 
 from actors.quantization.checkpoint_config import CheckpointQuant
+from actors.quantization.checkpoint_weights import FUSED_PROJECTIONS
 from actors.quantization.gguf import GGUFCpuBackend, GGUFWeight
 from kernels.gguf_linear import BLOCK, Q4_0, Q8_0
 from kernels.quant_ref import AWQ_NIBBLE_OF_COLUMN, group_index, unpack_int32
 
 logger = logging.getLogger(__name__)
 
-_FUSED = {"qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
-          "o_proj": ("self_attn.o_proj",), "gate_up_proj": ("mlp.gate_proj", "mlp.up_proj"),
-          "down_proj": ("mlp.down_proj",)}
 
 
 def block_type(quant: CheckpointQuant) -> int | None:
@@ -93,7 +91,7 @@ def use_gguf_blocks(model, backend, quant: CheckpointQuant, tensors: dict[str, d
     ggml_type = block_type(quant)
     swaps = []  # all built before any is swapped in: a block that would not be exact leaves the model as it was
     for index, layer in enumerate(model.layers):
-        for attribute, modules in _FUSED.items():
+        for attribute, modules in FUSED_PROJECTIONS.items():
             blocks, in_features = [], 0
             for module in modules:
                 values, scales = integers(tensors[f"model.layers.{index}.{module}"], quant)

@@ -20,16 +20,13 @@ from dataclasses import dataclass
 import torch
 
 from actors.quantization.checkpoint_config import CheckpointQuant, QuantConfigError
-from kernels.quant_ref import group_index
+from actors.quantization.checkpoint_weights import FUSED_PROJECTIONS
 from kernels.int8_linear import quantize_rows_reference
+from kernels.quant_ref import group_index
 from kernels.quant_triton import fp8_linear, int8_scaled_gemm, int_group_gemm
 
 logger = logging.getLogger(__name__)
 
-_FUSED = {"qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
-          "o_proj": ("self_attn.o_proj",),
-          "gate_up_proj": ("mlp.gate_proj", "mlp.up_proj"),
-          "down_proj": ("mlp.down_proj",)}
 
 
 @dataclass
@@ -186,7 +183,7 @@ def use_packed_weights(model, backend, quant: CheckpointQuant, tensors: dict[str
     returns the backend that runs them."""
     config = model.config
     for index, layer in enumerate(model.layers):
-        for attribute, modules in _FUSED.items():
+        for attribute, modules in FUSED_PROJECTIONS.items():
             parts = []
             for module in modules:
                 full = f"model.layers.{index}.{module}"
