@@ -31,6 +31,7 @@ from actors.prefix_routing import ROUTING_LOGICS
 from actors.pooling.engine import (CONVERTS, RUNNERS, TASKS, check_pooling_args, override_architecture,
                                   parse_hf_overrides, pooler_for)
 from actors.quantization import GGUF_METHODS, QUANTIZATION_METHODS, check_quantization
+from actors.quantization.checkpoint_config import resolve_checkpoint_quantization
 from actors.quantization.gguf_types import resolve_gguf
 from actors.multimodal.config import check_vision_engine, parse_limit_mm_per_prompt
 from actors.spec_decode.config import check_engine_fit, parse_speculative_config
@@ -81,8 +82,10 @@ class EngineArgs:
     quantization: str | None = _arg(
         None, "'gguf': a .gguf model's Q4_0/Q4_1/Q8_0 weights run as they are on the CPU (docs/quantization.md); "
               "'auto': gguf where it can run, else none; 'int8': weights quantized to int8 at load time, "
-              "activations per token as they come (W8A8; BERT-family encoders so far); 'none' or unset: the "
-              "checkpoint's dtype (a .gguf dequantized to float32)", group="model",
+              "activations per token as they come (W8A8; BERT-family encoders so far); 'gptq', 'awq', "
+              "'compressed-tensors', 'fp8': a quantized checkpoint's quantization_config, which unset follows "
+              "(docs/quantization.md); 'none' or unset: the checkpoint's dtype (a .gguf dequantized to float32)",
+        group="model",
         choices=("none",) + QUANTIZATION_METHODS)
     seed: int = _arg(0, "the engine's random seed", group="model")
     max_logprobs: int = _arg(20, "the most logprobs / prompt_logprobs a request may ask for", group="model",
@@ -293,6 +296,8 @@ class EngineArgs:
                 device=args.device, dtype=args.dtype,  # one device: pipeline stages count too
                 tensor_parallel_size=args.tensor_parallel_size * args.pipeline_parallel_size,
                 cuda_devices=cuda_device_count())
+        if gguf_file is None:  # a quantized checkpoint's own method, checked against the flag
+            quantization = resolve_checkpoint_quantization(quantization, model_config, args.tensor_parallel_size)
         if model_config.is_encoder:  # whole prompts, one step each; attention both ways shares no prefix
             if args.tensor_parallel_size != 1:
                 raise ValueError("tensor_parallel_size: an encoder model runs on one device")

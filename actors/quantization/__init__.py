@@ -13,7 +13,8 @@ from __future__ import annotations
 #   gguf: a .gguf model's block-quantized weights (Q4_0, Q4_1, Q8_0) as the file has them,
 #         int8 block dot products on the CPU (gguf.py, kernels/gguf_linear.cpp)
 #   auto: gguf where a .gguf model can run so (the CPU, float32, one device), else none
-QUANTIZATION_METHODS = ("auto", "gguf", "int8")
+#   gptq, awq, compressed-tensors, fp8: a checkpoint's quantization_config (checkpoint_config.py)
+QUANTIZATION_METHODS = ("auto", "gguf", "int8", "gptq", "awq", "compressed-tensors", "fp8")
 ENCODER_ONLY_METHODS = ("int8",)
 GGUF_METHODS = ("auto", "gguf")  # resolved against the model file at start-up (gguf_types.resolve_gguf)
 

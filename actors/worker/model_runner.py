@@ -127,6 +127,9 @@ class ModelRunner:
                 from actors.worker.loader import iter_weight_slices
 
                 weights = VisionRunner.split(self.vision, iter_weight_slices(engine.model.model_path))
+                if engine.quantization in ("gptq", "awq", "compressed-tensors", "fp8"):  # a quantized checkpoint's
+                    from actors.quantization.checkpoint_weights import checkpoint_weights  # packed tensors
+                    weights = checkpoint_weights(weights, engine.model.model_path)
                 self.model.load_weights((name, parallel.shard(name, weight_slice, engine.model))
                                         for name, weight_slice in split_score_weight(weights, head_weights))
             if self.vision is not None:
@@ -138,6 +141,9 @@ class ModelRunner:
         if engine.quantization == "gguf":  # the projections' fp32 weights swapped for the file's blocks
             from actors.quantization.gguf import use_gguf_weights
             self.backend = use_gguf_weights(self.model, self.backend, engine.gguf_file)
+        if engine.quantization in ("gptq", "awq", "compressed-tensors", "fp8") and self.model is not None:
+            from actors.quantization.checkpoint_weights import use_checkpoint_kernels  # Triton, or GGUF blocks
+            self.backend = use_checkpoint_kernels(self.model, self.backend, engine.model.model_path, parallel)
         # the whole-step fast path where there is one for this model and backend (the C++
         # one-call step on the CPU); _forward picks it or model.forward step by step
         self.model_step = CpuModelStep.build(self.model, self.backend) if self.encoder is None else None
