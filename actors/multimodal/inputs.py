@@ -17,6 +17,7 @@ import numpy as np
 
 from actors.multimodal.config import VisionConfig
 from actors.multimodal.fetch import fetch_image, is_http_url
+from actors.multimodal.towers import num_image_tokens
 from messages.common import InvalidRequestError
 from messages.multimodal import MultiModalInput
 
@@ -184,8 +185,8 @@ class ImageInputs:
         previous = 0
         for position, (data, shape, content_hash) in zip(positions, self._process(images, param)):
             expanded += token_ids[previous:position]
-            patches = (shape[-2] // self.vision.patch_size) * (shape[-1] // self.vision.patch_size)
-            length = patches + (1 if self.vision.feature_select_strategy == "full" else 0)
+            v = self.vision
+            length = num_image_tokens(v.tower, v.patch_size, v.feature_select_strategy, shape[-2], shape[-1])
             mm_inputs.append(MultiModalInput(modality="image", content_hash=content_hash, offset=len(expanded),
                                              length=length, pixel_values=data, dtype="float32", shape=list(shape)))
             expanded += [image_token] * length
