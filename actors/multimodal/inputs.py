@@ -17,6 +17,7 @@ import numpy as np
 
 from actors.multimodal.config import VisionConfig
 from actors.multimodal.fetch import fetch_image, is_http_url
+from actors.multimodal.local_media import is_file_url, read_local_image
 from actors.multimodal.towers import num_image_tokens
 from messages.common import InvalidRequestError
 from messages.multimodal import MultiModalInput
@@ -70,8 +71,8 @@ def split_image_parts(messages: list[dict], placeholder: str | None) -> tuple[li
 
 def decode_image(image: Any, param: str = "image_url"):
     """A PIL image in RGB from a PIL image, a base64 data URL, an http(s) URL (downloaded
-    here unless the input processor actor fetched it already: then its bytes); an
-    InvalidRequestError naming the field for anything else (file URLs are not read yet)."""
+    here unless the input processor actor fetched it already: then its bytes; file URLs are
+    read before, in ImageInputs); an InvalidRequestError naming the field for anything else."""
     from PIL import Image, UnidentifiedImageError
 
     if isinstance(image, Image.Image):
@@ -155,8 +156,11 @@ class ProcessedImageCache:
 class ImageInputs:
     """Decodes and processes a prompt's images, and expands their placeholders."""
 
-    def __init__(self, model_dir: str, vision: VisionConfig, tokenizer, limit: int) -> None:
+    def __init__(self, model_dir: str, vision: VisionConfig, tokenizer, limit: int,
+                 allowed_local_media_path: str | None = None) -> None:
         from transformers import AutoImageProcessor
+
+        self.allowed_local_media_path = allowed_local_media_path  # file:// URLs only under it (local_media.py)
 
         self.cache = ProcessedImageCache()
         self.image_processor = AutoImageProcessor.from_pretrained(model_dir)
@@ -195,11 +199,13 @@ class ImageInputs:
 
     def _process(self, images: list, param: str) -> list[Processed]:
         """Each image processed, from the cache where it is, the others in one call."""
+        decode_param = "image_url" if param == "messages" else param  # a chat's images are image_url parts
+        images = [read_local_image(image, self.allowed_local_media_path, decode_param) if is_file_url(image)
+                  else image for image in images]  # (a file is keyed by its bytes, never by its path)
         keys = [self.cache.key_of(image) for image in images]
         processed = [self.cache.get(key) for key in keys]
         missing = [i for i, entry in enumerate(processed) if entry is None]
         if missing:
-            decode_param = "image_url" if param == "messages" else param  # a chat's images are image_url parts
             pixel_values = self.image_processor(images=[decode_image(images[i], decode_param) for i in missing],
                                                 return_tensors="np")["pixel_values"]
             for i, pixels in zip(missing, pixel_values):
