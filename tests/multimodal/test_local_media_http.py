@@ -86,3 +86,18 @@ def test_a_file_url_in_a_prompt_dict_offline(tiny_llava_dir, media_dir):
     assert error.value.param == "multi_modal_data"
     with pytest.raises(ValueError, match="allowed_local_media_path"):
         LLM(tiny_llava_dir, allowed_local_media_path=str(media_dir / "sub" / "cat.png"))
+
+
+@pytest.mark.parametrize("body, field", [
+    ({"prompt": "Hello <image>", "extra_body": {"multi_modal_data": {"image": "data:image/png;base64,AAAA"}}},
+     "multi_modal_data"),
+    ({"prompt": [{"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}]}, "prompt"),
+    ({"prompt": {"prompt": "Hello <image>", "multi_modal_data": {"image": "x"}}}, "prompt"),
+])
+def test_completions_refuse_images_by_name(client, body, field):
+    # vLLM takes images through chat messages and offline prompt dicts only
+    with pytest.raises(openai.BadRequestError) as error:
+        client.completions.create(model=MODEL_NAME, max_tokens=2, **body)
+    assert error.value.body["param"].startswith(field)  # (prompt[0]: the part that is not text)
+    chat = client.chat.completions.create(model=MODEL_NAME, messages=image_message(data_url(IMAGE)), **GREEDY)
+    assert chat.choices[0].finish_reason == "length"
