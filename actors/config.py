@@ -187,6 +187,7 @@ class EngineConfig:
     draft_model: ModelConfig | None = None
     gguf_file: str | None = None  # quantization "gguf": the .gguf whose blocks the worker runs (actors/quantization)
     allowed_local_media_path: str | None = None  # image file:// URLs only under this directory; None: refused
+    mm_processor_cache_gb: float | None = None  # each input processor's processed-image cache; None: 64 MiB
 
 
 def cache_dir() -> str:

@@ -144,6 +144,9 @@ class EngineArgs:
     allowed_local_media_path: str | None = _arg(
         None, "a vision model: image_url file:// URLs may name files under this directory (default: refused)",
         metavar="DIR")
+    mm_processor_cache_gb: float | None = _arg(
+        None, "a vision model: each input processor's cache of processed images, in GiB (default 0.0625, 0: off)",
+        metavar="GIB", parse=float)
     max_num_encoder_input_tokens: int | None = _arg(
         None, "a vision model: the most image tokens whose encoding one step may start (default: no limit)",
         metavar="TOKENS", parse=int)
@@ -266,7 +269,7 @@ class EngineArgs:
         parse_speculative_config(self.speculative_config)
         check_distributed_flags(self)
         parse_limit_mm_per_prompt(self.limit_mm_per_prompt)
-        check_media_args(self.allowed_local_media_path, self.max_num_encoder_input_tokens)
+        check_media_args(self.allowed_local_media_path, self.max_num_encoder_input_tokens, self.mm_processor_cache_gb)
 
     def build(self) -> EngineConfig:
         """Resolves the model and checks every argument (ValueError naming the field). The
@@ -340,7 +343,8 @@ class EngineArgs:
             lora=args._lora_config(),
             pooler=pooler, speculative=speculative, draft_model=draft_model, gguf_file=gguf_file,
             limit_mm_per_prompt=parse_limit_mm_per_prompt(args.limit_mm_per_prompt),
-            allowed_local_media_path=resolve_allowed_media_path(args.allowed_local_media_path))
+            allowed_local_media_path=resolve_allowed_media_path(args.allowed_local_media_path),
+            mm_processor_cache_gb=args.mm_processor_cache_gb)
 
     def _lora_config(self) -> LoRAConfig | None:
         if not self.enable_lora:

@@ -157,12 +157,12 @@ class ImageInputs:
     """Decodes and processes a prompt's images, and expands their placeholders."""
 
     def __init__(self, model_dir: str, vision: VisionConfig, tokenizer, limit: int,
-                 allowed_local_media_path: str | None = None) -> None:
+                 allowed_local_media_path: str | None = None, cache_gb: float | None = None) -> None:
         from transformers import AutoImageProcessor
 
         self.allowed_local_media_path = allowed_local_media_path  # file:// URLs only under it (local_media.py)
-
-        self.cache = ProcessedImageCache()
+        # --mm-processor-cache-gb (vLLM's flag; 0: off)
+        self.cache = ProcessedImageCache(PROCESSOR_CACHE_BYTES if cache_gb is None else int(cache_gb * 2**30))
         self.image_processor = AutoImageProcessor.from_pretrained(model_dir)
         self.vision = vision
         self.limit = limit  # --limit-mm-per-prompt's "image"

@@ -30,11 +30,14 @@ def resolve_allowed_media_path(path: str | None) -> str | None:
     return resolved
 
 
-def check_media_args(allowed_local_media_path: str | None, max_num_encoder_input_tokens: int | None) -> None:
+def check_media_args(allowed_local_media_path: str | None, max_num_encoder_input_tokens: int | None,
+                     mm_processor_cache_gb: float | None = None) -> None:
     """The image flags, checked at start-up (ValueError naming the flag)."""
     resolve_allowed_media_path(allowed_local_media_path)
     if max_num_encoder_input_tokens is not None and max_num_encoder_input_tokens < 1:
         raise ValueError(f"max_num_encoder_input_tokens must be at least 1, got {max_num_encoder_input_tokens}")
+    if mm_processor_cache_gb is not None and not 0 <= mm_processor_cache_gb < 1024:
+        raise ValueError(f"mm_processor_cache_gb must be in [0, 1024), got {mm_processor_cache_gb}")
 
 
 def read_local_image(url: str, allowed_dir: str | None, param: str = "image_url",
