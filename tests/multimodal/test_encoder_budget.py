@@ -87,8 +87,3 @@ def test_a_prefix_hit_inside_an_image_span_charges_the_image_again(tiny_llava_di
     assert [tokens for _, tokens in llm.scheduler.encoder_budget.recent_steps if tokens] == [NUM_IMAGE_TOKENS] * 2
     assert first.outputs[0].token_ids == second.outputs[0].token_ids == hf_greedy_llava(
         tiny_llava_dir, [(ids, [request["multi_modal_data"]["image"]])], GREEDY.max_tokens)[0]
-
-
-def test_the_budget_flag_is_checked(tiny_llava_dir):
-    with pytest.raises(ValueError, match="max_num_encoder_input_tokens"):
-        LLM(tiny_llava_dir, max_num_encoder_input_tokens=0)
