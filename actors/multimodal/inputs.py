@@ -18,7 +18,7 @@ import numpy as np
 from actors.multimodal.config import VisionConfig
 from actors.multimodal.fetch import fetch_image, is_http_url
 from actors.multimodal.local_media import is_file_url, read_local_image
-from actors.multimodal.towers import num_image_tokens
+from actors.multimodal.towers import check_processed_size, num_image_tokens
 from messages.common import InvalidRequestError
 from messages.multimodal import MultiModalInput
 
@@ -164,6 +164,7 @@ class ImageInputs:
         # --mm-processor-cache-gb (vLLM's flag; 0: off)
         self.cache = ProcessedImageCache(PROCESSOR_CACHE_BYTES if cache_gb is None else int(cache_gb * 2**30))
         self.image_processor = AutoImageProcessor.from_pretrained(model_dir)
+        check_processed_size(self.image_processor, vision.image_size, model_dir)
         self.vision = vision
         self.limit = limit  # --limit-mm-per-prompt's "image"
         self.placeholder = tokenizer.convert_ids_to_tokens(vision.image_token_id)

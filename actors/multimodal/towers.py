@@ -38,3 +38,16 @@ def num_image_tokens(tower: str, patch_size: int, feature_select_strategy: str, 
     patches = (height // patch_size) * (width // patch_size)
     positions = patches + (1 if tower == CLIP_TOWER else 0)
     return positions - (1 if feature_select_strategy == "default" else 0)
+
+
+def check_processed_size(image_processor: Any, image_size: int, model_dir: str) -> None:
+    """At start-up: the image processor must make images of the tower's size, whose position
+    embeddings are fixed (a wrong pair would fail in the worker, mid-step). One 2:1 image
+    through the processor: a processor that neither resizes to a square nor crops shows."""
+    from PIL import Image
+
+    pixels = image_processor(images=[Image.new("RGB", (2 * image_size, image_size))], return_tensors="np")
+    height, width = pixels["pixel_values"].shape[-2:]
+    if (height, width) != (image_size, image_size):
+        raise ValueError(f"{model_dir}: the image processor makes {height}x{width} images, the vision tower takes "
+                         f"{image_size}x{image_size} (preprocessor_config.json against vision_config.image_size)")

@@ -68,3 +68,14 @@ def test_an_unknown_vision_tower_is_refused_by_name(siglip_dirs, tmp_path):
     (model_dir / "config.json").write_text(json.dumps(config))
     with pytest.raises(ValueError, match="vision tower 'dinov2' is not supported"):
         LLM(str(model_dir))
+
+
+def test_an_image_processor_of_another_size_is_refused_at_start_up(siglip_dirs, tmp_path):
+    import shutil
+
+    model_dir = shutil.copytree(siglip_dirs["full"], tmp_path / "resized")
+    processor = json.loads((model_dir / "preprocessor_config.json").read_text())
+    processor["size"] = {"height": 56, "width": 56}  # the tower's position embeddings cover 42 x 42
+    (model_dir / "preprocessor_config.json").write_text(json.dumps(processor))
+    with pytest.raises(ValueError, match="makes 56x56 images, the vision tower takes 42x42"):
+        LLM(str(model_dir))
