@@ -97,6 +97,8 @@ class SchedulerConfig:
     # "fcfs": first come, first served; "priority": by each request's priority (lower first),
     # then arrival, preempting less urgent running requests (actors/scheduler/priority.py)
     scheduling_policy: str = "fcfs"
+    # vLLM's: the most image tokens whose vision encoding one step may start (encoder_budget.py); None: no limit
+    max_num_encoder_input_tokens: int | None = None
 
 
 @dataclass(frozen=True)
@@ -184,6 +186,8 @@ class EngineConfig:
     # speculative method draft_model: the draft's config, resolved and checked at start-up (spec_decode/draft_config.py)
     draft_model: ModelConfig | None = None
     gguf_file: str | None = None  # quantization "gguf": the .gguf whose blocks the worker runs (actors/quantization)
+    allowed_local_media_path: str | None = None  # image file:// URLs only under this directory; None: refused
+    mm_processor_cache_gb: float | None = None  # each input processor's processed-image cache; None: 64 MiB
 
 
 def cache_dir() -> str:

@@ -34,6 +34,7 @@ from actors.quantization import GGUF_METHODS, QUANTIZATION_METHODS, check_quanti
 from actors.quantization.checkpoint_config import resolve_checkpoint_quantization
 from actors.quantization.gguf_types import resolve_gguf
 from actors.multimodal.config import check_vision_engine, parse_limit_mm_per_prompt
+from actors.multimodal.local_media import check_media_args, resolve_allowed_media_path
 from actors.spec_decode.config import check_engine_fit, parse_speculative_config
 from actors.spec_decode.draft_config import load_draft_model_config
 from actors.tracing import DETAILED_TRACES, check_tracing_available
@@ -147,6 +148,15 @@ class EngineArgs:
     limit_mm_per_prompt: str | dict | None = _arg(
         None, "a vision model: the most images one prompt may carry, vLLM's JSON: '{\"image\": 4}' (default 999)",
         metavar="JSON")
+    allowed_local_media_path: str | None = _arg(
+        None, "a vision model: image_url file:// URLs may name files under this directory (default: refused)",
+        metavar="DIR")
+    mm_processor_cache_gb: float | None = _arg(
+        None, "a vision model: each input processor's cache of processed images, in GiB (default 0.0625, 0: off)",
+        metavar="GIB", parse=float)
+    max_num_encoder_input_tokens: int | None = _arg(
+        None, "a vision model: the most image tokens whose encoding one step may start (default: no limit)",
+        metavar="TOKENS", parse=int)
     reasoning_parser: str | None = _arg(
         None, "the model thinks between <think> and </think> first: the API splits that into reasoning_content, "
               "and a request's structured output constrains only what follows", choices=REASONING_PARSERS)
@@ -267,6 +277,7 @@ class EngineArgs:
         parse_speculative_config(self.speculative_config)
         check_distributed_flags(self)
         parse_limit_mm_per_prompt(self.limit_mm_per_prompt)
+        check_media_args(self.allowed_local_media_path, self.max_num_encoder_input_tokens, self.mm_processor_cache_gb)
 
     def build(self) -> EngineConfig:
         """Resolves the model and checks every argument (ValueError naming the field). The
@@ -327,7 +338,8 @@ class EngineArgs:
                                       max_num_batched_tokens=args.max_num_batched_tokens,
                                       max_model_len=max_model_len, async_scheduling=args.async_scheduling,
                                       scheduling_policy=args.scheduling_policy,
-                                      enable_chunked_prefill=not model_config.is_encoder),
+                                      enable_chunked_prefill=not model_config.is_encoder,
+                                      max_num_encoder_input_tokens=args.max_num_encoder_input_tokens),
             parallel=ParallelConfig(tensor_parallel_size=args.tensor_parallel_size, nnodes=args.nnodes,
                                     node_rank=args.node_rank, master_addr=args.master_addr,
                                     master_port=args.master_port, pipeline_parallel_size=args.pipeline_parallel_size,
@@ -340,7 +352,9 @@ class EngineArgs:
             otlp_traces_endpoint=args.otlp_traces_endpoint or None, collect_detailed_traces=args.collect_detailed_traces,
             lora=args._lora_config(),
             pooler=pooler, speculative=speculative, draft_model=draft_model, gguf_file=gguf_file,
-            limit_mm_per_prompt=parse_limit_mm_per_prompt(args.limit_mm_per_prompt))
+            limit_mm_per_prompt=parse_limit_mm_per_prompt(args.limit_mm_per_prompt),
+            allowed_local_media_path=resolve_allowed_media_path(args.allowed_local_media_path),
+            mm_processor_cache_gb=args.mm_processor_cache_gb)
 
     def _lora_config(self) -> LoRAConfig | None:
         if not self.enable_lora:

@@ -31,6 +31,7 @@ from actors.distributed_args import ReplicasWhenAsked
 from actors.engine_args import EngineArgs, takes_engine_args
 from actors.engine_control import EngineControlMixin
 from actors.lora.client import LoRAClientMixin
+from actors.multimodal.prompt_images import split_prompt_images
 from actors.pooling.client import PoolingClientMixin
 from actors.errors import EngineDeadError, InvalidRequestError
 from actors.prompts import PromptInput, per_prompt, split_prompt
@@ -214,13 +215,15 @@ class AsyncClient(ReplicasWhenAsked, AsyncBeamSearch, LoRAClientMixin, PoolingCl
         are new since the last one; the last has finished=True. The request starts when
         the stream is first iterated (or awaited, which gives the whole output); leaving
         the stream early aborts it. prompt: text, token ids, or vLLM's dict prompt
-        ({"prompt": text} or {"prompt_token_ids": ids}, with an optional "cache_salt"); lora_request: the adapter."""
+        ({"prompt": text} or {"prompt_token_ids": ids}, with an optional "cache_salt", and a vision
+        model's "multi_modal_data": {"image": a PIL image or a list}); lora_request: the adapter."""
         # the worker is another process: logits processors travel pickled by reference
         params = check_params(sampling_params).with_pickled_processors()
+        prompt, images = split_prompt_images(prompt)
         prompt, cache_salt = split_prompt(prompt)
         request = AddRequest(request_id=self._new_id(request_id), prompt=prompt, params=params,
                              arrival_time=time.time(), add_special_tokens=add_special_tokens, priority=priority,
-                             cache_salt=cache_salt, lora_request=check_lora_request(lora_request))
+                             cache_salt=cache_salt, lora_request=check_lora_request(lora_request), images=images)
         return RequestStream(self._traced(self._run(request, prompt if isinstance(prompt, str) else None), request))
 
     def chat(self, messages: list[dict[str, Any]], sampling_params: SamplingParams | None = None,

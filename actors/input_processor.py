@@ -19,6 +19,7 @@ from actors.lora.checker import LoRAChecker
 from actors.multimodal.config import DEFAULT_LIMIT_PER_PROMPT
 from actors.multimodal.fetch import fetch_message_images, has_http_images
 from actors.multimodal.inputs import ImageInputs, images_of, split_image_parts
+from actors.multimodal.prompt_images import fetch_prompt_images, has_http_prompt_images, multi_modal_data_of
 from actors.pooling.config import PoolerConfig, check_dimensions
 from actors.structured_output import check_constraint
 from actors.structured_output.reasoning import reasoning_marker_ids
@@ -270,7 +271,8 @@ def image_inputs(engine, tokenizer) -> ImageInputs | None:
     if engine.model.vision is None:
         return None
     limit = engine.limit_mm_per_prompt.get("image", DEFAULT_LIMIT_PER_PROMPT)
-    return ImageInputs(engine.model.model_path, engine.model.vision, tokenizer, limit)
+    return ImageInputs(engine.model.model_path, engine.model.vision, tokenizer, limit, engine.allowed_local_media_path,
+                       engine.mm_processor_cache_gb)
 
 
 def check_reasoning_markers(tokenizer, reasoning_parser: str | None) -> None:
@@ -308,7 +310,8 @@ class InputProcessorActor(Actor):
         return cls(spec.name, spec.addresses, sockets, processor)
 
     def handle(self, message: AddRequest) -> None:
-        if self.processor.images is not None and has_http_images(message.messages):
+        if self.processor.images is not None and (has_http_images(message.messages)
+                                                  or has_http_prompt_images(message.images)):
             # downloads run on threads; the request is processed when they are done
             task = asyncio.get_running_loop().create_task(self._fetch_then_process(message))
             self._fetches.add(task)
@@ -318,13 +321,17 @@ class InputProcessorActor(Actor):
 
     async def _fetch_then_process(self, message: AddRequest) -> None:
         try:
-            _, images = split_image_parts(message.messages, self.processor.images.placeholder)
-            self.processor.images.check_count(len(images), "messages")  # before anything is downloaded
-            messages = await fetch_message_images(message.messages)
+            if message.images:  # a prompt dict's
+                self.processor.images.check_count(len(message.images), "multi_modal_data")
+                message = msgspec.structs.replace(message, images=await fetch_prompt_images(message.images))
+            else:
+                _, images = split_image_parts(message.messages, self.processor.images.placeholder)
+                self.processor.images.check_count(len(images), "messages")  # before anything is downloaded
+                message = msgspec.structs.replace(message, messages=await fetch_message_images(message.messages))
         except Exception as error:  # noqa: BLE001 - one bad request must not end the actor
             self._reject_error(message.request_id, error, "fetching images")
             return
-        self._process(msgspec.structs.replace(message, messages=messages))
+        self._process(message)
 
     def _process(self, message: AddRequest) -> None:
         try:
@@ -344,7 +351,8 @@ class InputProcessorActor(Actor):
         return self.processor.process_media(message.prompt, message.params, messages=message.messages,
                                             chat=message.chat, add_special_tokens=message.add_special_tokens,
                                             priority=message.priority, cache_salt=message.cache_salt,
-                                            lora_request=message.lora_request, pooling_params=message.pooling_params)
+                                            lora_request=message.lora_request, pooling_params=message.pooling_params,
+                                            multi_modal_data=multi_modal_data_of(message.images))
 
     def _reject_error(self, request_id: str, error: Exception, what: str) -> None:
         """A request's error to the frontend: the caller's (HTTP 400), or ours (logged)."""

@@ -22,6 +22,15 @@ class ChatOptions(msgspec.Struct, array_like=True, frozen=True, kw_only=True):
     tools: list[dict[str, Any]] | None = None  # OpenAI-style tool definitions, for templates that render them
 
 
+class PromptImage(msgspec.Struct, array_like=True, frozen=True, kw_only=True):
+    """An image of a prompt dict's multi_modal_data on its way to the input processor:
+    exactly one of a URL (data, http(s) or file, read there) and an encoded image's bytes
+    (a PIL image travels as PPM: raw pixels, lossless, no compression work)."""
+
+    url: str | None = None
+    data: bytes | None = None
+
+
 class AddRequest(msgspec.Struct, array_like=True, frozen=True, kw_only=True, tag="add"):
     """frontend → input_processor: a new generation request. Exactly one of prompt and
     messages is set: a completion prompt (text or token ids), or a chat conversation to
@@ -41,6 +50,7 @@ class AddRequest(msgspec.Struct, array_like=True, frozen=True, kw_only=True, tag
     lora_request: LoRARequest | None = None  # the adapter to run with; None: the base model
     # set: a pooling request (params then only carries n=1); its prompt is run, nothing generated
     pooling_params: PoolingParams | None = None
+    images: list[PromptImage] | None = None  # a prompt dict's multi_modal_data images, in placeholder order
 
 
 InputProcessorInbox = AddRequest | Ping | Shutdown

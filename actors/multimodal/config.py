@@ -7,6 +7,8 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 
+from actors.multimodal.towers import tower_defaults
+
 VISION_ARCHITECTURES = ("LlavaForConditionalGeneration",)
 # the text models a LLaVA checkpoint may wrap, by text_config.model_type
 _TEXT_ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}
@@ -16,7 +18,7 @@ MODALITIES = ("image",)
 
 @dataclass(frozen=True)
 class VisionConfig:
-    """A LLaVA model's vision side (CLIP vision tower, MLP projector)."""
+    """A LLaVA model's vision side (CLIP or SigLIP vision tower, MLP projector)."""
 
     architecture: str  # e.g. "LlavaForConditionalGeneration"
     image_token_id: int  # the placeholder token that image features replace
@@ -33,6 +35,7 @@ class VisionConfig:
     projector_bias: bool
     feature_layers: tuple[int, ...]  # hidden states fed to the projector (concatenated), e.g. (-2,)
     feature_select_strategy: str  # "default": drop the CLS position; "full": keep it
+    tower: str = "clip_vision_model"  # vision_config.model_type: CLIP or SigLIP (towers.py)
 
 
 def split_vision_config(config: dict, config_path: str) -> tuple[dict, VisionConfig]:
@@ -47,10 +50,7 @@ def split_vision_config(config: dict, config_path: str) -> tuple[dict, VisionCon
     for key in ("eos_token_id", "bos_token_id", "tie_word_embeddings"):
         if text.get(key) is None and config.get(key) is not None:
             text[key] = config[key]
-    vision = config.get("vision_config") or {}
-    if vision.get("model_type", "clip_vision_model") != "clip_vision_model":
-        raise ValueError(f"{config_path}: vision tower {vision.get('model_type')!r} is not supported (only CLIP; "
-                         "SigLIP is not implemented yet)")
+    tower, vision = tower_defaults(config.get("vision_config") or {}, config_path)  # CLIP or SigLIP
     image_token_id = config.get("image_token_index", config.get("image_token_id"))
     if image_token_id is None:
         raise ValueError(f"{config_path}: missing 'image_token_index'")
@@ -60,15 +60,14 @@ def split_vision_config(config: dict, config_path: str) -> tuple[dict, VisionCon
         raise ValueError(f"{config_path}: vision_feature_select_strategy {strategy!r} is not supported")
     return text, VisionConfig(
         architecture=config["architectures"][0], image_token_id=int(image_token_id),
-        hidden_size=vision.get("hidden_size", 1024), intermediate_size=vision.get("intermediate_size", 4096),
-        num_hidden_layers=vision.get("num_hidden_layers", 24),
-        num_attention_heads=vision.get("num_attention_heads", 16), image_size=vision.get("image_size", 336),
-        patch_size=vision.get("patch_size", 14), num_channels=vision.get("num_channels", 3),
-        layer_norm_eps=float(vision.get("layer_norm_eps", 1e-5)), hidden_act=vision.get("hidden_act", "quick_gelu"),
+        hidden_size=vision["hidden_size"], intermediate_size=vision["intermediate_size"],
+        num_hidden_layers=vision["num_hidden_layers"], num_attention_heads=vision["num_attention_heads"],
+        image_size=vision["image_size"], patch_size=vision["patch_size"], num_channels=vision.get("num_channels", 3),
+        layer_norm_eps=float(vision["layer_norm_eps"]), hidden_act=vision["hidden_act"],
         projector_hidden_act=config.get("projector_hidden_act", "gelu"),
         projector_bias=bool(config.get("multimodal_projector_bias", True)),
         feature_layers=tuple(layers) if isinstance(layers, list) else (int(layers),),
-        feature_select_strategy=strategy)
+        feature_select_strategy=strategy, tower=tower)
 
 
 def parse_limit_mm_per_prompt(value: str | dict | None) -> dict[str, int]:

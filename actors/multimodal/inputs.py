@@ -17,6 +17,8 @@ import numpy as np
 
 from actors.multimodal.config import VisionConfig
 from actors.multimodal.fetch import fetch_image, is_http_url
+from actors.multimodal.local_media import is_file_url, read_local_image
+from actors.multimodal.towers import check_processed_size, num_image_tokens
 from messages.common import InvalidRequestError
 from messages.multimodal import MultiModalInput
 
@@ -69,8 +71,8 @@ def split_image_parts(messages: list[dict], placeholder: str | None) -> tuple[li
 
 def decode_image(image: Any, param: str = "image_url"):
     """A PIL image in RGB from a PIL image, a base64 data URL, an http(s) URL (downloaded
-    here unless the input processor actor fetched it already: then its bytes); an
-    InvalidRequestError naming the field for anything else (file URLs are not read yet)."""
+    here unless the input processor actor fetched it already: then its bytes; file URLs are
+    read before, in ImageInputs); an InvalidRequestError naming the field for anything else."""
     from PIL import Image, UnidentifiedImageError
 
     if isinstance(image, Image.Image):
@@ -154,11 +156,15 @@ class ProcessedImageCache:
 class ImageInputs:
     """Decodes and processes a prompt's images, and expands their placeholders."""
 
-    def __init__(self, model_dir: str, vision: VisionConfig, tokenizer, limit: int) -> None:
+    def __init__(self, model_dir: str, vision: VisionConfig, tokenizer, limit: int,
+                 allowed_local_media_path: str | None = None, cache_gb: float | None = None) -> None:
         from transformers import AutoImageProcessor
 
-        self.cache = ProcessedImageCache()
+        self.allowed_local_media_path = allowed_local_media_path  # file:// URLs only under it (local_media.py)
+        # --mm-processor-cache-gb (vLLM's flag; 0: off)
+        self.cache = ProcessedImageCache(PROCESSOR_CACHE_BYTES if cache_gb is None else int(cache_gb * 2**30))
         self.image_processor = AutoImageProcessor.from_pretrained(model_dir)
+        check_processed_size(self.image_processor, vision.image_size, model_dir)
         self.vision = vision
         self.limit = limit  # --limit-mm-per-prompt's "image"
         self.placeholder = tokenizer.convert_ids_to_tokens(vision.image_token_id)
@@ -184,8 +190,8 @@ class ImageInputs:
         previous = 0
         for position, (data, shape, content_hash) in zip(positions, self._process(images, param)):
             expanded += token_ids[previous:position]
-            patches = (shape[-2] // self.vision.patch_size) * (shape[-1] // self.vision.patch_size)
-            length = patches + (1 if self.vision.feature_select_strategy == "full" else 0)
+            v = self.vision
+            length = num_image_tokens(v.tower, v.patch_size, v.feature_select_strategy, shape[-2], shape[-1])
             mm_inputs.append(MultiModalInput(modality="image", content_hash=content_hash, offset=len(expanded),
                                              length=length, pixel_values=data, dtype="float32", shape=list(shape)))
             expanded += [image_token] * length
@@ -194,11 +200,13 @@ class ImageInputs:
 
     def _process(self, images: list, param: str) -> list[Processed]:
         """Each image processed, from the cache where it is, the others in one call."""
+        decode_param = "image_url" if param == "messages" else param  # a chat's images are image_url parts
+        images = [read_local_image(image, self.allowed_local_media_path, decode_param) if is_file_url(image)
+                  else image for image in images]  # (a file is keyed by its bytes, never by its path)
         keys = [self.cache.key_of(image) for image in images]
         processed = [self.cache.get(key) for key in keys]
         missing = [i for i, entry in enumerate(processed) if entry is None]
         if missing:
-            decode_param = "image_url" if param == "messages" else param  # a chat's images are image_url parts
             pixel_values = self.image_processor(images=[decode_image(images[i], decode_param) for i in missing],
                                                 return_tensors="np")["pixel_values"]
             for i, pixels in zip(missing, pixel_values):

@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from actors.multimodal.config import VisionConfig
+from actors.multimodal.towers import num_image_tokens
 
 _ACTIVATIONS = {"quick_gelu": lambda x: x * torch.sigmoid(1.702 * x), "gelu": F.gelu,
                 "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"), "relu": F.relu, "silu": F.silu}
@@ -69,18 +70,11 @@ class LlavaVisionEncoder:
         """Random weights of the right shapes, for benchmarks."""
         c = self.config
         generator = torch.Generator().manual_seed(seed)
-        num_positions = (c.image_size // c.patch_size) ** 2 + 1
         feature_size = c.hidden_size * len(c.feature_layers)
-        shapes = {"tower.embeddings.class_embedding": (c.hidden_size,),
-                  "tower.embeddings.patch_embedding.weight": (c.hidden_size, c.num_channels, c.patch_size,
-                                                              c.patch_size),
-                  "tower.embeddings.position_embedding.weight": (num_positions, c.hidden_size),
-                  "projector.linear_1.weight": (text_hidden_size, feature_size),
+        shapes = {**self._embedding_shapes(), "projector.linear_1.weight": (text_hidden_size, feature_size),
                   "projector.linear_2.weight": (text_hidden_size, text_hidden_size)}
         if c.projector_bias:
             shapes.update({f"projector.linear_{i}.bias": (text_hidden_size,) for i in (1, 2)})
-        for norm in ("pre_layrnorm", "post_layernorm"):
-            shapes.update({f"tower.{norm}.weight": (c.hidden_size,), f"tower.{norm}.bias": (c.hidden_size,)})
         for index in range(c.num_hidden_layers):
             prefix = f"tower.encoder.layers.{index}."
             for proj in ("q_proj", "k_proj", "v_proj", "out_proj"):
@@ -97,19 +91,35 @@ class LlavaVisionEncoder:
 
     def num_tokens(self, height: int, width: int) -> int:
         """Image features (placeholder tokens) of one image of these pixel dimensions."""
-        patches = (height // self.config.patch_size) * (width // self.config.patch_size)
-        return patches + (1 if self.config.feature_select_strategy == "full" else 0)
+        c = self.config
+        return num_image_tokens(c.tower, c.patch_size, c.feature_select_strategy, height, width)
 
-    @torch.inference_mode()
-    def __call__(self, pixel_values: torch.Tensor) -> torch.Tensor:
-        c, w = self.config, self.weights
-        x = pixel_values.to(device=self.device, dtype=self.dtype)
-        patches = F.conv2d(x, w["tower.embeddings.patch_embedding.weight"], stride=c.patch_size)
+    def _embedding_shapes(self) -> dict[str, tuple[int, ...]]:
+        """CLIP's embeddings and pre-LayerNorm (with the post-LayerNorm LLaVA never reads)."""
+        c = self.config
+        shapes = {"tower.embeddings.class_embedding": (c.hidden_size,),
+                  "tower.embeddings.patch_embedding.weight": (c.hidden_size, c.num_channels, c.patch_size,
+                                                              c.patch_size),
+                  "tower.embeddings.position_embedding.weight": ((c.image_size // c.patch_size) ** 2 + 1,
+                                                                 c.hidden_size)}
+        for norm in ("pre_layrnorm", "post_layernorm"):
+            shapes.update({f"tower.{norm}.weight": (c.hidden_size,), f"tower.{norm}.bias": (c.hidden_size,)})
+        return shapes
+
+    def _embed(self, x: torch.Tensor) -> torch.Tensor:
+        """CLIP: patches after the class position, position embeddings, pre-LayerNorm."""
+        w = self.weights
+        patches = F.conv2d(x, w["tower.embeddings.patch_embedding.weight"], stride=self.config.patch_size)
         patches = patches.flatten(2).transpose(1, 2)  # [images, patches, hidden]
         cls = w["tower.embeddings.class_embedding"].expand(patches.shape[0], 1, -1)
         hidden = torch.cat([cls, patches], dim=1)
         hidden = hidden + w["tower.embeddings.position_embedding.weight"][: hidden.shape[1]]
-        hidden = self._layer_norm(hidden, "tower.pre_layrnorm")
+        return self._layer_norm(hidden, "tower.pre_layrnorm")
+
+    @torch.inference_mode()
+    def __call__(self, pixel_values: torch.Tensor) -> torch.Tensor:
+        c, w = self.config, self.weights
+        hidden = self._embed(pixel_values.to(device=self.device, dtype=self.dtype))
         states = [hidden]
         for index in range(self.num_layers_run):
             hidden = self._layer(hidden, f"tower.encoder.layers.{index}.")

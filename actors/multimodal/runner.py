@@ -16,13 +16,14 @@ import numpy as np
 import torch
 
 from actors.multimodal.config import VisionConfig
-from actors.multimodal.llava import LlavaVisionEncoder, split_llava_weights
+from actors.multimodal.llava import split_llava_weights
+from actors.multimodal.siglip import vision_encoder
 from messages.multimodal import MultiModalInput
 
 
 class VisionRunner:
     def __init__(self, config: VisionConfig, dtype: torch.dtype, device: torch.device) -> None:
-        self.encoder = LlavaVisionEncoder(config, dtype, device)
+        self.encoder = vision_encoder(config, dtype, device)  # CLIP or SigLIP
         self.vision_weights: dict[str, object] = {}  # filled by split_weights() while the decoder loads
         # request id -> image index -> its features [placeholder tokens, text hidden]
         self.cache: dict[str, dict[int, torch.Tensor]] = {}

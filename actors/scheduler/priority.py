@@ -14,6 +14,7 @@ from __future__ import annotations
 import bisect
 from collections.abc import Iterable, Iterator
 
+from actors.scheduler.encoder_budget import EncoderBudget
 from actors.scheduler.kv_cache_manager import KVCacheManager
 from actors.scheduler.kv_tiers import KVTiers
 from actors.scheduler.request import Sequence
@@ -71,7 +72,7 @@ def make_room_for_urgent(scheduler: Scheduler, budget: int) -> None:
     waiting, running = scheduler.waiting, scheduler.running
     while waiting and running:
         head, victim = waiting[0], running[-1]
-        if urgency(head) >= urgency(victim) or scheduler._must_wait(head):
+        if urgency(head) >= urgency(victim) or head.must_wait(scheduler._ids_to_drop):
             return
         if len(running) < scheduler.max_num_seqs and first_chunk_fits(scheduler.kv_cache_manager, head, budget):
             return
@@ -118,6 +119,8 @@ def make_scheduler(scheduler_config, *args, kv_tiers: KVTiers | None = None, **k
     """The scheduler of the config's policy, with the host KV tier if there is one."""
     cls = PriorityScheduler if scheduler_config.scheduling_policy == "priority" else Scheduler
     scheduler = cls(scheduler_config, *args, **kwargs)
+    if scheduler_config.max_num_encoder_input_tokens is not None:
+        scheduler.encoder_budget = EncoderBudget(scheduler_config.max_num_encoder_input_tokens)
     if kv_tiers is not None:
         scheduler.kv_tiers = kv_tiers
         kv_tiers.attach(scheduler.block_pool)

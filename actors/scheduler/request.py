@@ -101,6 +101,17 @@ class Sequence:
         self.finish_reason: str | None = None
         self.stop_reason: int | str | None = None
 
+    def must_wait(self, ids_to_drop: dict[str, None]) -> bool:
+        """Whether its admission must wait: its id is reused and the worker has yet to drop
+        the old state (ids_to_drop), or (n > 1) the sibling whose prompt blocks it shares
+        has yet to compute them."""
+        if self.seq_id in ids_to_drop:
+            return True
+        source = self.prefix_source
+        if source is not None and (source.prompt_computed or source.is_finished):
+            self.prefix_source = source = None
+        return source is not None
+
     @property
     def num_tokens(self) -> int:
         return len(self.token_ids)

@@ -22,6 +22,7 @@ import time
 from collections import deque
 
 from actors.config import CacheConfig, SchedulerConfig
+from actors.scheduler.encoder_budget import EncoderBudget
 from actors.scheduler.in_flight import ScheduledSequence, advance, check_result
 from actors.scheduler.kv_cache_manager import KVCacheManager
 from actors.scheduler.kv_tiers import KVTiers
@@ -42,6 +43,7 @@ from messages.worker import ContinuingRequest, NewRequest, StepPlan
 class Scheduler:
     """Owns every live sequence and the KV-cache manager; builds StepPlans, applies StepResults."""
     kv_tiers: KVTiers | None = None  # the host KV tier, when there is one (make_scheduler sets it)
+    encoder_budget: EncoderBudget | None = None  # image tokens one step may start encoding (make_scheduler sets it)
     skip_sampling_in_flight = False  # pipeline parallelism: plans in flight hold disjoint decodes
 
     def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig, num_blocks: int,
@@ -190,6 +192,10 @@ class Scheduler:
                 index += 1  # it finishes when that result comes (under pipeline parallelism: its next input)
                 continue
             num_new_tokens = min(seq.num_total_tokens - seq.num_computed_tokens, budget)
+            if seq.mm_inputs and self.encoder_budget and not (num_new_tokens := self.encoder_budget.fit(
+                    seq, seq.num_computed_tokens, num_new_tokens, self._next_step_id)):
+                index += 1  # its next image waits for a step with encoder budget left
+                continue
             assert num_new_tokens > 0, f"running {seq} has nothing to compute"
             # a decode charges its drafts too; its slots cover where the worker may already be
             num_drafts = self.draft_slots.grant(seq, num_new_tokens, budget) if speculates else 0
@@ -219,7 +225,7 @@ class Scheduler:
             adapters = AdapterAdmission(self.running, self.max_loras, self.max_num_seqs) if self.max_loras else None
             while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
                 seq = self.waiting[0]
-                if self._must_wait(seq) or (adapters is not None and adapters.holds_back(seq)):
+                if seq.must_wait(self._ids_to_drop) or (adapters is not None and adapters.holds_back(seq)):
                     held_back.append(self.waiting.popleft())
                     continue
                 num_new_tokens = self._admit(seq, budget)
@@ -251,17 +257,6 @@ class Scheduler:
             self._in_flight[plan.step_id] = scheduled
         return plan
 
-    def _must_wait(self, seq: Sequence) -> bool:
-        if seq.seq_id in self._ids_to_drop:
-            return True  # a reused id: the worker must drop the old state first
-        source = seq.prefix_source
-        if source is None:
-            return False
-        if source.prompt_computed or source.is_finished:
-            seq.prefix_source = None
-            return False
-        return True
-
     def _admit(self, seq: Sequence, budget: int) -> int | None:
         """Gives a waiting sequence its blocks (prefix-cache hits first) for its first
         chunk; the chunk's size, or None (and no change) when the pool is short."""
@@ -270,8 +265,12 @@ class Scheduler:
             if self.kv_tiers is not None else ([], 0)
         if num_host_tokens < 0:  # its prefix is on its way from the disk tier (kv_tiers.py)
             return None
-        num_new_tokens = min(seq.num_tokens - num_hit_tokens - num_host_tokens, budget)
-        if not self.chunked_prefill and num_new_tokens < seq.num_tokens - num_hit_tokens - num_host_tokens:
+        num_left = seq.num_tokens - num_hit_tokens - num_host_tokens
+        num_new_tokens = min(num_left, budget)
+        if seq.mm_inputs and self.encoder_budget:  # images past the step's encoder budget wait
+            num_new_tokens = self.encoder_budget.fit(seq, seq.num_tokens - num_left, num_new_tokens,
+                                                     self._next_step_id, admitting=True)
+        if not num_new_tokens or not self.chunked_prefill and num_new_tokens < num_left:
             return None
         new_block_ids = self.kv_cache_manager.allocate_slots(seq, num_host_tokens + num_new_tokens,
                                                              computed_block_ids=hit_block_ids)

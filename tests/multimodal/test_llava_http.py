@@ -95,7 +95,7 @@ def test_an_http_url_matches_hf_streaming_and_not(client, tiny_llava_dir, images
     (["{images}/slow.png"], "image_url", "timed out"),
     (["{images}/big.png"], "image_url", "bytes allowed"),
     (["http://127.0.0.1:1/cat.png"], "image_url", "failed"),
-    (["file:///etc/passwd"], "image_url", "file URLs are not read"),
+    (["file:///etc/passwd"], "image_url", "--allowed-local-media-path"),
     ([data_url(draw_image(30, 30, 3))] * 3, "messages", "at most 2"),
     (["{images}/image.png"] * 3, "messages", "at most 2"),
 ])

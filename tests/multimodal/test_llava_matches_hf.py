@@ -124,7 +124,7 @@ def test_chat_with_a_data_url_matches_a_prompt_dict(tiny_llava_dir):
     ({"multi_modal_data": {"image": [42]}}, "multi_modal_data", "PIL image or a data or http"),
     ({"multi_modal_data": {"image": ["data:image/png;base64,AAAA"]}}, "multi_modal_data", "could not be decoded"),
     ({"multi_modal_data": {"image": ["file:///etc/hostname"]}}, "multi_modal_data",
-     "file URLs are not read"),
+     "--allowed-local-media-path"),
     ({"multi_modal_data": {"audio": [b""]}}, "multi_modal_data", "'image' key"),
     ({"multi_modal_data": {"image": []}}, "multi_modal_data", "1 image placeholders .* for 0 images"),
 ])

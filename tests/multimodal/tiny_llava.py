@@ -17,7 +17,7 @@ IMAGE_SIZE = 28  # pixels: 2 x 2 patches of 14, so 4 image features per image
 NUM_IMAGE_TOKENS = 4
 
 
-def build_tiny_llava(out_dir: str, seed: int = 0) -> str:
+def build_tiny_llava(out_dir: str, seed: int = 0, image_size: int = IMAGE_SIZE) -> str:
     from transformers import (CLIPVisionConfig, LlamaConfig, LlavaConfig,
                               LlavaForConditionalGeneration)
 
@@ -25,7 +25,7 @@ def build_tiny_llava(out_dir: str, seed: int = 0) -> str:
     tokenizer.add_special_tokens({"additional_special_tokens": [IMAGE_TOKEN]})
     image_token_id = tokenizer.convert_tokens_to_ids(IMAGE_TOKEN)
     vision = CLIPVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-                              image_size=IMAGE_SIZE, patch_size=14, projection_dim=32)
+                              image_size=image_size, patch_size=14, projection_dim=32)
     text = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                        num_key_value_heads=2, head_dim=16, max_position_embeddings=512, vocab_size=len(tokenizer),
                        bos_token_id=0, eos_token_id=0, tie_word_embeddings=False)
@@ -38,8 +38,8 @@ def build_tiny_llava(out_dir: str, seed: int = 0) -> str:
     tokenizer.save_pretrained(out_dir)
     from transformers.models.clip.image_processing_pil_clip import CLIPImageProcessorPil
 
-    CLIPImageProcessorPil(size={"shortest_edge": IMAGE_SIZE},
-                          crop_size={"height": IMAGE_SIZE, "width": IMAGE_SIZE}).save_pretrained(out_dir)
+    CLIPImageProcessorPil(size={"shortest_edge": image_size},
+                          crop_size={"height": image_size, "width": image_size}).save_pretrained(out_dir)
     return out_dir
 
 

@@ -1,0 +1,64 @@
+"""file:// image URLs, read only under --allowed-local-media-path (vLLM's flag). Unset, every
+file URL is refused; set, a URL's path must resolve (symlinks and `..` followed) inside that
+directory before anything is opened, so a refusal says nothing about files outside it. The
+file's bytes then go through the same decoding and processor cache as a data URL's, keyed
+by their content, never by the path (a file may change)."""
+
+from __future__ import annotations
+
+import os
+import urllib.parse
+import urllib.request
+from typing import Any
+
+from actors.multimodal.fetch import MAX_IMAGE_BYTES
+from messages.common import InvalidRequestError
+
+
+def is_file_url(url: Any) -> bool:
+    return isinstance(url, str) and url.startswith("file:")
+
+
+def resolve_allowed_media_path(path: str | None) -> str | None:
+    """--allowed-local-media-path as an absolute, symlink-free directory (None when unset);
+    ValueError naming the flag when it is not a directory."""
+    if not path:
+        return None
+    resolved = os.path.realpath(path)
+    if not os.path.isdir(resolved):
+        raise ValueError(f"allowed_local_media_path: {path!r} is not a directory")
+    return resolved
+
+
+def check_media_args(allowed_local_media_path: str | None, max_num_encoder_input_tokens: int | None,
+                     mm_processor_cache_gb: float | None = None) -> None:
+    """The image flags, checked at start-up (ValueError naming the flag)."""
+    resolve_allowed_media_path(allowed_local_media_path)
+    if max_num_encoder_input_tokens is not None and max_num_encoder_input_tokens < 1:
+        raise ValueError(f"max_num_encoder_input_tokens must be at least 1, got {max_num_encoder_input_tokens}")
+    if mm_processor_cache_gb is not None and not 0 <= mm_processor_cache_gb < 1024:
+        raise ValueError(f"mm_processor_cache_gb must be in [0, 1024), got {mm_processor_cache_gb}")
+
+
+def read_local_image(url: str, allowed_dir: str | None, param: str = "image_url",
+                     max_bytes: int = MAX_IMAGE_BYTES) -> bytes:
+    """The bytes of a file:// URL's file; InvalidRequestError naming param when file URLs are
+    off, the path is outside allowed_dir, or the file cannot be read or is too large."""
+    if allowed_dir is None:
+        raise InvalidRequestError("image_url: file:// URLs are not allowed: the server reads local files only "
+                                  "under --allowed-local-media-path", param=param)
+    parsed = urllib.parse.urlparse(url)
+    if parsed.netloc not in ("", "localhost") or not parsed.path:
+        raise InvalidRequestError(f"image_url: a file URL must be file:///absolute/path, got {url!r}", param=param)
+    path = os.path.realpath(urllib.request.url2pathname(parsed.path))
+    if os.path.commonpath([path, allowed_dir]) != allowed_dir:
+        raise InvalidRequestError(f"image_url: {url} is outside the allowed local media path "
+                                  "(--allowed-local-media-path)", param=param)
+    try:
+        with open(path, "rb") as file:
+            data = file.read(max_bytes + 1)
+    except OSError as error:
+        raise InvalidRequestError(f"image_url: {url} could not be read ({error.strerror})", param=param) from None
+    if len(data) > max_bytes:
+        raise InvalidRequestError(f"image_url: {url} is more than the {max_bytes} bytes allowed", param=param)
+    return data
