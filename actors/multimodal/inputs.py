@@ -16,6 +16,7 @@ from typing import Any
 import numpy as np
 
 from actors.multimodal.config import VisionConfig
+from actors.multimodal.qwen2_vl_config import QWEN2_VL
 from actors.multimodal.fetch import fetch_image, is_http_url
 from messages.common import InvalidRequestError
 from messages.multimodal import MultiModalInput
@@ -154,6 +155,15 @@ class ProcessedImageCache:
 class ImageInputs:
     """Decodes and processes a prompt's images, and expands their placeholders."""
 
+    @staticmethod
+    def build(model_dir: str, vision, tokenizer, limit: int) -> ImageInputs:
+        """LLaVA's, or Qwen2-VL's (actors/multimodal/qwen2_vl_inputs.py)."""
+        if vision.architecture == QWEN2_VL:
+            from actors.multimodal.qwen2_vl_inputs import Qwen2VLImageInputs
+
+            return Qwen2VLImageInputs(model_dir, vision, tokenizer, limit)
+        return ImageInputs(model_dir, vision, tokenizer, limit)
+
     def __init__(self, model_dir: str, vision: VisionConfig, tokenizer, limit: int) -> None:
         from transformers import AutoImageProcessor
 
@@ -184,13 +194,17 @@ class ImageInputs:
         previous = 0
         for position, (data, shape, content_hash) in zip(positions, self._process(images, param)):
             expanded += token_ids[previous:position]
-            patches = (shape[-2] // self.vision.patch_size) * (shape[-1] // self.vision.patch_size)
-            length = patches + (1 if self.vision.feature_select_strategy == "full" else 0)
+            length = self.num_tokens(shape)
             mm_inputs.append(MultiModalInput(modality="image", content_hash=content_hash, offset=len(expanded),
                                              length=length, pixel_values=data, dtype="float32", shape=list(shape)))
             expanded += [image_token] * length
             previous = position + 1
         return expanded + token_ids[previous:], mm_inputs
+
+    def num_tokens(self, shape: tuple[int, ...]) -> int:
+        """Placeholder tokens of an image whose pixel values have this shape."""
+        patches = (shape[-2] // self.vision.patch_size) * (shape[-1] // self.vision.patch_size)
+        return patches + (1 if self.vision.feature_select_strategy == "full" else 0)
 
     def _process(self, images: list, param: str) -> list[Processed]:
         """Each image processed, from the cache where it is, the others in one call."""

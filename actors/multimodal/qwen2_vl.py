@@ -1,0 +1,188 @@
+"""Qwen2-VL's vision side in plain torch, and its worker runner.
+
+The ViT: a linear patch embedding over flattened patches (channels x temporal_patch_size x
+patch_size^2: Hugging Face's Conv3d with stride = kernel), pre-LayerNorm blocks whose
+attention rotates queries and keys by a 2D rotary (half the head's frequencies from the
+patch's row, half from its column) and attends over the whole image (each frame), and the
+patch merger: a LayerNorm, then spatial_merge_size^2 neighbouring patches (adjacent in the
+image processor's order) concatenated through a two-layer GELU MLP into the decoder's hidden
+size. The runner adds M-RoPE (actors/multimodal/mrope.py) to VisionRunner's encoder cache
+and embedding merge."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable, Iterator
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from actors.multimodal.config import VisionConfig
+from actors.multimodal.llava import _ACTIVATIONS
+from actors.multimodal.mrope import MRopePositions, section_of_dims, step_cos_sin
+from actors.multimodal.qwen2_vl_config import Qwen2VLVisionConfig
+from actors.multimodal.runner import VisionRunner
+from messages.multimodal import MultiModalInput
+
+# transformers 5 nests the decoder under model.language_model and the ViT under model.visual
+_VISUAL_NAME = re.compile(r"^(?:model\.)?visual\.(.*)$")
+_TEXT_NAME = re.compile(r"^model\.language_model\.(.*)$")
+_EPS = 1e-6  # every LayerNorm of the ViT and the merger
+
+
+def split_qwen2_vl_weights(weights: Iterable[tuple[str, object]], vision: dict[str, object]
+                           ) -> Iterator[tuple[str, object]]:
+    """The decoder's weights under Qwen2ForCausalLM's names; the ViT's go into `vision`."""
+    for name, tensor in weights:
+        if (match := _VISUAL_NAME.match(name)) is not None:
+            vision[match.group(1)] = tensor
+            continue
+        if (match := _TEXT_NAME.match(name)) is not None:
+            name = "model." + match.group(1)
+        yield name, tensor
+
+
+class Qwen2VLVisionEncoder:
+    """flattened patches [patches, patch features] of one image and its grid (t, h, w) ->
+    image features [patches / merge^2, decoder hidden]."""
+
+    def __init__(self, config: Qwen2VLVisionConfig, dtype: torch.dtype, device: torch.device) -> None:
+        if config.hidden_act not in _ACTIVATIONS:
+            raise ValueError(f"vision activation {config.hidden_act!r} is not supported")
+        self.config = config
+        self.dtype = dtype
+        self.device = device
+        self.head_dim = config.embed_dim // config.num_heads
+        quarter = self.head_dim // 2  # the rotary's dimension per axis, in HF's terms
+        self.inv_freq = 1.0 / (10000.0 ** (torch.arange(0, quarter, 2, dtype=torch.float) / quarter))
+        self.weights: dict[str, torch.Tensor] = {}
+
+    def load_weights(self, weights: dict[str, object]) -> None:
+        self.weights = {name: torch.as_tensor(tensor[:] if not isinstance(tensor, torch.Tensor) else tensor)
+                        .to(device=self.device, dtype=self.dtype).contiguous() for name, tensor in weights.items()}
+        name = "patch_embed.proj.weight"
+        if name not in self.weights:
+            raise ValueError(f"checkpoint is missing vision weight 'visual.{name}'")
+        self.weights[name] = self.weights[name].reshape(self.config.embed_dim, -1)  # the Conv3d as a linear
+
+    def init_dummy_weights(self, seed: int = 0) -> None:
+        """Random weights of the right shapes, for benchmarks."""
+        c = self.config
+        generator = torch.Generator().manual_seed(seed)
+        dim, hidden = c.embed_dim, int(c.embed_dim * c.mlp_ratio)
+        merged = dim * c.spatial_merge_size ** 2
+        shapes = {"patch_embed.proj.weight": (dim, c.patch_features), "merger.ln_q.weight": (dim,),
+                  "merger.ln_q.bias": (dim,), "merger.mlp.0.weight": (merged, merged), "merger.mlp.0.bias": (merged,),
+                  "merger.mlp.2.weight": (c.text_hidden_size, merged), "merger.mlp.2.bias": (c.text_hidden_size,)}
+        for index in range(c.depth):
+            prefix = f"blocks.{index}."
+            shapes.update({f"{prefix}attn.qkv.weight": (3 * dim, dim), f"{prefix}attn.qkv.bias": (3 * dim,),
+                           f"{prefix}attn.proj.weight": (dim, dim), f"{prefix}attn.proj.bias": (dim,),
+                           f"{prefix}mlp.fc1.weight": (hidden, dim), f"{prefix}mlp.fc1.bias": (hidden,),
+                           f"{prefix}mlp.fc2.weight": (dim, hidden), f"{prefix}mlp.fc2.bias": (dim,)})
+            for norm in ("norm1", "norm2"):
+                shapes.update({f"{prefix}{norm}.weight": (dim,), f"{prefix}{norm}.bias": (dim,)})
+        weights = {name: torch.randn(*shape, generator=generator) * 0.02 for name, shape in shapes.items()}
+        for name in weights:
+            if "norm" in name or "ln_q" in name:
+                weights[name] = (1.0 if name.endswith("weight") else 0.0) + weights[name]
+        self.load_weights(weights)
+
+    def rotary(self, grid_thw: tuple[int, int, int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """(cos, sin) [patches, head_dim] of the patches in the image processor's order: merge
+        windows row by row, each window's patches row by row."""
+        t, h, w = grid_thw
+        m = self.config.spatial_merge_size
+        rows, cols = torch.meshgrid(torch.arange(h), torch.arange(w), indexing="ij")
+        order = (h // m, m, w // m, m)
+        rows = rows.reshape(order).transpose(1, 2).flatten().repeat(t)
+        cols = cols.reshape(order).transpose(1, 2).flatten().repeat(t)
+        freqs = torch.cat([rows[:, None].float() * self.inv_freq, cols[:, None].float() * self.inv_freq], dim=-1)
+        freqs = torch.cat([freqs, freqs], dim=-1).to(self.device)
+        return freqs.cos(), freqs.sin()
+
+    @torch.inference_mode()
+    def __call__(self, patches: torch.Tensor, grid_thw: tuple[int, int, int]) -> torch.Tensor:
+        c, w = self.config, self.weights
+        x = F.linear(patches.to(device=self.device, dtype=self.dtype), w["patch_embed.proj.weight"])
+        cos, sin = self.rotary(grid_thw)
+        frames = grid_thw[0]
+        for index in range(c.depth):
+            x = self._block(x, f"blocks.{index}.", cos, sin, frames)
+        x = F.layer_norm(x, (c.embed_dim,), w["merger.ln_q.weight"], w["merger.ln_q.bias"], _EPS)
+        x = x.reshape(-1, c.embed_dim * c.spatial_merge_size ** 2)
+        x = F.gelu(F.linear(x, w["merger.mlp.0.weight"], w["merger.mlp.0.bias"]))
+        return F.linear(x, w["merger.mlp.2.weight"], w["merger.mlp.2.bias"])
+
+    def _block(self, x: torch.Tensor, prefix: str, cos: torch.Tensor, sin: torch.Tensor,
+               frames: int) -> torch.Tensor:
+        c, w = self.config, self.weights
+        num_patches, dim = x.shape
+        y = F.layer_norm(x, (dim,), w[f"{prefix}norm1.weight"], w[f"{prefix}norm1.bias"], _EPS)
+        qkv = F.linear(y, w[f"{prefix}attn.qkv.weight"], w[f"{prefix}attn.qkv.bias"])
+        q, k, v = qkv.view(num_patches, 3, c.num_heads, self.head_dim).unbind(1)
+        q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
+        # full attention within each frame (an image is one): [frames, heads, patches per frame, head_dim]
+        q, k, v = (t.view(frames, -1, c.num_heads, self.head_dim).transpose(1, 2) for t in (q, k, v))
+        attn = F.scaled_dot_product_attention(q, k, v).transpose(1, 2).reshape(num_patches, dim)
+        x = x + F.linear(attn, w[f"{prefix}attn.proj.weight"], w[f"{prefix}attn.proj.bias"])
+        y = F.layer_norm(x, (dim,), w[f"{prefix}norm2.weight"], w[f"{prefix}norm2.bias"], _EPS)
+        y = _ACTIVATIONS[c.hidden_act](F.linear(y, w[f"{prefix}mlp.fc1.weight"], w[f"{prefix}mlp.fc1.bias"]))
+        return x + F.linear(y, w[f"{prefix}mlp.fc2.weight"], w[f"{prefix}mlp.fc2.bias"])
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x * cos + rotate_half(x) * sin in float32 (neox style), x: [patches, heads, head_dim]."""
+    dtype, x = x.dtype, x.float()
+    x1, x2 = x.chunk(2, dim=-1)
+    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+    return (x * cos + torch.cat([-x2, x1], dim=-1) * sin).to(dtype)
+
+
+class Qwen2VLRunner(VisionRunner):
+    """VisionRunner with Qwen2-VL's ViT and M-RoPE: a step with a request that carries images
+    rotates by a per-step cos/sin table (mrope.py) that it puts in the decoder's place."""
+
+    def __init__(self, config: VisionConfig, dtype: torch.dtype, device: torch.device) -> None:
+        super().__init__(config, dtype, device)
+        self.positions = MRopePositions(config.qwen2_vl.spatial_merge_size)
+        self.sections = section_of_dims(config.qwen2_vl.mrope_section)
+        self.text_cos_sin: torch.Tensor | None = None  # the decoder's own table, kept while a step's replaces it
+
+    def make_encoder(self, config: VisionConfig, dtype: torch.dtype, device: torch.device) -> Qwen2VLVisionEncoder:
+        return Qwen2VLVisionEncoder(config.qwen2_vl, dtype, device)
+
+    def split_weights(self, weights: Iterable[tuple[str, object]]) -> Iterable[tuple[str, object]]:
+        return split_qwen2_vl_weights(weights, self.vision_weights)
+
+    def load(self, dummy: bool, text_hidden_size: int, seed: int = 0) -> None:
+        if dummy:
+            self.encoder.init_dummy_weights(seed)
+        else:
+            self.encoder.load_weights(self.vision_weights)
+        self.vision_weights = {}
+
+    def remove_request(self, request_id: str) -> None:
+        super().remove_request(request_id)
+        self.positions.remove_request(request_id)
+
+    def encode(self, mm: MultiModalInput) -> torch.Tensor:
+        # (the pixel values travel as [t, h, w, patch features]: the grid is their shape)
+        t, h, w, features = mm.shape
+        patches = np.frombuffer(mm.pixel_values, dtype=np.dtype(mm.dtype).newbyteorder("<"))
+        return self.encoder(torch.from_numpy(patches.reshape(t * h * w, features).copy()), (t, h, w))
+
+    def step_inputs(self, model, input_ids: torch.Tensor, positions: torch.Tensor,
+                    batch: list) -> tuple[torch.Tensor | None, torch.Tensor]:
+        embeds = self.input_embeds(model.embed, input_ids, batch)
+        if self.text_cos_sin is None:
+            self.text_cos_sin = model.cos_sin_cache
+        if not any(request.mm_inputs for request, _ in batch):  # text only: plain positions, the plain table
+            model.cos_sin_cache = self.text_cos_sin
+            return embeds, positions
+        rows = torch.cat([self.positions.of(request, request.num_computed_tokens,
+                                            request.num_computed_tokens + num_tokens)
+                          for request, num_tokens in batch], dim=1)
+        model.cos_sin_cache = step_cos_sin(self.text_cos_sin, rows, self.sections)
+        return embeds, torch.arange(rows.shape[1], device=positions.device)
