@@ -57,6 +57,7 @@ class Qwen2VLVisionEncoder:
         quarter = self.head_dim // 2  # the rotary's dimension per axis, in HF's terms
         self.inv_freq = 1.0 / (10000.0 ** (torch.arange(0, quarter, 2, dtype=torch.float) / quarter))
         self.weights: dict[str, torch.Tensor] = {}
+        self._rotary: tuple[tuple[int, int, int], tuple[torch.Tensor, torch.Tensor]] | None = None  # the last grid's
 
     def load_weights(self, weights: dict[str, object]) -> None:
         self.weights = {name: torch.as_tensor(tensor[:] if not isinstance(tensor, torch.Tensor) else tensor)
@@ -92,6 +93,8 @@ class Qwen2VLVisionEncoder:
     def rotary(self, grid_thw: tuple[int, int, int]) -> tuple[torch.Tensor, torch.Tensor]:
         """(cos, sin) [patches, head_dim] of the patches in the image processor's order: merge
         windows row by row, each window's patches row by row."""
+        if self._rotary is not None and self._rotary[0] == grid_thw:  # (images of one size: computed once)
+            return self._rotary[1]
         t, h, w = grid_thw
         m = self.config.spatial_merge_size
         rows, cols = torch.meshgrid(torch.arange(h), torch.arange(w), indexing="ij")
@@ -100,7 +103,8 @@ class Qwen2VLVisionEncoder:
         cols = cols.reshape(order).transpose(1, 2).flatten().repeat(t)
         freqs = torch.cat([rows[:, None].float() * self.inv_freq, cols[:, None].float() * self.inv_freq], dim=-1)
         freqs = torch.cat([freqs, freqs], dim=-1).to(self.device)
-        return freqs.cos(), freqs.sin()
+        self._rotary = (grid_thw, (freqs.cos(), freqs.sin()))
+        return self._rotary[1]
 
     @torch.inference_mode()
     def __call__(self, patches: torch.Tensor, grid_thw: tuple[int, int, int]) -> torch.Tensor:
@@ -121,8 +125,10 @@ class Qwen2VLVisionEncoder:
         num_patches, dim = x.shape
         y = F.layer_norm(x, (dim,), w[f"{prefix}norm1.weight"], w[f"{prefix}norm1.bias"], _EPS)
         qkv = F.linear(y, w[f"{prefix}attn.qkv.weight"], w[f"{prefix}attn.qkv.bias"])
-        q, k, v = qkv.view(num_patches, 3, c.num_heads, self.head_dim).unbind(1)
-        q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
+        qkv = qkv.view(num_patches, 3, c.num_heads, self.head_dim)
+        # queries and keys rotate as one [patches, 2 x heads, head_dim] tensor: half the ops
+        qk = _rotate(qkv[:, :2].reshape(num_patches, 2 * c.num_heads, self.head_dim), cos, sin)
+        (q, k), v = qk.view(num_patches, 2, c.num_heads, self.head_dim).unbind(1), qkv[:, 2]
         # full attention within each frame (an image is one): [frames, heads, patches per frame, head_dim]
         q, k, v = (t.view(frames, -1, c.num_heads, self.head_dim).transpose(1, 2) for t in (q, k, v))
         attn = F.scaled_dot_product_attention(q, k, v).transpose(1, 2).reshape(num_patches, dim)
