@@ -174,3 +174,24 @@ def test_unsupported_features_are_refused_at_start_up(tiny_qwen2vl_dir, tmp_path
     (qwen25 / "config.json").write_text(json.dumps(config))
     with pytest.raises(ValueError, match="Qwen2_5_VLForConditionalGeneration"):
         LLM(str(qwen25))
+
+
+def test_the_checkpoints_flat_config_layout_is_read():
+    from actors.multimodal.config import split_vision_config
+
+    # as Qwen/Qwen2-VL-2B-Instruct's config.json (abridged): text keys at the top, rope_scaling
+    config = {"architectures": ["Qwen2VLForConditionalGeneration"], "hidden_size": 1536, "num_attention_heads": 12,
+              "num_key_value_heads": 2, "rope_theta": 1000000.0, "image_token_id": 151655,
+              "vision_start_token_id": 151652, "vision_end_token_id": 151653,
+              "rope_scaling": {"type": "mrope", "mrope_section": [16, 24, 24]},
+              "vision_config": {"depth": 32, "embed_dim": 1280, "mlp_ratio": 4, "num_heads": 16, "in_chans": 3,
+                                "hidden_size": 1536, "patch_size": 14, "spatial_merge_size": 2,
+                                "temporal_patch_size": 2}}
+    text, vision = split_vision_config(config, "config.json")
+    assert text["architectures"] == ["Qwen2ForCausalLM"] and "rope_scaling" not in text
+    assert text["rope_parameters"] == {"rope_type": "default", "rope_theta": 1000000.0}
+    q = vision.qwen2_vl
+    assert (q.mrope_section, q.depth, q.embed_dim, q.in_channels, q.patch_features) == ((16, 24, 24), 32, 1280, 3, 1176)
+    assert vision.image_token_id == 151655 and q.vision_end_token_id == 151653
+    with pytest.raises(ValueError, match="mrope_section"):
+        split_vision_config({**config, "rope_scaling": {"type": "mrope", "mrope_section": [16, 24]}}, "config.json")

@@ -71,6 +71,7 @@ def hf_qwen2vl(model_dir: str, prompts: list[tuple[list[int], list]], max_tokens
                                  max_new_tokens=max_tokens, pad_token_id=0, output_scores=True,
                                  return_dict_in_generate=True, **kwargs)
             tokens = out.sequences[0, len(expanded):].tolist()
-            logprobs = [torch.log_softmax(score[0].float(), -1)[token].item() for score, token in zip(out.scores, tokens)]
+            logprobs = [torch.log_softmax(score[0].float(), -1)[token].item()
+                        for score, token in zip(out.scores, tokens)]
             outputs.append((tokens, logprobs))
     return outputs
