@@ -7,9 +7,10 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 
-from actors.multimodal.qwen2_vl_config import QWEN2_VL, Qwen2VLVisionConfig, split_qwen2_vl_config
+from actors.multimodal.qwen2_vl_config import QWEN2_5_VL, QWEN2_VL, Qwen2VLVisionConfig, split_qwen2_vl_config
 
-VISION_ARCHITECTURES = ("LlavaForConditionalGeneration", "Qwen2VLForConditionalGeneration")
+VISION_ARCHITECTURES = ("LlavaForConditionalGeneration", "Qwen2VLForConditionalGeneration",
+                        "Qwen2_5_VLForConditionalGeneration")
 # the text models a LLaVA checkpoint may wrap, by text_config.model_type
 _TEXT_ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}
 DEFAULT_LIMIT_PER_PROMPT = 999  # vLLM's default for every modality
@@ -42,7 +43,7 @@ class VisionConfig:
 def split_vision_config(config: dict, config_path: str) -> tuple[dict, VisionConfig]:
     """(the text model's config as a ...ForCausalLM config.json would hold it, the vision
     side) of a LLaVA config.json; ValueError for what the engine cannot run."""
-    if config["architectures"][0] == QWEN2_VL:  # (its own layout: actors/multimodal/qwen2_vl_config.py)
+    if config["architectures"][0] in (QWEN2_VL, QWEN2_5_VL):  # (its own layout: actors/multimodal/qwen2_vl_config.py)
         text, qwen2_vl = split_qwen2_vl_config(config, config_path)
         return text, VisionConfig(
             architecture=qwen2_vl.architecture, image_token_id=qwen2_vl.image_token_id,

@@ -16,7 +16,6 @@ from typing import Any
 import numpy as np
 
 from actors.multimodal.config import VisionConfig
-from actors.multimodal.qwen2_vl_config import QWEN2_VL
 from actors.multimodal.fetch import fetch_image, is_http_url
 from messages.common import InvalidRequestError
 from messages.multimodal import MultiModalInput
@@ -158,7 +157,7 @@ class ImageInputs:
     @staticmethod
     def build(model_dir: str, vision, tokenizer, limit: int) -> ImageInputs:
         """LLaVA's, or Qwen2-VL's (actors/multimodal/qwen2_vl_inputs.py)."""
-        if vision.architecture == QWEN2_VL:
+        if vision.qwen2_vl is not None:
             from actors.multimodal.qwen2_vl_inputs import Qwen2VLImageInputs
 
             return Qwen2VLImageInputs(model_dir, vision, tokenizer, limit)

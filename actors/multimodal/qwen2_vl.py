@@ -57,7 +57,8 @@ class Qwen2VLVisionEncoder:
         quarter = self.head_dim // 2  # the rotary's dimension per axis, in HF's terms
         self.inv_freq = 1.0 / (10000.0 ** (torch.arange(0, quarter, 2, dtype=torch.float) / quarter))
         self.weights: dict[str, torch.Tensor] = {}
-        self._rotary: tuple[tuple[int, int, int], tuple[torch.Tensor, torch.Tensor]] | None = None  # the last grid's
+        # the last grid's (cos, sin, Qwen2.5-VL's window order and window lengths)
+        self._layout: tuple[tuple[int, int, int], tuple] | None = None
 
     def load_weights(self, weights: dict[str, object]) -> None:
         self.weights = {name: torch.as_tensor(tensor[:] if not isinstance(tensor, torch.Tensor) else tensor)
@@ -71,30 +72,63 @@ class Qwen2VLVisionEncoder:
         """Random weights of the right shapes, for benchmarks."""
         c = self.config
         generator = torch.Generator().manual_seed(seed)
-        dim, hidden = c.embed_dim, int(c.embed_dim * c.mlp_ratio)
+        dim, hidden = c.embed_dim, c.intermediate_size if c.qwen2_5 else int(c.embed_dim * c.mlp_ratio)
         merged = dim * c.spatial_merge_size ** 2
         shapes = {"patch_embed.proj.weight": (dim, c.patch_features), "merger.ln_q.weight": (dim,),
-                  "merger.ln_q.bias": (dim,), "merger.mlp.0.weight": (merged, merged), "merger.mlp.0.bias": (merged,),
+                  "merger.mlp.0.weight": (merged, merged), "merger.mlp.0.bias": (merged,),
                   "merger.mlp.2.weight": (c.text_hidden_size, merged), "merger.mlp.2.bias": (c.text_hidden_size,)}
         for index in range(c.depth):
             prefix = f"blocks.{index}."
             shapes.update({f"{prefix}attn.qkv.weight": (3 * dim, dim), f"{prefix}attn.qkv.bias": (3 * dim,),
                            f"{prefix}attn.proj.weight": (dim, dim), f"{prefix}attn.proj.bias": (dim,),
-                           f"{prefix}mlp.fc1.weight": (hidden, dim), f"{prefix}mlp.fc1.bias": (hidden,),
-                           f"{prefix}mlp.fc2.weight": (dim, hidden), f"{prefix}mlp.fc2.bias": (dim,)})
-            for norm in ("norm1", "norm2"):
-                shapes.update({f"{prefix}{norm}.weight": (dim,), f"{prefix}{norm}.bias": (dim,)})
+                           f"{prefix}norm1.weight": (dim,), f"{prefix}norm2.weight": (dim,)})
+            inputs = ("gate_proj", "up_proj") if c.qwen2_5 else ("fc1",)
+            shapes.update({f"{prefix}mlp.{name}.{kind}": shape for name in inputs
+                           for kind, shape in (("weight", (hidden, dim)), ("bias", (hidden,)))})
+            output = "down_proj" if c.qwen2_5 else "fc2"
+            shapes.update({f"{prefix}mlp.{output}.weight": (dim, hidden), f"{prefix}mlp.{output}.bias": (dim,)})
+        if not c.qwen2_5:  # (Qwen2.5-VL's RMSNorms have no bias)
+            shapes.update({name.replace("weight", "bias"): shapes[name] for name in list(shapes)
+                           if "norm" in name or "ln_q" in name})
         weights = {name: torch.randn(*shape, generator=generator) * 0.02 for name, shape in shapes.items()}
         for name in weights:
             if "norm" in name or "ln_q" in name:
                 weights[name] = (1.0 if name.endswith("weight") else 0.0) + weights[name]
         self.load_weights(weights)
 
-    def rotary(self, grid_thw: tuple[int, int, int]) -> tuple[torch.Tensor, torch.Tensor]:
-        """(cos, sin) [patches, head_dim] of the patches in the image processor's order: merge
-        windows row by row, each window's patches row by row."""
-        if self._rotary is not None and self._rotary[0] == grid_thw:  # (images of one size: computed once)
-            return self._rotary[1]
+    def layout(self, grid_thw: tuple[int, int, int]) -> tuple:
+        """(cos, sin [patches, head_dim], window order, window lengths) of an image's patches.
+        Qwen2-VL: the image processor's order (merge units row by row, each unit's patches row
+        by row), order None, one window. Qwen2.5-VL: merge units regrouped window by window
+        (window_size pixels square, row by row), the windows' patch counts."""
+        if self._layout is not None and self._layout[0] == grid_thw:  # (images of one size: computed once)
+            return self._layout[1]
+        cos, sin = self._rotary(grid_thw)
+        order, lengths = None, None
+        if self.config.qwen2_5:
+            order, lengths = self._windows(grid_thw)
+            unit = self.config.spatial_merge_size ** 2
+            cos, sin = (x.view(-1, unit, x.shape[-1])[order].reshape(x.shape) for x in (cos, sin))
+        self._layout = (grid_thw, (cos, sin, order, lengths))
+        return self._layout[1]
+
+    def _windows(self, grid_thw: tuple[int, int, int]) -> tuple[torch.Tensor, list[int]]:
+        """Merge units in window order, and each window's patch count (edge windows are smaller)."""
+        c = self.config
+        t, h, w = grid_thw
+        m, size = c.spatial_merge_size, c.window_size // c.spatial_merge_size // c.patch_size
+        h, w = h // m, w // m
+        units = torch.arange(t * h * w).view(t, h, w)
+        order, lengths = [], []
+        for frame in range(t):
+            for top in range(0, h, size):
+                for left in range(0, w, size):
+                    window = units[frame, top: top + size, left: left + size].flatten()
+                    order.append(window)
+                    lengths.append(window.numel() * m * m)
+        return torch.cat(order), lengths
+
+    def _rotary(self, grid_thw: tuple[int, int, int]) -> tuple[torch.Tensor, torch.Tensor]:
         t, h, w = grid_thw
         m = self.config.spatial_merge_size
         rows, cols = torch.meshgrid(torch.arange(h), torch.arange(w), indexing="ij")
@@ -103,39 +137,62 @@ class Qwen2VLVisionEncoder:
         cols = cols.reshape(order).transpose(1, 2).flatten().repeat(t)
         freqs = torch.cat([rows[:, None].float() * self.inv_freq, cols[:, None].float() * self.inv_freq], dim=-1)
         freqs = torch.cat([freqs, freqs], dim=-1).to(self.device)
-        self._rotary = (grid_thw, (freqs.cos(), freqs.sin()))
-        return self._rotary[1]
+        return freqs.cos(), freqs.sin()
 
     @torch.inference_mode()
     def __call__(self, patches: torch.Tensor, grid_thw: tuple[int, int, int]) -> torch.Tensor:
         c, w = self.config, self.weights
         x = F.linear(patches.to(device=self.device, dtype=self.dtype), w["patch_embed.proj.weight"])
-        cos, sin = self.rotary(grid_thw)
-        frames = grid_thw[0]
+        cos, sin, order, windows = self.layout(grid_thw)
+        unit = c.spatial_merge_size ** 2
+        if order is not None:
+            x = x.view(-1, unit, x.shape[-1])[order].reshape(x.shape)
+        frames = [x.shape[0] // grid_thw[0]] * grid_thw[0]
         for index in range(c.depth):
-            x = self._block(x, f"blocks.{index}.", cos, sin, frames)
-        x = F.layer_norm(x, (c.embed_dim,), w["merger.ln_q.weight"], w["merger.ln_q.bias"], _EPS)
-        x = x.reshape(-1, c.embed_dim * c.spatial_merge_size ** 2)
+            windowed = windows is not None and index not in c.fullatt_block_indexes
+            x = self._block(x, f"blocks.{index}.", cos, sin, windows if windowed else frames)
+        x = self._norm(x, "merger.ln_q").reshape(-1, c.embed_dim * unit)
         x = F.gelu(F.linear(x, w["merger.mlp.0.weight"], w["merger.mlp.0.bias"]))
-        return F.linear(x, w["merger.mlp.2.weight"], w["merger.mlp.2.bias"])
+        x = F.linear(x, w["merger.mlp.2.weight"], w["merger.mlp.2.bias"])
+        return x if order is None else x[torch.argsort(order)]  # back to the image's order
+
+    def _norm(self, x: torch.Tensor, prefix: str) -> torch.Tensor:
+        """Qwen2-VL's LayerNorm, Qwen2.5-VL's RMSNorm (as Hugging Face's, in float32)."""
+        w = self.weights
+        if not self.config.qwen2_5:
+            return F.layer_norm(x, (x.shape[-1],), w[f"{prefix}.weight"], w[f"{prefix}.bias"], _EPS)
+        y = x.float()
+        y = y * torch.rsqrt(y.pow(2).mean(-1, keepdim=True) + _EPS)
+        return w[f"{prefix}.weight"] * y.to(x.dtype)
+
+    def _mlp(self, x: torch.Tensor, prefix: str) -> torch.Tensor:
+        w, act = self.weights, _ACTIVATIONS[self.config.hidden_act]
+        if not self.config.qwen2_5:
+            return F.linear(act(F.linear(x, w[f"{prefix}fc1.weight"], w[f"{prefix}fc1.bias"])),
+                            w[f"{prefix}fc2.weight"], w[f"{prefix}fc2.bias"])
+        gate = act(F.linear(x, w[f"{prefix}gate_proj.weight"], w[f"{prefix}gate_proj.bias"]))
+        return F.linear(gate * F.linear(x, w[f"{prefix}up_proj.weight"], w[f"{prefix}up_proj.bias"]),
+                        w[f"{prefix}down_proj.weight"], w[f"{prefix}down_proj.bias"])
 
     def _block(self, x: torch.Tensor, prefix: str, cos: torch.Tensor, sin: torch.Tensor,
-               frames: int) -> torch.Tensor:
+               segments: list[int]) -> torch.Tensor:
+        """One pre-norm block; attention within each segment (a frame, or a window) of patches."""
         c, w = self.config, self.weights
         num_patches, dim = x.shape
-        y = F.layer_norm(x, (dim,), w[f"{prefix}norm1.weight"], w[f"{prefix}norm1.bias"], _EPS)
+        y = self._norm(x, f"{prefix}norm1")
         qkv = F.linear(y, w[f"{prefix}attn.qkv.weight"], w[f"{prefix}attn.qkv.bias"])
         qkv = qkv.view(num_patches, 3, c.num_heads, self.head_dim)
         # queries and keys rotate as one [patches, 2 x heads, head_dim] tensor: half the ops
         qk = _rotate(qkv[:, :2].reshape(num_patches, 2 * c.num_heads, self.head_dim), cos, sin)
         (q, k), v = qk.view(num_patches, 2, c.num_heads, self.head_dim).unbind(1), qkv[:, 2]
-        # full attention within each frame (an image is one): [frames, heads, patches per frame, head_dim]
-        q, k, v = (t.view(frames, -1, c.num_heads, self.head_dim).transpose(1, 2) for t in (q, k, v))
-        attn = F.scaled_dot_product_attention(q, k, v).transpose(1, 2).reshape(num_patches, dim)
+        if len(set(segments)) == 1:  # equal segments (an image's one frame): one batched call
+            q, k, v = (t.view(len(segments), -1, c.num_heads, self.head_dim).transpose(1, 2) for t in (q, k, v))
+            attn = F.scaled_dot_product_attention(q, k, v).transpose(1, 2).reshape(num_patches, dim)
+        else:
+            attn = torch.cat([F.scaled_dot_product_attention(*(t.transpose(0, 1) for t in qkv_)).transpose(0, 1)
+                              for qkv_ in zip(*(t.split(segments) for t in (q, k, v)))]).reshape(num_patches, dim)
         x = x + F.linear(attn, w[f"{prefix}attn.proj.weight"], w[f"{prefix}attn.proj.bias"])
-        y = F.layer_norm(x, (dim,), w[f"{prefix}norm2.weight"], w[f"{prefix}norm2.bias"], _EPS)
-        y = _ACTIVATIONS[c.hidden_act](F.linear(y, w[f"{prefix}mlp.fc1.weight"], w[f"{prefix}mlp.fc1.bias"]))
-        return x + F.linear(y, w[f"{prefix}mlp.fc2.weight"], w[f"{prefix}mlp.fc2.bias"])
+        return x + self._mlp(self._norm(x, f"{prefix}norm2"), f"{prefix}mlp.")
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

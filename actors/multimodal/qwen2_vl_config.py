@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 QWEN2_VL = "Qwen2VLForConditionalGeneration"
+QWEN2_5_VL = "Qwen2_5_VLForConditionalGeneration"
 
 
 @dataclass(frozen=True)
@@ -31,6 +32,12 @@ class Qwen2VLVisionConfig:
     hidden_act: str  # the ViT's MLP activation ("quick_gelu")
     text_hidden_size: int  # the merger's output width: the decoder's hidden size
     mrope_section: tuple[int, int, int]  # rotary frequency pairs taken from the t, h, w positions
+    # Qwen2.5-VL's ViT: RMSNorm, a gated MLP of intermediate_size, attention within windows of
+    # window_size pixels except in the fullatt_block_indexes blocks
+    qwen2_5: bool = False
+    intermediate_size: int = 0
+    window_size: int = 0
+    fullatt_block_indexes: tuple[int, ...] = ()
 
     @property
     def patch_features(self) -> int:
@@ -63,6 +70,9 @@ def split_qwen2_vl_config(config: dict, config_path: str) -> tuple[dict, Qwen2VL
     text["rope_parameters"] = {"rope_type": "default",
                                "rope_theta": float(rope.get("rope_theta", text.get("rope_theta", 1000000.0)))}
     vision = config.get("vision_config") or {}
+    qwen2_5 = config["architectures"][0] == QWEN2_5_VL
+    # (Qwen2.5-VL's vision hidden_size is the ViT's width, out_hidden_size the decoder's)
+    embed_dim = vision.get("hidden_size", 1280) if qwen2_5 else vision.get("embed_dim", 1280)
     for key in ("image_token_id", "vision_start_token_id", "vision_end_token_id"):
         if config.get(key) is None:
             raise ValueError(f"{config_path}: missing {key!r}")
@@ -70,10 +80,12 @@ def split_qwen2_vl_config(config: dict, config_path: str) -> tuple[dict, Qwen2VL
         architecture=config["architectures"][0], image_token_id=int(config["image_token_id"]),
         vision_start_token_id=int(config["vision_start_token_id"]),
         vision_end_token_id=int(config["vision_end_token_id"]), depth=int(vision.get("depth", 32)),
-        embed_dim=int(vision.get("embed_dim", 1280)), num_heads=int(vision.get("num_heads", 16)),
+        embed_dim=int(embed_dim), num_heads=int(vision.get("num_heads", 16)),
         mlp_ratio=float(vision.get("mlp_ratio", 4)),
         in_channels=int(vision.get("in_channels", vision.get("in_chans", 3))),
         patch_size=int(vision.get("patch_size", 14)), spatial_merge_size=int(vision.get("spatial_merge_size", 2)),
         temporal_patch_size=int(vision.get("temporal_patch_size", 2)),
         hidden_act=vision.get("hidden_act", "quick_gelu"), text_hidden_size=int(text["hidden_size"]),
-        mrope_section=tuple(int(s) for s in section))
+        mrope_section=tuple(int(s) for s in section), qwen2_5=qwen2_5,
+        intermediate_size=int(vision.get("intermediate_size", 0)), window_size=int(vision.get("window_size", 0)),
+        fullatt_block_indexes=tuple(vision.get("fullatt_block_indexes", ())))

@@ -16,7 +16,6 @@ import numpy as np
 import torch
 
 from actors.multimodal.config import VisionConfig
-from actors.multimodal.qwen2_vl_config import QWEN2_VL
 from actors.multimodal.llava import LlavaVisionEncoder, split_llava_weights
 from messages.multimodal import MultiModalInput
 
@@ -31,7 +30,7 @@ class VisionRunner:
     @staticmethod
     def build(config, dtype: torch.dtype, device: torch.device) -> VisionRunner:
         """The runner of this vision model: LLaVA's, or Qwen2-VL's (actors/multimodal/qwen2_vl.py)."""
-        if config.architecture == QWEN2_VL:
+        if config.qwen2_vl is not None:
             from actors.multimodal.qwen2_vl import Qwen2VLRunner
 
             return Qwen2VLRunner(config, dtype, device)

@@ -1,7 +1,8 @@
 """A tiny random Qwen2-VL through the offline LLM against Hugging Face's generate on the same
 weights, tokens and logprobs: one and two images per prompt in several sizes and aspect
 ratios, batched with text-only prompts, chunked prefill splitting image spans, preemption,
-prefix caching keyed by the image; M-RoPE's positions against Hugging Face's get_rope_index."""
+prefix caching keyed by the image; M-RoPE's positions against Hugging Face's get_rope_index;
+Qwen2.5-VL (window attention in its ViT) batched and chunked."""
 
 from __future__ import annotations
 
@@ -161,19 +162,22 @@ def test_positions_match_hf_get_rope_index():
     assert torch.equal(ours, expected[:, 0]) and our_delta == delta.item()
 
 
-def test_unsupported_features_are_refused_at_start_up(tiny_qwen2vl_dir, tmp_path):
+def test_unsupported_features_are_refused_at_start_up(tiny_qwen2vl_dir):
     with pytest.raises(ValueError, match="LoRA"):
         LLM(tiny_qwen2vl_dir, enable_lora=True)
-    import json
-    import shutil
+    with pytest.raises(ValueError, match="speculative decoding"):
+        LLM(tiny_qwen2vl_dir, speculative_config={"method": "ngram", "num_speculative_tokens": 2})
 
-    qwen25 = tmp_path / "qwen25"
-    shutil.copytree(tiny_qwen2vl_dir, qwen25)
-    config = json.loads((qwen25 / "config.json").read_text())
-    config["architectures"] = ["Qwen2_5_VLForConditionalGeneration"]
-    (qwen25 / "config.json").write_text(json.dumps(config))
-    with pytest.raises(ValueError, match="Qwen2_5_VLForConditionalGeneration"):
-        LLM(str(qwen25))
+
+def test_qwen2_5_vl_matches_hf_batched_and_chunked(tiny_qwen25vl_dir, monkeypatch):
+    # its ViT: RMSNorm, gated MLP, windows of 2 x 2 merged patches (edge windows smaller:
+    # the 10 x 14 grid) in block 0, full attention in block 1
+    calls = count_encoder_calls(monkeypatch)
+    run_both(LLM(tiny_qwen25vl_dir, kv_cache_memory="64MiB"), tiny_qwen25vl_dir, mixed_prompts(seed=11))
+    llm = LLM(tiny_qwen25vl_dir, max_num_batched_tokens=5, kv_cache_memory="64MiB")
+    run_both(llm, tiny_qwen25vl_dir, mixed_prompts(seed=12))
+    assert len(calls) == 2 * sum(len(images) for _, images in mixed_prompts(seed=0))
+    assert_worker_state_dropped(llm)
 
 
 def test_the_checkpoints_flat_config_layout_is_read():

@@ -16,8 +16,10 @@ MIN_PIXELS, MAX_PIXELS = 28 * 28, 28 * 28 * 64
 
 
 def build_tiny_qwen2vl(out_dir: str, seed: int = 0, vision_depth: int = 2, text_layers: int = 2,
-                       hidden_size: int = 64, embed_dim: int = 32) -> str:
-    from transformers import Qwen2VLConfig, Qwen2VLForConditionalGeneration
+                       hidden_size: int = 64, embed_dim: int = 32, qwen2_5: bool = False) -> str:
+    """qwen2_5: a Qwen2.5-VL (RMSNorm, gated MLP, windows of 2 x 2 merged patches in block 0,
+    full attention in block 1)."""
+    import transformers
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
     tokenizer = build_tiny_tokenizer()
@@ -30,11 +32,16 @@ def build_tiny_qwen2vl(out_dir: str, seed: int = 0, vision_depth: int = 2, text_
                 rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]})
     vision = dict(depth=vision_depth, embed_dim=embed_dim, hidden_size=hidden_size, num_heads=4, mlp_ratio=2,
                   patch_size=14, spatial_merge_size=2, temporal_patch_size=2, hidden_act="quick_gelu")
-    config = Qwen2VLConfig(text_config=text, vision_config=vision, vision_start_token_id=ids[0],
-                           image_token_id=ids[1], vision_end_token_id=ids[2], video_token_id=ids[1],
-                           tie_word_embeddings=False)
+    if qwen2_5:
+        vision = dict(depth=vision_depth, hidden_size=embed_dim, intermediate_size=2 * embed_dim, num_heads=4,
+                      out_hidden_size=hidden_size, patch_size=14, spatial_merge_size=2, temporal_patch_size=2,
+                      hidden_act="silu", window_size=56, fullatt_block_indexes=[vision_depth - 1])
+    prefix = "Qwen2_5_VL" if qwen2_5 else "Qwen2VL"
+    config = getattr(transformers, f"{prefix}Config")(
+        text_config=text, vision_config=vision, vision_start_token_id=ids[0], image_token_id=ids[1],
+        vision_end_token_id=ids[2], video_token_id=ids[1], tie_word_embeddings=False)
     torch.manual_seed(seed)
-    model = Qwen2VLForConditionalGeneration(config)
+    model = getattr(transformers, f"{prefix}ForConditionalGeneration")(config)
     _randomize_weights(model)
     model.save_pretrained(out_dir)
     tokenizer.save_pretrained(out_dir)
@@ -46,10 +53,15 @@ def hf_qwen2vl(model_dir: str, prompts: list[tuple[list[int], list]], max_tokens
                ) -> list[tuple[list[int], list[float]]]:
     """Hugging Face's greedy (tokens, chosen-token logprobs) of each (token ids with one
     <|image_pad|> per image, images)."""
-    from transformers import AutoImageProcessor, Qwen2VLForConditionalGeneration
+    import json
+
+    import transformers
+    from transformers import AutoImageProcessor
 
     if model is None:
-        model = Qwen2VLForConditionalGeneration.from_pretrained(model_dir, dtype=torch.float32).eval()
+        with open(f"{model_dir}/config.json") as config:
+            architecture = json.load(config)["architectures"][0]
+        model = getattr(transformers, architecture).from_pretrained(model_dir, dtype=torch.float32).eval()
     model.generation_config.eos_token_id = None
     image_processor = AutoImageProcessor.from_pretrained(model_dir)
     image_token_id = model.config.image_token_id
