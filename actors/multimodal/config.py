@@ -43,7 +43,7 @@ class VisionConfig:
 def split_vision_config(config: dict, config_path: str) -> tuple[dict, VisionConfig]:
     """(the text model's config as a ...ForCausalLM config.json would hold it, the vision
     side) of a LLaVA config.json; ValueError for what the engine cannot run."""
-    if config["architectures"][0] in (QWEN2_VL, QWEN2_5_VL):  # (its own layout: actors/multimodal/qwen2_vl_config.py)
+    if config["architectures"][0] in (QWEN2_VL, QWEN2_5_VL):  # (its layout: qwen2_vl_config.py)
         text, qwen2_vl = split_qwen2_vl_config(config, config_path)
         return text, VisionConfig(
             architecture=qwen2_vl.architecture, image_token_id=qwen2_vl.image_token_id,
