@@ -141,20 +141,35 @@ class Qwen2VLVisionEncoder:
 
     @torch.inference_mode()
     def __call__(self, patches: torch.Tensor, grid_thw: tuple[int, int, int]) -> torch.Tensor:
+        return self.encode_many([(patches, grid_thw)])[0]
+
+    @torch.inference_mode()
+    def encode_many(self, images: list[tuple[torch.Tensor, tuple[int, int, int]]]) -> list[torch.Tensor]:
+        """Several images' features in one pass: their patches concatenated (bigger matmuls,
+        a batched attention call where the images are of one size), attention within each."""
         c, w = self.config, self.weights
-        x = F.linear(patches.to(device=self.device, dtype=self.dtype), w["patch_embed.proj.weight"])
-        cos, sin, order, windows = self.layout(grid_thw)
         unit = c.spatial_merge_size ** 2
-        if order is not None:
+        layouts = [self.layout(grid) for _, grid in images]
+        patches = torch.cat([p for p, _ in images]) if len(images) > 1 else images[0][0]
+        x = F.linear(patches.to(device=self.device, dtype=self.dtype), w["patch_embed.proj.weight"])
+        cos, sin = (torch.cat([layout[i] for layout in layouts]) for i in (0, 1))
+        frames = [h * w_ for _, (t, h, w_) in images for _ in range(t)]
+        windowed = c.qwen2_5
+        if windowed:  # each image's merge units in window order (offset by the units before it)
+            units = [p.shape[0] // unit for p, _ in images]
+            starts = np.cumsum([0] + units[:-1]).tolist()
+            order = torch.cat([layout[2] + start for layout, start in zip(layouts, starts)])
+            windows = [length for layout in layouts for length in layout[3]]
             x = x.view(-1, unit, x.shape[-1])[order].reshape(x.shape)
-        frames = [x.shape[0] // grid_thw[0]] * grid_thw[0]
         for index in range(c.depth):
-            windowed = windows is not None and index not in c.fullatt_block_indexes
-            x = self._block(x, f"blocks.{index}.", cos, sin, windows if windowed else frames)
+            in_windows = windowed and index not in c.fullatt_block_indexes
+            x = self._block(x, f"blocks.{index}.", cos, sin, windows if in_windows else frames)
         x = self._norm(x, "merger.ln_q").reshape(-1, c.embed_dim * unit)
         x = F.gelu(F.linear(x, w["merger.mlp.0.weight"], w["merger.mlp.0.bias"]))
         x = F.linear(x, w["merger.mlp.2.weight"], w["merger.mlp.2.bias"])
-        return x if order is None else x[torch.argsort(order)]  # back to the image's order
+        if windowed:
+            x = x[torch.argsort(order)]  # back to the images' order
+        return list(x.split([p.shape[0] // unit for p, _ in images]))
 
     def _norm(self, x: torch.Tensor, prefix: str) -> torch.Tensor:
         """Qwen2-VL's LayerNorm, Qwen2.5-VL's RMSNorm (as Hugging Face's, in float32)."""
@@ -231,13 +246,25 @@ class Qwen2VLRunner(VisionRunner):
         self.positions.remove_request(request_id)
 
     def encode(self, mm: MultiModalInput) -> torch.Tensor:
-        # (the pixel values travel as [t, h, w, patch features]: the grid is their shape)
-        t, h, w, features = mm.shape
-        patches = np.frombuffer(mm.pixel_values, dtype=np.dtype(mm.dtype).newbyteorder("<"))
-        return self.encoder(torch.from_numpy(patches.reshape(t * h * w, features).copy()), (t, h, w))
+        return self.encoder.encode_many([_patches(mm)])[0]
+
+    def _encode_starting(self, batch: list) -> None:
+        """The images this step starts, encoded together into the encoder cache (where
+        input_embeds finds them), when there are several."""
+        starting = []
+        for request, num_tokens in batch:
+            start, end = request.num_computed_tokens, request.num_computed_tokens + num_tokens
+            cached = self.cache.get(request.request_id, {})
+            starting += [(request.request_id, index, mm) for index, mm in enumerate(request.mm_inputs or ())
+                         if max(start, mm.offset) < min(end, mm.offset + mm.length) and index not in cached]
+        if len(starting) > 1:
+            features = self.encoder.encode_many([_patches(mm) for _, _, mm in starting])
+            for (request_id, index, _), image_features in zip(starting, features):
+                self.cache.setdefault(request_id, {})[index] = image_features
 
     def step_inputs(self, model, input_ids: torch.Tensor, positions: torch.Tensor,
                     batch: list) -> tuple[torch.Tensor | None, torch.Tensor]:
+        self._encode_starting(batch)
         embeds = self.input_embeds(model.embed, input_ids, batch)
         if self.text_cos_sin is None:
             self.text_cos_sin = model.cos_sin_cache
@@ -249,3 +276,11 @@ class Qwen2VLRunner(VisionRunner):
                           for request, num_tokens in batch], dim=1)
         model.cos_sin_cache = step_cos_sin(self.text_cos_sin, rows, self.sections)
         return embeds, torch.arange(rows.shape[1], device=positions.device)
+
+
+def _patches(mm: MultiModalInput) -> tuple[torch.Tensor, tuple[int, int, int]]:
+    """An image's flattened patches and grid: its pixel values travel as [t, h, w, patch
+    features], the grid being their shape."""
+    t, h, w, features = mm.shape
+    patches = np.frombuffer(mm.pixel_values, dtype=np.dtype(mm.dtype).newbyteorder("<"))
+    return torch.from_numpy(patches.reshape(t * h * w, features).copy()), (t, h, w)

@@ -48,9 +48,13 @@ def mixed_prompts(seed: int) -> list[tuple[str, list]]:
             ("Once upon a time there was a little robot", [])]
 
 
-def test_images_batched_with_text_match_hf(tiny_qwen2vl_dir):
+def test_images_batched_with_text_match_hf(tiny_qwen2vl_dir, monkeypatch):
+    calls = count_encoder_calls(monkeypatch)
     llm = LLM(tiny_qwen2vl_dir, kv_cache_memory="64MiB")
     run_both(llm, tiny_qwen2vl_dir, mixed_prompts(seed=0))
+    # images of one size, started in one step: encoded in one batched pass
+    run_both(llm, tiny_qwen2vl_dir, [(f"Look {IMAGE} here", [draw_image(90, 90, 40 + i)]) for i in range(3)])
+    assert len(calls) == 4 + 3
 
 
 def test_the_image_and_its_positions_change_the_output(tiny_qwen2vl_dir, monkeypatch):
@@ -73,10 +77,10 @@ def test_the_image_and_its_positions_change_the_output(tiny_qwen2vl_dir, monkeyp
 
 def count_encoder_calls(monkeypatch) -> list:
     calls = []
-    real_call = Qwen2VLVisionEncoder.__call__
-    monkeypatch.setattr(Qwen2VLVisionEncoder, "__call__",
-                        lambda self, patches, grid: calls.append(grid) or real_call(self, patches, grid))
-    return calls
+    real_encode = Qwen2VLVisionEncoder.encode_many
+    monkeypatch.setattr(Qwen2VLVisionEncoder, "encode_many",
+                        lambda self, images: calls.extend(grid for _, grid in images) or real_encode(self, images))
+    return calls  # the grids of the images encoded (several in one call where a step starts several)
 
 
 def assert_worker_state_dropped(llm: LLM) -> None:
