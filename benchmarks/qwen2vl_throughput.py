@@ -103,10 +103,10 @@ def main() -> None:
     vision = llm.engine.runner.vision
     probes = [llm.inputs.process_media(question, params, multi_modal_data={"image": image})[2][0]
               for image in images[:4]]
-    from actors.multimodal.qwen2_vl import _patches
+    from actors.multimodal.qwen2_vl import image_patches
 
     start = time.perf_counter()
-    vision.encoder.encode_many([_patches(mm) for mm in probes])  # (as a step starting 4 images does)
+    vision.encoder.encode_many([image_patches(mm) for mm in probes])  # (as a step starting 4 images does)
     vit_s = (time.perf_counter() - start) / len(probes)
     print(f"troupe's ViT: {vit_s * 1e3:.0f} ms per image, {vit_s * len(images) / troupe_s:.0%} of its time")
     if not args.hf_batch_size:

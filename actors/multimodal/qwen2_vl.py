@@ -6,8 +6,10 @@ attention rotates queries and keys by a 2D rotary (half the head's frequencies f
 patch's row, half from its column) and attends over the whole image (each frame), and the
 patch merger: a LayerNorm, then spatial_merge_size^2 neighbouring patches (adjacent in the
 image processor's order) concatenated through a two-layer GELU MLP into the decoder's hidden
-size. The runner adds M-RoPE (actors/multimodal/mrope.py) to VisionRunner's encoder cache
-and embedding merge."""
+size. Qwen2.5-VL's ViT differs in RMSNorms, a gated SiLU MLP, and attention within windows
+of window_size pixels in all blocks but fullatt_block_indexes. The runner adds M-RoPE
+(actors/multimodal/mrope.py) to VisionRunner's encoder cache and embedding merge, and
+encodes the images a step starts in one pass."""
 
 from __future__ import annotations
 
@@ -246,7 +248,7 @@ class Qwen2VLRunner(VisionRunner):
         self.positions.remove_request(request_id)
 
     def encode(self, mm: MultiModalInput) -> torch.Tensor:
-        return self.encoder.encode_many([_patches(mm)])[0]
+        return self.encoder.encode_many([image_patches(mm)])[0]
 
     def _encode_starting(self, batch: list) -> None:
         """The images this step starts, encoded together into the encoder cache (where
@@ -258,7 +260,7 @@ class Qwen2VLRunner(VisionRunner):
             starting += [(request.request_id, index, mm) for index, mm in enumerate(request.mm_inputs or ())
                          if max(start, mm.offset) < min(end, mm.offset + mm.length) and index not in cached]
         if len(starting) > 1:
-            features = self.encoder.encode_many([_patches(mm) for _, _, mm in starting])
+            features = self.encoder.encode_many([image_patches(mm) for _, _, mm in starting])
             for (request_id, index, _), image_features in zip(starting, features):
                 self.cache.setdefault(request_id, {})[index] = image_features
 
@@ -278,7 +280,7 @@ class Qwen2VLRunner(VisionRunner):
         return embeds, torch.arange(rows.shape[1], device=positions.device)
 
 
-def _patches(mm: MultiModalInput) -> tuple[torch.Tensor, tuple[int, int, int]]:
+def image_patches(mm: MultiModalInput) -> tuple[torch.Tensor, tuple[int, int, int]]:
     """An image's flattened patches and grid: its pixel values travel as [t, h, w, patch
     features], the grid being their shape."""
     t, h, w, features = mm.shape
