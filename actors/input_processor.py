@@ -271,8 +271,8 @@ def image_inputs(engine, tokenizer) -> ImageInputs | None:
     if engine.model.vision is None:
         return None
     limit = engine.limit_mm_per_prompt.get("image", DEFAULT_LIMIT_PER_PROMPT)
-    return ImageInputs(engine.model.model_path, engine.model.vision, tokenizer, limit, engine.allowed_local_media_path,
-                       engine.mm_processor_cache_gb)
+    return ImageInputs.build(engine.model.model_path, engine.model.vision, tokenizer, limit,
+                             engine.allowed_local_media_path, engine.mm_processor_cache_gb)
 
 
 def check_reasoning_markers(tokenizer, reasoning_parser: str | None) -> None:

@@ -7,9 +7,11 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 
+from actors.multimodal.qwen2_vl_config import QWEN2_5_VL, QWEN2_VL, Qwen2VLVisionConfig, split_qwen2_vl_config
 from actors.multimodal.towers import tower_defaults
 
-VISION_ARCHITECTURES = ("LlavaForConditionalGeneration",)
+VISION_ARCHITECTURES = ("LlavaForConditionalGeneration", "Qwen2VLForConditionalGeneration",
+                        "Qwen2_5_VLForConditionalGeneration")
 # the text models a LLaVA checkpoint may wrap, by text_config.model_type
 _TEXT_ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}
 DEFAULT_LIMIT_PER_PROMPT = 999  # vLLM's default for every modality
@@ -36,11 +38,22 @@ class VisionConfig:
     feature_layers: tuple[int, ...]  # hidden states fed to the projector (concatenated), e.g. (-2,)
     feature_select_strategy: str  # "default": drop the CLS position; "full": keep it
     tower: str = "clip_vision_model"  # vision_config.model_type: CLIP or SigLIP (towers.py)
+    # a Qwen2-VL's own vision side (the fields above then hold its ViT's nearest equivalents)
+    qwen2_vl: Qwen2VLVisionConfig | None = None
 
 
 def split_vision_config(config: dict, config_path: str) -> tuple[dict, VisionConfig]:
     """(the text model's config as a ...ForCausalLM config.json would hold it, the vision
     side) of a LLaVA config.json; ValueError for what the engine cannot run."""
+    if config["architectures"][0] in (QWEN2_VL, QWEN2_5_VL):  # (its layout: qwen2_vl_config.py)
+        text, qwen2_vl = split_qwen2_vl_config(config, config_path)
+        return text, VisionConfig(
+            architecture=qwen2_vl.architecture, image_token_id=qwen2_vl.image_token_id,
+            hidden_size=qwen2_vl.embed_dim, intermediate_size=int(qwen2_vl.embed_dim * qwen2_vl.mlp_ratio),
+            num_hidden_layers=qwen2_vl.depth, num_attention_heads=qwen2_vl.num_heads, image_size=0,  # (any)
+            patch_size=qwen2_vl.patch_size, num_channels=qwen2_vl.in_channels, layer_norm_eps=1e-6,
+            hidden_act=qwen2_vl.hidden_act, projector_hidden_act="gelu", projector_bias=True, feature_layers=(-1,),
+            feature_select_strategy="full", qwen2_vl=qwen2_vl)
     text = dict(config.get("text_config") or {})
     model_type = text.get("model_type", "llama")
     if model_type not in _TEXT_ARCHITECTURES:

@@ -120,6 +120,11 @@ class ProcessedImageCache:
     decoded or processed again. http(s) URLs are keyed by the bytes they download, never by
     the URL, whose content may change."""
 
+    @staticmethod
+    def of_flag(cache_gb: float | None) -> ProcessedImageCache:
+        """The cache --mm-processor-cache-gb asks for (unset: PROCESSOR_CACHE_BYTES; 0: off)."""
+        return ProcessedImageCache(PROCESSOR_CACHE_BYTES if cache_gb is None else int(cache_gb * 2**30))
+
     def __init__(self, max_bytes: int = PROCESSOR_CACHE_BYTES) -> None:
         self.max_bytes = max_bytes
         self.entries: OrderedDict[str, Processed] = OrderedDict()
@@ -156,13 +161,23 @@ class ProcessedImageCache:
 class ImageInputs:
     """Decodes and processes a prompt's images, and expands their placeholders."""
 
+    @staticmethod
+    def build(model_dir: str, vision, tokenizer, limit: int, allowed_local_media_path: str | None = None,
+              cache_gb: float | None = None) -> ImageInputs:
+        """LLaVA's, or Qwen2-VL's (actors/multimodal/qwen2_vl_inputs.py)."""
+        if vision.qwen2_vl is not None:
+            from actors.multimodal.qwen2_vl_inputs import Qwen2VLImageInputs
+
+            return Qwen2VLImageInputs(model_dir, vision, tokenizer, limit, allowed_local_media_path, cache_gb)
+        return ImageInputs(model_dir, vision, tokenizer, limit, allowed_local_media_path, cache_gb)
+
     def __init__(self, model_dir: str, vision: VisionConfig, tokenizer, limit: int,
                  allowed_local_media_path: str | None = None, cache_gb: float | None = None) -> None:
         from transformers import AutoImageProcessor
 
         self.allowed_local_media_path = allowed_local_media_path  # file:// URLs only under it (local_media.py)
         # --mm-processor-cache-gb (vLLM's flag; 0: off)
-        self.cache = ProcessedImageCache(PROCESSOR_CACHE_BYTES if cache_gb is None else int(cache_gb * 2**30))
+        self.cache = ProcessedImageCache.of_flag(cache_gb)
         self.image_processor = AutoImageProcessor.from_pretrained(model_dir)
         check_processed_size(self.image_processor, vision.image_size, model_dir)
         self.vision = vision
@@ -190,19 +205,28 @@ class ImageInputs:
         previous = 0
         for position, (data, shape, content_hash) in zip(positions, self._process(images, param)):
             expanded += token_ids[previous:position]
-            v = self.vision
-            length = num_image_tokens(v.tower, v.patch_size, v.feature_select_strategy, shape[-2], shape[-1])
+            length = self.num_tokens(shape)
             mm_inputs.append(MultiModalInput(modality="image", content_hash=content_hash, offset=len(expanded),
                                              length=length, pixel_values=data, dtype="float32", shape=list(shape)))
             expanded += [image_token] * length
             previous = position + 1
         return expanded + token_ids[previous:], mm_inputs
 
+    def num_tokens(self, shape: tuple[int, ...]) -> int:
+        """Placeholder tokens of an image whose pixel values have this shape."""
+        v = self.vision
+        return num_image_tokens(v.tower, v.patch_size, v.feature_select_strategy, shape[-2], shape[-1])
+
+    def read_local_files(self, images: list, param: str) -> list:
+        """file:// URLs read (under --allowed-local-media-path only); a file is keyed by its
+        bytes in the cache, never by its path."""
+        return [read_local_image(image, self.allowed_local_media_path, param) if is_file_url(image) else image
+                for image in images]
+
     def _process(self, images: list, param: str) -> list[Processed]:
         """Each image processed, from the cache where it is, the others in one call."""
         decode_param = "image_url" if param == "messages" else param  # a chat's images are image_url parts
-        images = [read_local_image(image, self.allowed_local_media_path, decode_param) if is_file_url(image)
-                  else image for image in images]  # (a file is keyed by its bytes, never by its path)
+        images = self.read_local_files(images, decode_param)
         keys = [self.cache.key_of(image) for image in images]
         processed = [self.cache.get(key) for key in keys]
         missing = [i for i, entry in enumerate(processed) if entry is None]

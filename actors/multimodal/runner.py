@@ -23,16 +23,31 @@ from messages.multimodal import MultiModalInput
 
 class VisionRunner:
     def __init__(self, config: VisionConfig, dtype: torch.dtype, device: torch.device) -> None:
-        self.encoder = vision_encoder(config, dtype, device)  # CLIP or SigLIP
+        self.encoder = self.make_encoder(config, dtype, device)
         self.vision_weights: dict[str, object] = {}  # filled by split_weights() while the decoder loads
         # request id -> image index -> its features [placeholder tokens, text hidden]
         self.cache: dict[str, dict[int, torch.Tensor]] = {}
 
     @staticmethod
+    def build(config, dtype: torch.dtype, device: torch.device) -> VisionRunner:
+        """The runner of this vision model: LLaVA's, or Qwen2-VL's (actors/multimodal/qwen2_vl.py)."""
+        if config.qwen2_vl is not None:
+            from actors.multimodal.qwen2_vl import Qwen2VLRunner
+
+            return Qwen2VLRunner(config, dtype, device)
+        return VisionRunner(config, dtype, device)
+
+    def make_encoder(self, config: VisionConfig, dtype: torch.dtype, device: torch.device):
+        return vision_encoder(config, dtype, device)  # CLIP or SigLIP
+
+    def split_weights(self, weights: Iterable[tuple[str, object]]) -> Iterable[tuple[str, object]]:
+        return split_llava_weights(weights, self.vision_weights)
+
+    @staticmethod
     def split(runner: VisionRunner | None, weights: Iterable[tuple[str, object]]) -> Iterable[tuple[str, object]]:
         """A checkpoint's decoder weights under their ...ForCausalLM names; a runner keeps
         the vision ones for load(). Without a runner (a text model), weights as they are."""
-        return weights if runner is None else split_llava_weights(weights, runner.vision_weights)
+        return weights if runner is None else runner.split_weights(weights)
 
     def load(self, dummy: bool, text_hidden_size: int, seed: int = 0) -> None:
         if dummy:
@@ -43,6 +58,11 @@ class VisionRunner:
 
     def remove_request(self, request_id: str) -> None:
         self.cache.pop(request_id, None)
+
+    def step_inputs(self, model, input_ids: torch.Tensor, positions: torch.Tensor,
+                    batch: list) -> tuple[torch.Tensor | None, torch.Tensor]:
+        """(the step's input embeddings or None, its positions) for the decoder (model)."""
+        return self.input_embeds(model.embed, input_ids, batch), positions
 
     def input_embeds(self, embed, input_ids: torch.Tensor, batch: list) -> torch.Tensor | None:
         """The step's input embeddings with each image's rows replaced by its features, or
@@ -70,9 +90,7 @@ class VisionRunner:
         cached = self.cache.setdefault(request_id, {})
         features = cached.get(index)
         if features is None:
-            pixels = torch.from_numpy(np.frombuffer(mm.pixel_values, dtype=np.dtype(mm.dtype).newbyteorder("<"))
-                                      .reshape(mm.shape).copy())
-            features = self.encoder(pixels.unsqueeze(0))[0]
+            features = self.encode(mm)
             if features.shape[0] != mm.length:
                 raise ValueError(f"image of {mm.length} placeholder tokens made {features.shape[0]} features")
         if done:  # its last rows this step: the request will not need it again
@@ -82,3 +100,9 @@ class VisionRunner:
         else:
             cached[index] = features
         return features
+
+    def encode(self, mm: MultiModalInput) -> torch.Tensor:
+        """[placeholder tokens, text hidden]: one image's features."""
+        pixels = torch.from_numpy(np.frombuffer(mm.pixel_values, dtype=np.dtype(mm.dtype).newbyteorder("<"))
+                                  .reshape(mm.shape).copy())
+        return self.encoder(pixels.unsqueeze(0))[0]

@@ -120,7 +120,8 @@ class ModelRunner:
                                          engine.seed, classify, engine.quantization)
         else:
             self.model = LlamaModel(engine.model, self.dtype, self.device, self.backend, parallel)
-            self.vision = VisionRunner(engine.model.vision, self.dtype, self.device) if engine.model.vision else None
+            self.vision = VisionRunner.build(engine.model.vision, self.dtype, self.device) \
+                if engine.model.vision else None
             if self.load_format == "dummy":
                 self.model.init_dummy_weights(engine.seed)
             else:
@@ -259,7 +260,8 @@ class ModelRunner:
         #    of a speculated decode), prompt-logprob positions
         sample_rows, samplers, prompt_rows = self._logit_rows(batch)
         sample_rows, samplers, spec_rows = drafts.split_rows(sample_rows, samplers)
-        embeds = self.vision.input_embeds(self.model.embed, input_ids, batch) if self.vision is not None else None
+        embeds, positions = self.vision.step_inputs(self.model, input_ids, positions, batch) \
+            if self.vision is not None else (None, positions)  # (Qwen2-VL: M-RoPE's positions too)
         hidden = self._forward(input_ids, positions, attention, lora, embeds)
         pooled = self._pool(hidden, batch)
         rows = sample_rows + spec_rows + [row for _, rows_of_request, _ in prompt_rows for row in rows_of_request]
