@@ -8,6 +8,7 @@
 //   Q4_1 (20 bytes): fp16 d, fp16 m, 16 bytes of nibbles q; w = d * q + m
 //   Q8_0 (34 bytes): fp16 d, 32 int8 q;                     w = d * q
 // Element i < 16 of a Q4 block is the low nibble of byte i, element 16 + i its high nibble.
+// Q5_0, Q5_1 and the K-quants Q4_K, Q5_K, Q6_K are decoded a row at a time (gguf_decoded.h).
 //
 // As llama.cpp does, each row of x is first quantized to int8 per block of 32 (a scale per
 // block, and the block's sum of q for the weight's offset term: its Q8_1), so a block's dot
@@ -86,6 +87,7 @@ struct QuantizedRows {
 #ifdef GGUF_VNNI
     std::vector<float> scale16;  // [rows, padded / 64, 16]: each pair's two dx, 8 lanes each (vpdpbusd's lanes)
     std::vector<float> offset16;  // [rows, padded / 64, 16]: each pair's two offsets / 8, 8 lanes each
+    std::vector<float> lane_offset16;  // [rows, padded / 4]: dx * each lane's sum of 4 q (gguf_decoded.h)
 #endif
 };
 
@@ -124,6 +126,7 @@ void quantize_rows(const float* x, int64_t x_stride, int64_t rows, int64_t in_fe
 #ifdef GGUF_VNNI
     out.scale16.resize(rows * blocks * 8);
     out.offset16.resize(rows * blocks * 8);
+    out.lane_offset16.resize(rows * blocks * 8);
 #endif
 #pragma omp parallel for schedule(static) num_threads(num_threads) if (rows * in_features >= (1 << 16))
     for (int64_t r = 0; r < rows; r++) {
@@ -134,14 +137,20 @@ void quantize_rows(const float* x, int64_t x_stride, int64_t rows, int64_t in_fe
         const float* o = out.offset.data() + r * blocks;
         float* s16 = out.scale16.data() + r * blocks * 8;
         float* o16 = out.offset16.data() + r * blocks * 8;
+        float* lanes = out.lane_offset16.data() + r * blocks * 8;
+        const int8_t* q = out.q.data() + r * out.padded;
         for (int64_t b = 0; b < blocks; b++)
             for (int i = 0; i < 8; i++) {
                 s16[b * 8 + i] = s[b];
                 o16[b * 8 + i] = o[b] * 0.125f;  // exact: summed over the block's 8 lanes
+                const int64_t k = (b * 8 + i) * 4;
+                lanes[b * 8 + i] = s[b] * (float)(q[k] + q[k + 1] + q[k + 2] + q[k + 3]);
             }
 #endif
     }
 }
+
+#include "gguf_decoded.h"
 
 #ifdef GGUF_VNNI
 // The same sums straight from the file's blocks, two blocks per vpdpbusd: a Q4 pair's 2 x 16
@@ -221,6 +230,7 @@ DotRows dot_rows_for(int type) {
 
 // One weight row dequantized to floats, d * u + c (for the prefill path's sgemm).
 void dequantize_row(int type, const uint8_t* src, int64_t num_blocks, float* out) {
+    if (is_decoded_type(type)) return dequantize_decoded_row(type, src, num_blocks * kBlock, out);
     const int bytes = block_bytes(type);
     for (int64_t b = 0; b < num_blocks; b++) {
         const uint8_t* block = src + b * bytes;
@@ -274,6 +284,8 @@ int gguf_linear_uses_vnni() {
 
 // The bytes of one row of `in_features` weights of a ggml type, or 0 for a type without a kernel.
 int64_t gguf_row_bytes(int type, int64_t in_features) {
+    if (is_decoded_type(type))
+        return in_features % decoded_block_elements(type) ? 0 : in_features / decoded_block_elements(type) * decoded_block_bytes(type);
     return in_features % kBlock ? 0 : in_features / kBlock * block_bytes(type);
 }
 
@@ -322,6 +334,11 @@ int gguf_linear_f32(int type, const float* x, int64_t x_stride, int64_t rows, co
     const QuantizedRows& qx = quantized;
     const int64_t num_blocks = qx.num_blocks, num_chunks = (out_features + kChunkRows - 1) / kChunkRows;
 #ifdef GGUF_VNNI
+    if (is_decoded_type(type)) {
+        decoded_linear_vnni(type, qx, rows, weight, row_bytes, in_features, out_features, bias, y, y_stride,
+                            num_threads);
+        return 0;
+    }
     const DotRows dot_tile = dot_rows_for<kTileRows>(type), dot_one = dot_rows_for<1>(type);
 #pragma omp parallel for schedule(static) num_threads(num_threads) if (num_chunks > 8)
     for (int64_t chunk = 0; chunk < num_chunks; chunk++) {

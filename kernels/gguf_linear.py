@@ -15,6 +15,7 @@ from kernels._native import load_library
 
 BLOCK = 32  # elements per block, in every type here
 Q4_0, Q4_1, Q8_0 = 2, 3, 8  # ggml's type ids (gguf.GGMLQuantizationType): actors/quantization/gguf_types.py
+Q5_0, Q5_1, Q4_K, Q5_K, Q6_K = 6, 7, 12, 13, 14  # decoded a row at a time (kernels/gguf_decoded.h)
 # Past this many rows a linear dequantizes tiles of its weights and calls sgemm: measured on
 # SmolLM2's Q4_1 projections (one thread, best of 5; the 2-core Xeon, AVX-512 VNNI), the dot
 # products took 21 ms for 4 rows (fp32 35), even with the tiles at 8 rows, and at 64 rows

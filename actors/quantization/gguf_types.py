@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import os
 
-KERNEL_TYPES = {2: "Q4_0", 3: "Q4_1", 8: "Q8_0"}  # ggml type ids kernels/gguf_linear.cpp multiplies
+KERNEL_TYPES = {2: "Q4_0", 3: "Q4_1", 6: "Q5_0", 7: "Q5_1", 8: "Q8_0", 12: "Q4_K", 13: "Q5_K",
+                14: "Q6_K"}  # ggml type ids kernels/gguf_linear.cpp multiplies
 FLOAT_TYPES = {0: "F32", 1: "F16", 30: "BF16"}  # types the fp32 path runs (dequantized at conversion)
 
 

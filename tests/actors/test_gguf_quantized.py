@@ -19,6 +19,7 @@ from actors.quantization.gguf_types import GGUFError
 from actors.worker.model_runner import CachedRequest
 from kernels.gguf_linear import dequantize_reference, gguf_linear_reference
 from tests.actors.test_gguf_loader import write_gguf
+from tests.kernels.test_gguf_linear import HAND_BUILT, hand_built_blocks
 
 
 def write_quantized_gguf(model_dir: str, path: str, ggml_type: gguf.GGMLQuantizationType,
@@ -29,7 +30,12 @@ def write_quantized_gguf(model_dir: str, path: str, ggml_type: gguf.GGMLQuantiza
     def quantizing(self, name, tensor, *args, **kwargs):
         if tensor.ndim == 2:
             kind = head_type if name in ("token_embd.weight", "output.weight") else ggml_type
-            return original(self, name, gguf.quants.quantize(tensor, kind), raw_dtype=kind)
+            if kind.name in HAND_BUILT:  # random blocks of a model's scale: gguf cannot quantize to K types
+                scale = 0.0003 if kind.name.endswith("_K") else 0.01
+                blocks = hand_built_blocks(*tensor.shape, int(kind), seed=len(name), scale=scale).numpy()
+            else:
+                blocks = gguf.quants.quantize(tensor, kind)
+            return original(self, name, blocks, raw_dtype=kind)
         return original(self, name, tensor, *args, **kwargs)
 
     gguf.GGUFWriter.add_tensor = quantizing
@@ -84,10 +90,14 @@ def relative_error(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a - b).abs().max() / b.abs().max()).item()
 
 
-@pytest.mark.parametrize("type_name", ["Q4_0", "Q4_1", "Q8_0"])
+@pytest.mark.parametrize("type_name", ["Q4_0", "Q4_1", "Q8_0", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K"])
 def test_tiny_llama_logits_match_the_torch_reference(make_tiny_model, tmp_path, type_name):
-    # 96 intermediate features: down_proj rows of 3 blocks, an odd one out of the kernel's pairs
-    model_dir = make_tiny_model("llama", intermediate_size=96)
+    # 96 intermediate features: down_proj rows of 3 blocks, an odd one out of the kernel's pairs;
+    # K-quants take whole super-blocks of 256 inputs
+    if type_name.endswith("_K"):
+        model_dir = make_tiny_model("llama", hidden_size=256, intermediate_size=512, head_dim=64)
+    else:
+        model_dir = make_tiny_model("llama", intermediate_size=96)
     path = str(tmp_path / f"tiny-{type_name}.gguf")
     write_quantized_gguf(model_dir, path, gguf.GGMLQuantizationType[type_name])
     llm = LLM(path, quantization="gguf", kv_cache_memory="16MiB", block_size=4)
@@ -153,10 +163,10 @@ def test_smollm2_logits_match_the_torch_reference(smollm2_dir):
 
 
 def test_a_type_without_a_kernel_fails_at_start_up_naming_the_tensor(make_tiny_model, tmp_path):
-    path = str(tmp_path / "tiny-q5_0.gguf")
-    write_quantized_gguf(make_tiny_model("llama"), path, gguf.GGMLQuantizationType.Q5_0)
+    path = str(tmp_path / "tiny-mxfp4.gguf")
+    write_quantized_gguf(make_tiny_model("llama"), path, gguf.GGMLQuantizationType.MXFP4)
     for method in ("gguf", "auto"):
-        with pytest.raises(GGUFError, match=r"tensor 'blk\.0\.attn_q\.weight' is Q5_0, which has no CPU kernel"):
+        with pytest.raises(GGUFError, match=r"tensor 'blk\.0\.attn_q\.weight' is MXFP4, which has no CPU kernel"):
             EngineArgs(model=path, quantization=method).build()
     assert EngineArgs(model=path, quantization="none").build().quantization is None
 
