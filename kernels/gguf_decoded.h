@@ -20,13 +20,17 @@
 //   Q6_K (210 bytes): 128 bytes ql (low 4 bits), 64 bytes qh (high 2 bits), 16 int8 scales (one
 //     per 16 weights), fp16 d; w = d * scale * (q - 32)
 
-enum { kQ5_0 = 6, kQ5_1 = 7, kQ4_K = 12, kQ5_K = 13, kQ6_K = 14 };  // ggml's type ids
+//   troupe's own type 200, U8x16 (24 bytes): 16 bytes u, float32 D, float32 C; w = D * u + C.
+//     Any of the types above, decoded (gguf_decode_rows), without loss: a fused projection whose
+//     tensors mix them (llama.cpp's Q4_K_M: Q4_K q/k, Q6_K v) runs as one weight in this type.
+
+enum { kQ5_0 = 6, kQ5_1 = 7, kQ4_K = 12, kQ5_K = 13, kQ6_K = 14, kU8x16 = 200 };  // ggml's type ids, and troupe's
 
 inline bool is_decoded_type(int type) {
-    return type == kQ5_0 || type == kQ5_1 || type == kQ4_K || type == kQ5_K || type == kQ6_K;
+    return type == kQ5_0 || type == kQ5_1 || type == kQ4_K || type == kQ5_K || type == kQ6_K || type == kU8x16;
 }
 
-inline int decoded_block_elements(int type) { return type == kQ5_0 || type == kQ5_1 ? 32 : 256; }
+inline int decoded_block_elements(int type) { return type == kQ5_0 || type == kQ5_1 ? 32 : type == kU8x16 ? 16 : 256; }
 
 inline int decoded_block_bytes(int type) {
     switch (type) {
@@ -35,6 +39,7 @@ inline int decoded_block_bytes(int type) {
         case kQ4_K: return 144;
         case kQ5_K: return 176;
         case kQ6_K: return 210;
+        case kU8x16: return 24;
         default: return 0;
     }
 }
@@ -52,7 +57,13 @@ inline void scale_min_k4(int j, const uint8_t* q, int* scale, int* min) {
 
 // one block's u[elements], d4/c4[elements / 4]
 inline void decode_block(int type, const uint8_t* b, uint8_t* u, float* d4, float* c4) {
-    if (type == kQ5_0 || type == kQ5_1) {
+    if (type == kU8x16) {
+        float d, c;
+        memcpy(u, b, 16);
+        memcpy(&d, b + 16, 4);
+        memcpy(&c, b + 20, 4);
+        for (int i = 0; i < 4; i++) d4[i] = d, c4[i] = c;
+    } else if (type == kQ5_0 || type == kQ5_1) {
         const float d = half_to_float(b), c = type == kQ5_1 ? half_to_float(b + 2) : -16.0f * d;
         const uint8_t* h = b + (type == kQ5_1 ? 4 : 2);
         const uint32_t qh = (uint32_t)h[0] | (uint32_t)h[1] << 8 | (uint32_t)h[2] << 16 | (uint32_t)h[3] << 24;

@@ -9,7 +9,6 @@
 //   Q8_0 (34 bytes): fp16 d, 32 int8 q;                     w = d * q
 // Element i < 16 of a Q4 block is the low nibble of byte i, element 16 + i its high nibble.
 // Q5_0, Q5_1 and the K-quants Q4_K, Q5_K, Q6_K are decoded a row at a time (gguf_decoded.h).
-//
 // As llama.cpp does, each row of x is first quantized to int8 per block of 32 (a scale per
 // block, and the block's sum of q for the weight's offset term: its Q8_1), so a block's dot
 // product is an int8 one. Every weight type is read as unsigned bytes u with a scale d and
@@ -18,7 +17,6 @@
 //   w_block . x_block = d * dx * sum(u * qx) + c * dx * sum(qx)
 // sum(u * qx) is unsigned x signed bytes: one AVX-512 VNNI vpdpbusd per two blocks
 // (_mm512_dpbusd_epi32). Without VNNI, plain loops over dequantized weights and x.
-//
 // Each weight row is multiplied with every row of x, 4 rows of x at once: a decode step
 // streams each weight row from memory once for all its rows. Threads split the weight rows
 // in chunks of kChunkRows, as linear_few_rows_f32 does. Past a few rows, tiles of weight rows
@@ -27,7 +25,6 @@
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
-
 #include <vector>
 
 #if defined(__AVX512F__) || defined(__F16C__)
@@ -287,6 +284,22 @@ int64_t gguf_row_bytes(int type, int64_t in_features) {
     if (is_decoded_type(type))
         return in_features % decoded_block_elements(type) ? 0 : in_features / decoded_block_elements(type) * decoded_block_bytes(type);
     return in_features % kBlock ? 0 : in_features / kBlock * block_bytes(type);
+}
+
+// Rows of a decoded type (gguf_decoded.h) as U8x16 blocks, out[rows, in_features / 16 * 24]: 0, else -1.
+int gguf_decode_rows(int type, const uint8_t* src, int64_t rows, int64_t in_features, uint8_t* out) {
+    const int64_t row_bytes = gguf_row_bytes(type, in_features);
+    if (!is_decoded_type(type) || row_bytes == 0) return -1;
+    std::vector<uint8_t> u(in_features);
+    std::vector<float> d4(in_features / 4), c4(in_features / 4);
+    for (int64_t r = 0; r < rows; r++) {
+        decode_row(type, src + r * row_bytes, in_features, in_features, u.data(), d4.data(), c4.data());
+        for (int64_t g = 0; g < in_features / 16; g++) {  // u, then the D and C of its 4 lanes (all alike)
+            uint8_t* block = out + (r * (in_features / 16) + g) * 24;
+            memcpy(block, u.data() + 16 * g, 16), memcpy(block + 16, &d4[4 * g], 4), memcpy(block + 20, &c4[4 * g], 4);
+        }
+    }
+    return 0;
 }
 
 // y[rows, out_features] = x @ dequantized(W)^T (+ bias) for many rows: tiles of weight rows

@@ -24,13 +24,16 @@ from tests.kernels.test_gguf_linear import HAND_BUILT, hand_built_blocks
 
 
 def write_quantized_gguf(model_dir: str, path: str, ggml_type: gguf.GGMLQuantizationType,
-                         head_type: gguf.GGMLQuantizationType = gguf.GGMLQuantizationType.Q8_0) -> None:
-    """write_gguf's file, its projections quantized to ggml_type, embedding and LM head to head_type."""
+                         head_type: gguf.GGMLQuantizationType = gguf.GGMLQuantizationType.Q8_0,
+                         overrides: dict[str, gguf.GGMLQuantizationType] | None = None) -> None:
+    """write_gguf's file, its projections quantized to ggml_type (or overrides' type for the
+    tensors whose names contain its key), embedding and LM head to head_type."""
     original = gguf.GGUFWriter.add_tensor
 
     def quantizing(self, name, tensor, *args, **kwargs):
         if tensor.ndim == 2:
             kind = head_type if name in ("token_embd.weight", "output.weight") else ggml_type
+            kind = next((t for key, t in (overrides or {}).items() if key in name), kind)
             if kind.name in HAND_BUILT:  # random blocks of a model's scale: gguf cannot quantize to K types
                 scale = 0.0003 if kind.name.endswith("_K") else 0.01
                 blocks = hand_built_blocks(*tensor.shape, int(kind), seed=len(name), scale=scale).numpy()
@@ -91,6 +94,21 @@ def relative_error(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a - b).abs().max() / b.abs().max()).item()
 
 
+def assert_runs_the_files_weights(path: str, runner, names: tuple[str, ...], seed: int) -> None:
+    """The named projections' blocks, dequantized, are the weights the fp32 path loads (q/k rows
+    un-permuted alike); a step's logits are the torch reference's within 1e-3: decodes only (the
+    block dot products), then decodes with prefill chunks (past 8 rows: sgemm)."""
+    fp32 = LLM(path, quantization="none", kv_cache_memory="16MiB").engine.runner.model.layers
+    for name in names:
+        weight = getattr(runner.model.layers[0], name)
+        assert torch.equal(dequantize_reference(weight.blocks, weight.ggml_type, weight.in_features),
+                           getattr(fp32[0], name))
+    generator = torch.Generator().manual_seed(seed)
+    for shapes in ([(9, 1), (16, 1), (3, 1)], [(9, 1), (16, 1), (3, 1), (0, 11), (7, 6)]):
+        fused, reference = one_mixed_step(runner, shapes, generator)
+        assert relative_error(fused, reference) < 1e-3
+
+
 @pytest.mark.parametrize("type_name", ["Q4_0", "Q4_1", "Q8_0", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K"])
 def test_tiny_llama_logits_match_the_torch_reference(make_tiny_model, tmp_path, type_name):
     # 96 intermediate features: down_proj rows of 3 blocks, an odd one out of the kernel's pairs;
@@ -107,20 +125,26 @@ def test_tiny_llama_logits_match_the_torch_reference(make_tiny_model, tmp_path, 
     assert isinstance(layer.qkv_proj, GGUFWeight) and layer.qkv_proj.type_name == type_name
     assert isinstance(runner.model.lm_head, GGUFWeight) and runner.model.lm_head.type_name == "Q8_0"
     assert runner.model_step is not None
-    # the blocks, dequantized, are the weights the fp32 path loads (q/k rows un-permuted alike)
-    fp32 = LLM(path, quantization="none", kv_cache_memory="16MiB").engine.runner.model.layers
-    for name in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj"):
-        weight = getattr(layer, name)
-        assert torch.equal(dequantize_reference(weight.blocks, weight.ggml_type, weight.in_features),
-                           getattr(fp32[0], name))
-    generator = torch.Generator().manual_seed(0)
-    # decodes only (the block dot products), then decodes with prefill chunks (past 8 rows: sgemm)
-    for shapes in ([(9, 1), (16, 1), (3, 1)], [(9, 1), (16, 1), (3, 1), (0, 11), (7, 6)]):
-        fused, reference = one_mixed_step(runner, shapes, generator)
-        assert relative_error(fused, reference) < 1e-3
+    assert_runs_the_files_weights(path, runner, ("qkv_proj", "o_proj", "gate_up_proj", "down_proj"), seed=0)
     outputs = llm.generate([[5, 6, 7, 8]], SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True),
                            use_tqdm=False)
     assert len(outputs[0].outputs[0].token_ids) == 8
+
+
+def test_fused_projections_mixing_k_quants_run_decoded(make_tiny_model, tmp_path):
+    """As llama.cpp's Q4_K_M files: Q4_K q/k with a Q6_K v, Q4_K gate with a Q5_K up. Each mixed
+    group runs as U8x16 blocks, decoded without loss (the fp32 path's weights exactly)."""
+    path = str(tmp_path / "tiny-q4_k_m.gguf")
+    kinds = gguf.GGMLQuantizationType
+    write_quantized_gguf(make_tiny_model("llama", hidden_size=256, intermediate_size=512, head_dim=64), path,
+                         kinds.Q4_K, head_type=kinds.Q6_K, overrides={"attn_v": kinds.Q6_K, "ffn_up": kinds.Q5_K})
+    llm = LLM(path, quantization="gguf", kv_cache_memory="16MiB", block_size=4)
+    runner = llm.engine.runner
+    layer = runner.model.layers[0]
+    assert [getattr(layer, name).type_name for name in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")] == \
+        ["U8x16", "Q4_K", "U8x16", "Q4_K"]
+    assert runner.model.lm_head.type_name == "Q6_K"
+    assert_runs_the_files_weights(path, runner, ("qkv_proj", "gate_up_proj"), seed=3)
 
 
 class MirrorBackend(GGUFCpuBackend):
@@ -211,6 +235,11 @@ def test_a_type_without_a_kernel_fails_at_start_up_naming_the_tensor(make_tiny_m
         with pytest.raises(GGUFError, match=r"tensor 'blk\.0\.attn_q\.weight' is MXFP4, which has no CPU kernel"):
             EngineArgs(model=path, quantization=method).build()
     assert EngineArgs(model=path, quantization="none").build().quantization is None
+    mixed = str(tmp_path / "tiny-q4_0-q8_0-v.gguf")  # only the decoded types mix in a fused projection
+    write_quantized_gguf(make_tiny_model("llama"), mixed, gguf.GGMLQuantizationType.Q4_0,
+                         overrides={"attn_v": gguf.GGMLQuantizationType.Q8_0})
+    with pytest.raises(GGUFError, match=r"attn_v\.weight are Q4_0, Q8_0; the quantized path runs projections"):
+        EngineArgs(model=mixed, quantization="auto").build()
 
 
 def test_auto_runs_gguf_files_quantized_and_leaves_the_rest(make_tiny_model, tmp_path):
