@@ -44,6 +44,12 @@ inline int decoded_block_bytes(int type) {
     }
 }
 
+// bytes of a row of in_features weights, 0 where they are not whole blocks (K-quants: of 256)
+inline int64_t decoded_row_bytes(int type, int64_t in_features) {
+    const int elements = decoded_block_elements(type);
+    return in_features % elements ? 0 : in_features / elements * decoded_block_bytes(type);
+}
+
 // a K-quant sub-block's 6-bit scale and min (ggml's get_scale_min_k4)
 inline void scale_min_k4(int j, const uint8_t* q, int* scale, int* min) {
     if (j < 4) {
@@ -82,7 +88,9 @@ inline void decode_block(int type, const uint8_t* b, uint8_t* u, float* d4, floa
             for (int half = 0; half < 2; half++) {
                 int scale, min;
                 scale_min_k4(2 * j + half, scales, &scale, &min);
-                for (int i = 0; i < 8; i++) d4[16 * j + 8 * half + i] = d * (float)scale, c4[16 * j + 8 * half + i] = -dmin * (float)min;
+                float* lane_d = d4 + 16 * j + 8 * half;  // the sub-block's 8 lanes
+                float* lane_c = c4 + 16 * j + 8 * half;
+                for (int i = 0; i < 8; i++) lane_d[i] = d * (float)scale, lane_c[i] = -dmin * (float)min;
                 for (int l = 0; l < 32; l++) {
                     int value = half ? q[32 * j + l] >> 4 : q[32 * j + l] & 0xf;
                     if (type == kQ5_K) value |= ((qh[l] >> (2 * j + half)) & 1) << 4;
@@ -173,7 +181,8 @@ inline void decoded_linear_vnni(int type, const QuantizedRows& qx, int64_t rows,
                 if (tile == kTileRows) {
                     dot_decoded_rows<kTileRows>(u.data(), d4.data(), c4.data(), qx, r, out);
                 } else {
-                    for (int i = 0; i < tile; i++) dot_decoded_rows<1>(u.data(), d4.data(), c4.data(), qx, r + i, out + i);
+                    for (int i = 0; i < tile; i++)
+                        dot_decoded_rows<1>(u.data(), d4.data(), c4.data(), qx, r + i, out + i);
                 }
                 for (int i = 0; i < tile; i++) y[(r + i) * y_stride + j] = out[i] + (bias != nullptr ? bias[j] : 0.0f);
             }

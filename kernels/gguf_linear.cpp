@@ -281,8 +281,7 @@ int gguf_linear_uses_vnni() {
 
 // The bytes of one row of `in_features` weights of a ggml type, or 0 for a type without a kernel.
 int64_t gguf_row_bytes(int type, int64_t in_features) {
-    if (is_decoded_type(type))
-        return in_features % decoded_block_elements(type) ? 0 : in_features / decoded_block_elements(type) * decoded_block_bytes(type);
+    if (is_decoded_type(type)) return decoded_row_bytes(type, in_features);
     return in_features % kBlock ? 0 : in_features / kBlock * block_bytes(type);
 }
 

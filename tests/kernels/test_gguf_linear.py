@@ -16,7 +16,8 @@ import torch
 
 from kernels.cpu_kernels import torch_sgemm
 from kernels.gguf_linear import (
-    Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, Q5_K, Q6_K, Q8_0, GGUFKernels, gguf_kernels, gguf_linear_reference, quantize_rows_reference,
+    Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, Q5_K, Q6_K, Q8_0, GGUFKernels, gguf_kernels, gguf_linear_reference,
+    quantize_rows_reference,
 )
 
 TYPES = {"Q4_0": Q4_0, "Q4_1": Q4_1, "Q8_0": Q8_0}
