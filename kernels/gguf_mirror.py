@@ -19,20 +19,38 @@ does removes the differences at their source:
 A fused multiply-add is emulated in float64 (the product of two floats is exact there) and
 rounded to float32: a double rounding, which differs from a true fma's single one only where
 the float64 sum falls exactly halfway between two floats, about once in 2^29 operations.
-Types: Q4_0, Q4_1 and Q8_0 (the decoded types of gguf_decoded.h are not mirrored here)."""
+Types: Q4_0, Q4_1 and Q8_0; and the types gguf_decoded.h decodes (Q5_0, Q5_1, the K-quants,
+U8x16), read through the kernel's own decoding (GGUFKernels.decode_rows, itself held to the gguf
+package's dequantization by the tests), whose offset term multiplies each lane's own sum:
+xo = dx * (the lane's 4 q) instead of the block's sum / 8."""
 
 from __future__ import annotations
 
 import numpy as np
 import torch
 
-from kernels.gguf_linear import BLOCK, Q4_0, Q4_1, Q8_0
+from kernels.gguf_linear import BLOCK, Q4_0, Q4_1, Q8_0, U8X16, gguf_kernels
 
 _BYTES = {Q4_0: 18, Q4_1: 20, Q8_0: 34}
 
 
+def _decoded_lanes(blocks: torch.Tensor, ggml_type: int, in_features: int, num_pairs: int):
+    """_weight_lanes for the decoded types, from their U8x16 form (16 u, float32 D, float32 C)."""
+    if ggml_type != U8X16:
+        blocks = gguf_kernels().decode_rows(blocks, ggml_type, in_features)
+    raw = blocks.numpy().reshape(blocks.shape[0], in_features // 16, 24)
+    u = raw[:, :, :16].astype(np.int64).reshape(blocks.shape[0], in_features // 4, 4)
+    d = np.repeat(raw[:, :, 16:20].copy().view(np.float32)[:, :, 0], 4, axis=1)
+    c = np.repeat(raw[:, :, 20:24].copy().view(np.float32)[:, :, 0], 4, axis=1)
+    pad = 2 * num_pairs * 8 - in_features // 4  # Q5's odd last block pairs with zeros
+    return (torch.from_numpy(np.pad(u, ((0, 0), (0, pad), (0, 0)))), torch.from_numpy(np.pad(d, ((0, 0), (0, pad)))),
+            torch.from_numpy(np.pad(c, ((0, 0), (0, pad)))))
+
+
 def _weight_lanes(blocks: torch.Tensor, ggml_type: int, in_features: int, num_pairs: int):
     """u [out, lanes, 4] (the unsigned bytes the kernel multiplies), wd and wc [out, lanes]."""
+    if ggml_type not in _BYTES:
+        return _decoded_lanes(blocks, ggml_type, in_features, num_pairs)
     out_features, num_blocks = blocks.shape[0], in_features // BLOCK
     raw = blocks.numpy().reshape(out_features, num_blocks, _BYTES[ggml_type])
     d = raw[:, :, 0:2].copy().view(np.float16)[:, :, 0].astype(np.float32)
@@ -52,8 +70,9 @@ def _weight_lanes(blocks: torch.Tensor, ggml_type: int, in_features: int, num_pa
             torch.from_numpy(np.repeat(c, 8, axis=1)))
 
 
-def _activation_lanes(x: torch.Tensor, num_pairs: int):
-    """q [rows, lanes, 4] int8 values, dx and xo [rows, lanes], as gguf_linear.cpp's quantize_row."""
+def _activation_lanes(x: torch.Tensor, num_pairs: int, per_lane: bool):
+    """q [rows, lanes, 4] int8 values, dx and xo [rows, lanes], as gguf_linear.cpp's quantize_row
+    (xo per lane: dx times the lane's sum, for the decoded types; else the block's sum / 8)."""
     rows, in_features = x.shape
     blocks = x.float().reshape(rows, in_features // BLOCK, BLOCK)
     dx = blocks.abs().amax(dim=-1) / 127.0
@@ -65,7 +84,8 @@ def _activation_lanes(x: torch.Tensor, num_pairs: int):
     q = torch.nn.functional.pad(q, (0, 0, 0, pad))
     dx, xo = torch.nn.functional.pad(dx, (0, pad)), torch.nn.functional.pad(xo, (0, pad))
     lanes = 2 * num_pairs * 8
-    return q.reshape(rows, lanes, 4), dx.repeat_interleave(8, dim=1), xo.repeat_interleave(8, dim=1)
+    q, dx = q.reshape(rows, lanes, 4), dx.repeat_interleave(8, dim=1)
+    return q, dx, dx * q.sum(dim=-1).float() if per_lane else xo.repeat_interleave(8, dim=1)
 
 
 def _fma(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
@@ -78,7 +98,7 @@ def gguf_linear_mirror(x: torch.Tensor,  # [rows, in_features] float32
     """The VNNI kernel's decode-row result (up to dequantize_rows rows), summed in its order."""
     num_pairs = (in_features // BLOCK + 1) // 2
     u, wd, wc = _weight_lanes(blocks, ggml_type, in_features, num_pairs)
-    q, dx, xo = _activation_lanes(x, num_pairs)
+    q, dx, xo = _activation_lanes(x, num_pairs, per_lane=ggml_type not in _BYTES)
     # each lane's 4 products, exact (|sum| < 2^17): [rows, out, lanes]
     sums = torch.einsum("rld,old->rol", q.double(), u.double()).float()
     acc = [torch.zeros(x.shape[0], blocks.shape[0], 16), torch.zeros(x.shape[0], blocks.shape[0], 16)]

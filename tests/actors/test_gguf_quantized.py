@@ -171,10 +171,18 @@ def mirrored_step(runner, shapes, seed: int):
         ReferenceBackend.linear = original
 
 
-@pytest.mark.parametrize("type_name", ["Q4_0", "Q4_1", "Q8_0"])
+@pytest.mark.parametrize("type_name", ["Q4_0", "Q4_1", "Q8_0", "Q5_1", "Q4_K", "Q4_K_M"])
 def test_tiny_llama_logits_equal_the_reference_that_sums_as_the_kernel(make_tiny_model, tmp_path, type_name):
+    # Q4_K_M: Q4_K with a Q6_K v and Q6_K head (a mixed q/k/v, run as U8x16)
     path = str(tmp_path / f"tiny-{type_name}.gguf")
-    write_quantized_gguf(make_tiny_model("llama", intermediate_size=96), path, gguf.GGMLQuantizationType[type_name])
+    kinds = gguf.GGMLQuantizationType
+    if type_name.startswith("Q4_K"):
+        mixed = type_name == "Q4_K_M"
+        write_quantized_gguf(make_tiny_model("llama", hidden_size=256, intermediate_size=512, head_dim=64), path,
+                             kinds.Q4_K, head_type=kinds.Q6_K if mixed else kinds.Q8_0,
+                             overrides={"attn_v": kinds.Q6_K} if mixed else None)
+    else:
+        write_quantized_gguf(make_tiny_model("llama", intermediate_size=96), path, kinds[type_name])
     runner = LLM(path, quantization="gguf", kv_cache_memory="16MiB", block_size=4).engine.runner
     fused, mirrored = mirrored_step(runner, [(9, 1), (16, 1), (3, 1), (0, 1)], seed=2)
     assert relative_error(fused, mirrored) < 1e-5
