@@ -15,6 +15,8 @@ clock starts), 48 greedy tokens each, ignore_eos, on the embedded SmolLM2-135M-I
     python benchmarks/decode_latency.py
     python benchmarks/decode_latency.py --batch-sizes 1,8 --repeats 5
     python benchmarks/decode_latency.py --batch-sizes 1 --quantization none,gguf
+    python benchmarks/decode_latency.py --batch-sizes 1 --quantization none,gguf \
+        --llama-cpp-python /work/llamacpp-venv/bin/python   # llama.cpp on the same file, after
 """
 
 from __future__ import annotations
@@ -40,6 +42,9 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--quantization", default="none",
                         help="comma-separated --quantization values; 'none': the fp32 variants")
+    parser.add_argument("--llama-cpp-python", default=None,
+                        help="a Python with llama_cpp: llama.cpp's single-stream decode on the same .gguf "
+                             "(benchmarks/llama_cpp_peer.py)")
     args = parser.parse_args()
     rng = random.Random(0)
     methods = args.quantization.split(",")
@@ -77,6 +82,24 @@ def main() -> None:
         ratios = [times["op by op, C++ linear"] / times["fused step"]] if variants else []
         ratios += [times["fused step"] / times[f"{m}, fused step"] for m in quantized] if variants else []
         print(f"decode batch {batch_size:3d}: {cells}: {', '.join(f'{r:.2f}x' for r in ratios)}")
+    llama_cpp_decode(args)
+
+
+def llama_cpp_decode(args: argparse.Namespace) -> None:
+    import torch
+
+    from actors.quantization.gguf_types import gguf_source
+    from benchmarks.llama_cpp_peer import run_peer
+
+    path = gguf_source(args.model)
+    if args.llama_cpp_python and path is None:
+        print("llama.cpp peer skipped: the model is not a .gguf file")
+        return
+    peer = run_peer(args.llama_cpp_python, "decode", path or "", "--output-len", str(args.output_len),
+                    "--repeats", str(args.repeats), "--threads", str(torch.get_num_threads()))
+    if peer is not None:
+        print(f"llama.cpp (llama-cpp-python {peer['llama_cpp_python']}, {peer['threads']} threads) on {path}: "
+              f"decode batch   1: {peer['ms_per_token']:6.1f} ms a token")
 
 if __name__ == "__main__":
     main()

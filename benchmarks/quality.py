@@ -11,6 +11,7 @@ their first difference and measure little else).
     python benchmarks/quality.py                          # none (fp32), gguf and gguf:dot, the whole text
     python benchmarks/quality.py --max-tokens 4000        # a quicker look
     python benchmarks/quality.py --methods none,gguf --window 512
+    python benchmarks/quality.py --llama-cpp-python /work/llamacpp-venv/bin/python   # llama.cpp's too
 """
 
 from __future__ import annotations
@@ -64,6 +65,9 @@ def main() -> None:
                         help="--quantization values (gguf:dot: see score()); the first is the baseline")
     parser.add_argument("--max-tokens", type=int, default=None, help="score only the text's first N tokens")
     parser.add_argument("--window", type=int, default=1024, help="tokens of context per window")
+    parser.add_argument("--llama-cpp-python", default=None,
+                        help="a Python with llama_cpp: llama.cpp's perplexity on the same windows of the same "
+                             ".gguf (benchmarks/llama_cpp_peer.py)")
     args = parser.parse_args()
     from actors.worker.loader import load_tokenizer, resolve_model
 
@@ -74,10 +78,10 @@ def main() -> None:
     windows = [tokens[i:i + args.window] for i in range(0, len(tokens), args.window)]
     windows = [window for window in windows if len(window) > 1]
     print(f"{TEXT}: {len(tokens)} tokens in {len(windows)} windows of up to {args.window}")
-    baseline = None
+    baseline, perplexities = None, {}
     for method in args.methods.split(","):
         logprobs, greedy, elapsed = score(args.model, method, windows)
-        perplexity = math.exp(-sum(logprobs) / len(logprobs))
+        perplexity = perplexities[method] = math.exp(-sum(logprobs) / len(logprobs))
         line = f"{method:>6}: perplexity {perplexity:.3f} over {len(logprobs)} tokens ({elapsed:.1f} s)"
         if baseline is None:
             baseline = (perplexity, greedy)
@@ -86,6 +90,25 @@ def main() -> None:
             line += (f"; {perplexity / baseline[0] - 1:+.2%} against {args.methods.split(',')[0]}, "
                      f"greedy token agreement {agreement:.2%}")
         print(line, flush=True)
+    llama_cpp_perplexity(args, windows, perplexities)
+
+
+def llama_cpp_perplexity(args: argparse.Namespace, windows: list[list[int]], perplexities: dict[str, float]) -> None:
+    import torch
+
+    from actors.quantization.gguf_types import gguf_source
+    from benchmarks.llama_cpp_peer import run_peer
+
+    path = gguf_source(args.model)
+    if args.llama_cpp_python and path is None:
+        print("llama.cpp peer skipped: the model is not a .gguf file")
+        return
+    peer = run_peer(args.llama_cpp_python, "perplexity", path or "", "--threads", str(torch.get_num_threads()),
+                    windows=windows)
+    if peer is not None:
+        against = ", ".join(f"{method} {ppl / peer['perplexity'] - 1:+.2%}" for method, ppl in perplexities.items())
+        print(f"llama.cpp (llama-cpp-python {peer['llama_cpp_python']}): perplexity {peer['perplexity']:.3f} over "
+              f"{peer['tokens']} tokens ({peer['seconds']:.1f} s); against it: {against}")
 
 
 if __name__ == "__main__":

@@ -22,6 +22,7 @@ import hashlib
 import logging
 import os
 import platform
+import re
 import shutil
 import subprocess
 import tempfile
@@ -58,6 +59,9 @@ def load_library(name: str, build_dir: str) -> ctypes.CDLL | None:
         return None
     with open(source, "rb") as file:
         code = file.read()
+    for header in re.findall(rb'#include "([^"]+)"', code):  # local headers count in the build's hash
+        with open(os.path.join(os.path.dirname(source), header.decode()), "rb") as file:
+            code += file.read()
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True).stdout
     key = hashlib.sha256(b"\0".join(part.encode() if isinstance(part, str) else part for part in
                                     (code, " ".join(_FLAGS), version, _cpu_features()))).hexdigest()[:16]

@@ -8,7 +8,7 @@
 //   Q4_1 (20 bytes): fp16 d, fp16 m, 16 bytes of nibbles q; w = d * q + m
 //   Q8_0 (34 bytes): fp16 d, 32 int8 q;                     w = d * q
 // Element i < 16 of a Q4 block is the low nibble of byte i, element 16 + i its high nibble.
-//
+// Q5_0, Q5_1 and the K-quants Q4_K, Q5_K, Q6_K are decoded a row at a time (gguf_decoded.h).
 // As llama.cpp does, each row of x is first quantized to int8 per block of 32 (a scale per
 // block, and the block's sum of q for the weight's offset term: its Q8_1), so a block's dot
 // product is an int8 one. Every weight type is read as unsigned bytes u with a scale d and
@@ -17,7 +17,6 @@
 //   w_block . x_block = d * dx * sum(u * qx) + c * dx * sum(qx)
 // sum(u * qx) is unsigned x signed bytes: one AVX-512 VNNI vpdpbusd per two blocks
 // (_mm512_dpbusd_epi32). Without VNNI, plain loops over dequantized weights and x.
-//
 // Each weight row is multiplied with every row of x, 4 rows of x at once: a decode step
 // streams each weight row from memory once for all its rows. Threads split the weight rows
 // in chunks of kChunkRows, as linear_few_rows_f32 does. Past a few rows, tiles of weight rows
@@ -26,7 +25,6 @@
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
-
 #include <vector>
 
 #if defined(__AVX512F__) || defined(__F16C__)
@@ -86,6 +84,7 @@ struct QuantizedRows {
 #ifdef GGUF_VNNI
     std::vector<float> scale16;  // [rows, padded / 64, 16]: each pair's two dx, 8 lanes each (vpdpbusd's lanes)
     std::vector<float> offset16;  // [rows, padded / 64, 16]: each pair's two offsets / 8, 8 lanes each
+    std::vector<float> lane_offset16;  // [rows, padded / 4]: dx * each lane's sum of 4 q (gguf_decoded.h)
 #endif
 };
 
@@ -124,6 +123,7 @@ void quantize_rows(const float* x, int64_t x_stride, int64_t rows, int64_t in_fe
 #ifdef GGUF_VNNI
     out.scale16.resize(rows * blocks * 8);
     out.offset16.resize(rows * blocks * 8);
+    out.lane_offset16.resize(rows * blocks * 8);
 #endif
 #pragma omp parallel for schedule(static) num_threads(num_threads) if (rows * in_features >= (1 << 16))
     for (int64_t r = 0; r < rows; r++) {
@@ -134,14 +134,20 @@ void quantize_rows(const float* x, int64_t x_stride, int64_t rows, int64_t in_fe
         const float* o = out.offset.data() + r * blocks;
         float* s16 = out.scale16.data() + r * blocks * 8;
         float* o16 = out.offset16.data() + r * blocks * 8;
+        float* lanes = out.lane_offset16.data() + r * blocks * 8;
+        const int8_t* q = out.q.data() + r * out.padded;
         for (int64_t b = 0; b < blocks; b++)
             for (int i = 0; i < 8; i++) {
                 s16[b * 8 + i] = s[b];
                 o16[b * 8 + i] = o[b] * 0.125f;  // exact: summed over the block's 8 lanes
+                const int64_t k = (b * 8 + i) * 4;
+                lanes[b * 8 + i] = s[b] * (float)(q[k] + q[k + 1] + q[k + 2] + q[k + 3]);
             }
 #endif
     }
 }
+
+#include "gguf_decoded.h"
 
 #ifdef GGUF_VNNI
 // The same sums straight from the file's blocks, two blocks per vpdpbusd: a Q4 pair's 2 x 16
@@ -221,6 +227,7 @@ DotRows dot_rows_for(int type) {
 
 // One weight row dequantized to floats, d * u + c (for the prefill path's sgemm).
 void dequantize_row(int type, const uint8_t* src, int64_t num_blocks, float* out) {
+    if (is_decoded_type(type)) return dequantize_decoded_row(type, src, num_blocks * kBlock, out);
     const int bytes = block_bytes(type);
     for (int64_t b = 0; b < num_blocks; b++) {
         const uint8_t* block = src + b * bytes;
@@ -274,7 +281,24 @@ int gguf_linear_uses_vnni() {
 
 // The bytes of one row of `in_features` weights of a ggml type, or 0 for a type without a kernel.
 int64_t gguf_row_bytes(int type, int64_t in_features) {
+    if (is_decoded_type(type)) return decoded_row_bytes(type, in_features);
     return in_features % kBlock ? 0 : in_features / kBlock * block_bytes(type);
+}
+
+// Rows of a decoded type (gguf_decoded.h) as U8x16 blocks, out[rows, in_features / 16 * 24]: 0, else -1.
+int gguf_decode_rows(int type, const uint8_t* src, int64_t rows, int64_t in_features, uint8_t* out) {
+    const int64_t row_bytes = gguf_row_bytes(type, in_features);
+    if (!is_decoded_type(type) || row_bytes == 0) return -1;
+    std::vector<uint8_t> u(in_features);
+    std::vector<float> d4(in_features / 4), c4(in_features / 4);
+    for (int64_t r = 0; r < rows; r++) {
+        decode_row(type, src + r * row_bytes, in_features, in_features, u.data(), d4.data(), c4.data());
+        for (int64_t g = 0; g < in_features / 16; g++) {  // u, then the D and C of its 4 lanes (all alike)
+            uint8_t* block = out + (r * (in_features / 16) + g) * 24;
+            memcpy(block, u.data() + 16 * g, 16), memcpy(block + 16, &d4[4 * g], 4), memcpy(block + 20, &c4[4 * g], 4);
+        }
+    }
+    return 0;
 }
 
 // y[rows, out_features] = x @ dequantized(W)^T (+ bias) for many rows: tiles of weight rows
@@ -322,6 +346,11 @@ int gguf_linear_f32(int type, const float* x, int64_t x_stride, int64_t rows, co
     const QuantizedRows& qx = quantized;
     const int64_t num_blocks = qx.num_blocks, num_chunks = (out_features + kChunkRows - 1) / kChunkRows;
 #ifdef GGUF_VNNI
+    if (is_decoded_type(type)) {
+        decoded_linear_vnni(type, qx, rows, weight, row_bytes, in_features, out_features, bias, y, y_stride,
+                            num_threads);
+        return 0;
+    }
     const DotRows dot_tile = dot_rows_for<kTileRows>(type), dot_one = dot_rows_for<1>(type);
 #pragma omp parallel for schedule(static) num_threads(num_threads) if (num_chunks > 8)
     for (int64_t chunk = 0; chunk < num_chunks; chunk++) {

@@ -15,6 +15,8 @@ from kernels._native import load_library
 
 BLOCK = 32  # elements per block, in every type here
 Q4_0, Q4_1, Q8_0 = 2, 3, 8  # ggml's type ids (gguf.GGMLQuantizationType): actors/quantization/gguf_types.py
+Q5_0, Q5_1, Q4_K, Q5_K, Q6_K = 6, 7, 12, 13, 14  # decoded a row at a time (kernels/gguf_decoded.h)
+U8X16 = 200  # troupe's own: those decoded, 16 bytes u + float32 D and C per 16 weights (gguf_decoded.h)
 # Past this many rows a linear dequantizes tiles of its weights and calls sgemm: measured on
 # SmolLM2's Q4_1 projections (one thread, best of 5; the 2-core Xeon, AVX-512 VNNI), the dot
 # products took 21 ms for 4 rows (fp32 35), even with the tiles at 8 rows, and at 64 rows
@@ -39,12 +41,23 @@ class GGUFKernels:
         self._row_bytes = library.gguf_row_bytes
         self._row_bytes.restype = _i64
         self._row_bytes.argtypes = [_i32, _i64]
+        self._decode_rows = library.gguf_decode_rows
+        self._decode_rows.restype = _i32
+        self._decode_rows.argtypes = [_i32, _ptr, _i64, _i64, _ptr]
         library.gguf_linear_uses_vnni.restype = _i32
         self.uses_vnni = bool(library.gguf_linear_uses_vnni())
 
     def row_bytes(self, ggml_type: int, in_features: int) -> int:
         """Bytes of a weight row; 0 where there is no kernel for the type (or in_features % 32)."""
         return self._row_bytes(ggml_type, in_features)
+
+    def decode_rows(self, blocks: torch.Tensor, ggml_type: int, in_features: int) -> torch.Tensor:
+        """Q5_0/Q5_1/K-quant blocks [out, row bytes] as U8X16 blocks, without loss."""
+        assert blocks.dtype == torch.uint8 and blocks.is_contiguous()
+        out = torch.empty(blocks.shape[0], in_features // 16 * 24, dtype=torch.uint8)
+        status = self._decode_rows(ggml_type, blocks.data_ptr(), blocks.shape[0], in_features, out.data_ptr())
+        assert status == 0, f"type {ggml_type} has no decoding to U8X16"
+        return out
 
     def linear(self, x: torch.Tensor,  # [rows, in_features] float32
                blocks: torch.Tensor,  # [out_features, row bytes] uint8: the file's blocks
@@ -94,6 +107,11 @@ def dequantize_reference(blocks: torch.Tensor, ggml_type: int, in_features: int)
     """The gguf package's dequantization of a [out, row bytes] block matrix: [out, in] float32."""
     import gguf
 
+    if ggml_type == U8X16:  # w = D * u + C per 16 weights
+        raw = blocks.numpy().reshape(blocks.shape[0], in_features // 16, 24)
+        scale, offset = raw[:, :, 16:20].copy().view("float32"), raw[:, :, 20:24].copy().view("float32")
+        values = raw[:, :, :16].astype("float32") * scale + offset
+        return torch.from_numpy(values.reshape(blocks.shape[0], in_features))
     values = gguf.quants.dequantize(blocks.numpy(), gguf.GGMLQuantizationType(ggml_type))
     return torch.from_numpy(values.reshape(blocks.shape[0], in_features).astype("float32"))
 

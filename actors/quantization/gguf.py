@@ -19,7 +19,7 @@ import torch
 
 from actors.worker.attention import CpuBackend
 from actors.quantization.gguf_types import KERNEL_TYPES, GGUFError, layer_tensor_names, lm_head_name
-from kernels.gguf_linear import GGUFKernels, gguf_kernels
+from kernels.gguf_linear import U8X16, GGUFKernels, gguf_kernels
 
 logger = logging.getLogger(__name__)
 
@@ -38,7 +38,7 @@ class GGUFWeight:
 
     @property
     def type_name(self) -> str:
-        return KERNEL_TYPES[self.ggml_type]
+        return "U8x16" if self.ggml_type == U8X16 else KERNEL_TYPES[self.ggml_type]
 
     # what the model's bookkeeping asks of a weight (num_weight_bytes, pointers for the C++ step)
     def numel(self) -> int:
@@ -95,8 +95,12 @@ def use_gguf_weights(model, backend: CpuBackend, gguf_path: str) -> GGUFCpuBacke
         for attribute, names in layer_tensor_names(index).items():
             parts = [_blocks(tensors[name], kernels, heads.get(name.split(".")[2]) if unpermute else None)
                      for name in names]
-            ggml_type = int(tensors[names[0]].tensor_type)
-            setattr(layer, attribute, GGUFWeight(torch.cat(parts), ggml_type, int(tensors[names[0]].shape[0])))
+            types = [int(tensors[name].tensor_type) for name in names]
+            in_features = int(tensors[names[0]].shape[0])
+            if len(set(types)) > 1:  # e.g. Q4_K_M's Q4_K q/k and Q6_K v: all decoded, without loss
+                parts = [kernels.decode_rows(part, t, in_features) for part, t in zip(parts, types)]
+                types = [U8X16]
+            setattr(layer, attribute, GGUFWeight(torch.cat(parts), types[0], in_features))
     head = tensors[lm_head_name(tensors)]
     if int(head.tensor_type) in KERNEL_TYPES:
         model.lm_head = GGUFWeight(_blocks(head, kernels), int(head.tensor_type), int(head.shape[0]))

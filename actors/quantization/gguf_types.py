@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import os
 
-KERNEL_TYPES = {2: "Q4_0", 3: "Q4_1", 8: "Q8_0"}  # ggml type ids kernels/gguf_linear.cpp multiplies
+KERNEL_TYPES = {2: "Q4_0", 3: "Q4_1", 6: "Q5_0", 7: "Q5_1", 8: "Q8_0", 12: "Q4_K", 13: "Q5_K",
+                14: "Q6_K"}  # ggml type ids kernels/gguf_linear.cpp multiplies
+DECODED_TYPES = {"Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K"}  # a fused projection may mix these (run as U8x16)
 FLOAT_TYPES = {0: "F32", 1: "F16", 30: "BF16"}  # types the fp32 path runs (dequantized at conversion)
 
 
@@ -50,7 +52,7 @@ def tensor_types(gguf_path: str, num_layers: int) -> dict[str, tuple[str, int]]:
 def check_gguf_types(gguf_path: str, num_layers: int) -> bool:
     """True where the file's projections are block types with kernels, False where they are all
     float (nothing to run quantized); GGUFError naming the first tensor whose type has no
-    kernel, or a fused group (q/k/v, gate/up) mixing types."""
+    kernel, or a fused group (q/k/v, gate/up) mixing types other than DECODED_TYPES."""
     types = tensor_types(gguf_path, num_layers)
     if all(type_id in FLOAT_TYPES for name, (_, type_id) in types.items() if name.startswith("blk.")):
         return False
@@ -62,7 +64,8 @@ def check_gguf_types(gguf_path: str, num_layers: int) -> bool:
     for layer in range(num_layers):
         for group in layer_tensor_names(layer).values():
             group_types = {types[name][0] for name in group}
-            if len(group_types) > 1 or group_types & set(FLOAT_TYPES.values()):
+            mixable = group_types <= DECODED_TYPES
+            if (len(group_types) > 1 and not mixable) or group_types & set(FLOAT_TYPES.values()):
                 raise GGUFError(f"{gguf_path}: tensors {', '.join(group)} are {', '.join(sorted(group_types))}; "
                                 "the quantized path runs projections quantized alike (--quantization none runs "
                                 "them dequantized)")

@@ -10,18 +10,47 @@ import shutil
 import subprocess
 
 import gguf
+import numpy as np
 import pytest
 import torch
 
 from kernels.cpu_kernels import torch_sgemm
 from kernels.gguf_linear import (
-    Q4_0, Q4_1, Q8_0, GGUFKernels, gguf_kernels, gguf_linear_reference, quantize_rows_reference,
+    Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, Q5_K, Q6_K, Q8_0, GGUFKernels, gguf_kernels, gguf_linear_reference,
+    quantize_rows_reference,
 )
 
 TYPES = {"Q4_0": Q4_0, "Q4_1": Q4_1, "Q8_0": Q8_0}
+# types the gguf package cannot quantize (its K-quants raise NotImplementedError): blocks built by hand
+HAND_BUILT = {"Q5_0": Q5_0, "Q5_1": Q5_1, "Q4_K": Q4_K, "Q5_K": Q5_K, "Q6_K": Q6_K}
+
+
+def hand_built_blocks(out_features: int, in_features: int, ggml_type: int, seed: int,
+                      scale: float = 0.01) -> torch.Tensor:
+    """Blocks of random bytes (every bit pattern of quants, scales and fifth bits is a valid
+    block) whose fp16 super-scales (d, and Q5_1's m, K's dmin) are set to 0.5-1.5 x scale, so
+    the weights are finite and of the size asked for. Layouts: ggml-common.h."""
+    kind = gguf.GGMLQuantizationType(ggml_type)
+    elements, nbytes = gguf.GGML_QUANT_SIZES[kind]
+    rng = np.random.default_rng(seed)
+    blocks = rng.integers(0, 256, (out_features, in_features // elements, nbytes), dtype=np.uint8)
+
+    def halves() -> np.ndarray:
+        scales = (rng.uniform(0.5, 1.5, blocks.shape[:2]) * scale).astype(np.float16)
+        return scales.view(np.uint8).reshape(*blocks.shape[:2], 2)
+
+    if ggml_type == Q6_K:  # d is the block's last 2 bytes
+        blocks[:, :, nbytes - 2:] = halves()
+    else:  # d first, then m (Q5_1) or dmin (Q4_K, Q5_K)
+        blocks[:, :, 0:2] = halves()
+        if ggml_type in (Q5_1, Q4_K, Q5_K):
+            blocks[:, :, 2:4] = halves()
+    return torch.from_numpy(blocks.reshape(out_features, -1))
 
 
 def quantized(weight: torch.Tensor, ggml_type: int) -> torch.Tensor:
+    if ggml_type in HAND_BUILT.values():
+        return hand_built_blocks(*weight.shape, ggml_type, seed=int(weight.shape[0] * 7 + weight.shape[1]))
     return torch.from_numpy(gguf.quants.quantize(weight.numpy(), gguf.GGMLQuantizationType(ggml_type)))
 
 
@@ -64,6 +93,17 @@ def test_many_rows_run_dequantized_tiles_through_sgemm(kernels, type_name):
         assert_matches_reference(kernels, TYPES[type_name], 40, in_features, out_features, bias, 8)
 
 
+@pytest.mark.parametrize("type_name", HAND_BUILT)
+@pytest.mark.parametrize("rows", [1, 5, 40])
+def test_q5_and_k_quants_match_the_reference(kernels, type_name, rows):
+    # K-quants: 256-weight super-blocks (Q6_K's scales per 16 weights); Q5: 96 = 3 blocks, an odd one
+    ggml_type = HAND_BUILT[type_name]
+    small = 96 if ggml_type in (Q5_0, Q5_1) else 256
+    for in_features, out_features, bias in ((small, 33, True), (1536, 576, False)):
+        for dequantize_rows in (10**6, 8):  # the dot products, then (past 8 rows) dequantized tiles and sgemm
+            assert_matches_reference(kernels, ggml_type, rows, in_features, out_features, bias, dequantize_rows)
+
+
 def test_activations_are_quantized_per_block_of_32_rounding_half_away_from_zero():
     x = torch.tensor([[127.0, 0.5, -0.5, 1.5, -2.5] + [0.0] * 27])
     assert quantize_rows_reference(x)[0, :5].tolist() == [127.0, 1.0, -1.0, 2.0, -3.0]
@@ -78,12 +118,15 @@ def test_the_portable_loops_match_the_reference(tmp_path):
                     library], check=True, timeout=300)
     portable = GGUFKernels(ctypes.CDLL(library), torch_sgemm())
     assert not portable.uses_vnni
-    for type_name, ggml_type in TYPES.items():
+    for type_name, ggml_type in {**TYPES, **HAND_BUILT}.items():
+        in_features = 256 if type_name.endswith("_K") else 96
         for rows in (1, 5):
-            assert_matches_reference(portable, ggml_type, rows, 96, 33, True, 10**6)
+            assert_matches_reference(portable, ggml_type, rows, in_features, 33, True, 10**6)
 
 
 def test_a_type_without_a_kernel_has_no_row_size(kernels):
-    assert kernels.row_bytes(int(gguf.GGMLQuantizationType.Q4_K), 256) == 0
+    assert kernels.row_bytes(int(gguf.GGMLQuantizationType.Q2_K), 256) == 0
+    assert kernels.row_bytes(Q4_K, 96) == 0  # not whole super-blocks of 256
+    assert kernels.row_bytes(Q6_K, 512) == 420
     assert kernels.row_bytes(Q4_1, 48) == 0  # not whole blocks
     assert kernels.row_bytes(Q4_1, 64) == 40
