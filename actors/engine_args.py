@@ -31,6 +31,7 @@ from actors.pooling.engine import (CONVERTS, RUNNERS, TASKS, check_pooling_args,
                                   parse_hf_overrides, pooler_for)
 from actors.quantization import GGUF_METHODS, QUANTIZATION_METHODS, check_quantization
 from actors.quantization.gguf_types import resolve_gguf
+from actors.quantization.int8_check import check_int8_decoder
 from actors.multimodal.config import check_vision_engine, parse_limit_mm_per_prompt
 from actors.spec_decode.config import check_engine_fit, parse_speculative_config
 from actors.spec_decode.draft_config import load_draft_model_config
@@ -80,7 +81,7 @@ class EngineArgs:
     quantization: str | None = _arg(
         None, "'gguf': a .gguf model's Q4_0/Q4_1/Q8_0 weights run as they are on the CPU (docs/quantization.md); "
               "'auto': gguf where it can run, else none; 'int8': weights quantized to int8 at load time, "
-              "activations per token as they come (W8A8; BERT-family encoders so far); 'none' or unset: the "
+              "activations per token as they come (W8A8; BERT-family encoders, decoders on the CPU); 'none' or unset: the "
               "checkpoint's dtype (a .gguf dequantized to float32)", group="model",
         choices=("none",) + QUANTIZATION_METHODS)
     seed: int = _arg(0, "the engine's random seed", group="model")
@@ -282,6 +283,9 @@ class EngineArgs:
         if pooler is not None and pooler.classifier_from_token and args.tensor_parallel_size != 1:
             raise ValueError("tensor_parallel_size: a classifier made from the LM head's rows runs on one device")
         quantization, gguf_file = check_quantization(args.quantization, model_config.is_encoder), None
+        if quantization == "int8" and not model_config.is_encoder:
+            check_int8_decoder(args.device, args.dtype, args.tensor_parallel_size * args.pipeline_parallel_size,
+                               cuda_device_count())
         if quantization in GGUF_METHODS:
             quantization, gguf_file = resolve_gguf(
                 quantization, args.model, model_config.num_hidden_layers, generates=pooler is None,

@@ -138,6 +138,9 @@ class ModelRunner:
         if engine.quantization == "gguf":  # the projections' fp32 weights swapped for the file's blocks
             from actors.quantization.gguf import use_gguf_weights
             self.backend = use_gguf_weights(self.model, self.backend, engine.gguf_file)
+        elif engine.quantization == "int8" and self.encoder is None:  # W8A8: int8_decoder.py
+            from actors.quantization.int8_decoder import use_int8_weights
+            self.backend = use_int8_weights(self.model, self.backend)
         # the whole-step fast path where there is one for this model and backend (the C++
         # one-call step on the CPU); _forward picks it or model.forward step by step
         self.model_step = CpuModelStep.build(self.model, self.backend) if self.encoder is None else None
