@@ -23,6 +23,10 @@ from kernels.int8_gemm import Int8GemmKernels, PackedInt8Weight, int8_gemm_kerne
 logger = logging.getLogger(__name__)
 
 PROJECTIONS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
+# The LM head in int8 too: SmolLM2's 49152 x 576 head is a fifth of its weights, and its
+# perplexity on benchmarks/quality.py's text moved by MEASURED with it (an int8:fp32-head run
+# there keeps it in fp32, for comparison)
+QUANTIZE_LM_HEAD = True
 
 
 class Int8CpuBackend(CpuBackend):
@@ -40,8 +44,9 @@ class Int8CpuBackend(CpuBackend):
         return super().linear(x, weight, bias)
 
 
-def use_int8_weights(model, backend: CpuBackend, lm_head: bool = True) -> Int8CpuBackend:
-    """Quantizes model's projections (and its LM head where lm_head) to packed int8 and swaps
+def use_int8_weights(model, backend: CpuBackend, lm_head: bool | None = None) -> Int8CpuBackend:
+    """Quantizes model's projections (and its LM head where lm_head, default QUANTIZE_LM_HEAD)
+    to packed int8 and swaps
     its backend for one that runs them (returned: the model runner's backend from then on)."""
     kernels = int8_gemm_kernels()
     if kernels is None:
@@ -52,7 +57,7 @@ def use_int8_weights(model, backend: CpuBackend, lm_head: bool = True) -> Int8Cp
             weight = getattr(layer, name)
             if not isinstance(weight, PackedInt8Weight):
                 setattr(layer, name, kernels.pack(weight))
-    if lm_head and model.lm_head is not None and not isinstance(model.lm_head, PackedInt8Weight):
+    if (QUANTIZE_LM_HEAD if lm_head is None else lm_head) and model.lm_head is not None and not isinstance(model.lm_head, PackedInt8Weight):
         model.lm_head = kernels.pack(model.lm_head)
     if isinstance(backend, Int8CpuBackend):  # weights loaded again (sleep level 2): the same backend
         model.backend = backend
