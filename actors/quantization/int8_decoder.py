@@ -2,10 +2,11 @@
 
 The model loads its checkpoint in fp32 as usual (fp16/bf16 checkpoints converted, a .gguf
 model dequantized by gguf_convert.py); then use_int8_weights() quantizes each projection
-(q/k/v, o, gate/up, down) and the LM head per output channel to int8 and packs them for
+(q/k/v, o, gate/up, down; the LM head on request) per output channel to int8 and packs them for
 kernels/int8_gemm.cpp, which the fused step (cpu_model_step.py: the weight type
 INT8_WEIGHT_TYPE through DecoderShape.quant_linear) and the op-by-op forward
-(Int8CpuBackend.linear) both run. The embedding table, norms and biases stay fp32.
+(Int8CpuBackend.linear) both run. The embedding table, LM head,
+norms and biases stay fp32.
 
 int8_model_reference() is the plain-torch oracle the tests hold the whole model to: the
 same quantized weights dequantized, each linear's input quantized per row the same way."""
@@ -23,10 +24,11 @@ from kernels.int8_gemm import Int8GemmKernels, PackedInt8Weight, int8_gemm_kerne
 logger = logging.getLogger(__name__)
 
 PROJECTIONS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
-# The LM head in int8 too: SmolLM2's 49152 x 576 head is a fifth of its weights, and its
-# perplexity on benchmarks/quality.py's text moved by MEASURED with it (an int8:fp32-head run
-# there keeps it in fp32, for comparison)
-QUANTIZE_LM_HEAD = True
+# The LM head stays fp32 by default: in int8 it moved SmolLM2's perplexity on
+# benchmarks/quality.py's text (first 4000 tokens) from +2.58% to +2.98% against fp32, at the
+# edge of the 3% target, and it runs only for the rows that sample (int8:int8-head there
+# measures it; use_int8_weights(lm_head=True) quantizes it)
+QUANTIZE_LM_HEAD = False
 
 
 class Int8CpuBackend(CpuBackend):
