@@ -30,9 +30,8 @@ from actors.distributed_args import EXECUTOR_BACKENDS, check_distributed, check_
 from actors.prefix_routing import ROUTING_LOGICS
 from actors.pooling.engine import (CONVERTS, RUNNERS, TASKS, check_pooling_args, override_architecture,
                                   parse_hf_overrides, pooler_for)
-from actors.quantization import GGUF_METHODS, QUANTIZATION_METHODS, check_quantization
-from actors.quantization.checkpoint_config import resolve_checkpoint_quantization
-from actors.quantization.gguf_types import resolve_gguf
+from actors.quantization import QUANTIZATION_METHODS
+from actors.quantization.resolve import resolve_quantization
 from actors.multimodal.config import check_vision_engine, parse_limit_mm_per_prompt
 from actors.multimodal.local_media import check_media_args, resolve_allowed_media_path
 from actors.spec_decode.config import check_engine_fit, parse_speculative_config
@@ -83,7 +82,7 @@ class EngineArgs:
     quantization: str | None = _arg(
         None, "'gguf': a .gguf model's Q4_0/Q4_1/Q8_0 weights run as they are on the CPU (docs/quantization.md); "
               "'auto': gguf where it can run, else none; 'int8': weights quantized to int8 at load time, "
-              "activations per token as they come (W8A8; BERT-family encoders so far); 'gptq', 'awq', "
+              "activations per token as they come (W8A8; BERT-family encoders, decoders on the CPU); 'gptq', 'awq', "
               "'compressed-tensors', 'fp8': a quantized checkpoint's quantization_config, which unset follows "
               "(docs/quantization.md); 'none' or unset: the checkpoint's dtype (a .gguf dequantized to float32)",
         group="model",
@@ -300,15 +299,7 @@ class EngineArgs:
         pooler = pooler_for(model_config, args.runner, args.convert, args.task, args.pooler_config, hf_overrides)
         if pooler is not None and pooler.classifier_from_token and args.tensor_parallel_size != 1:
             raise ValueError("tensor_parallel_size: a classifier made from the LM head's rows runs on one device")
-        quantization, gguf_file = check_quantization(args.quantization, model_config.is_encoder), None
-        if quantization in GGUF_METHODS:
-            quantization, gguf_file = resolve_gguf(
-                quantization, args.model, model_config.num_hidden_layers, generates=pooler is None,
-                device=args.device, dtype=args.dtype,  # one device: pipeline stages count too
-                tensor_parallel_size=args.tensor_parallel_size * args.pipeline_parallel_size,
-                cuda_devices=cuda_device_count())
-        if gguf_file is None:  # a quantized checkpoint's own method, checked against the flag
-            quantization = resolve_checkpoint_quantization(quantization, model_config, args.tensor_parallel_size)
+        quantization, gguf_file = resolve_quantization(args, model_config, generates=pooler is None)
         if model_config.is_encoder:  # whole prompts, one step each; attention both ways shares no prefix
             if args.tensor_parallel_size != 1:
                 raise ValueError("tensor_parallel_size: an encoder model runs on one device")

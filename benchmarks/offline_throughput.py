@@ -15,6 +15,7 @@ reported: on a shared machine both swing by a quarter from minute to minute.
     python benchmarks/offline_throughput.py --hf-batch-sizes 16,64
     python benchmarks/offline_throughput.py --hf-batch-sizes ''   # troupe and the floor only
     python benchmarks/offline_throughput.py --hf-batch-sizes '' --quantization gguf  # the GGUF's own blocks
+    python benchmarks/offline_throughput.py --hf-batch-sizes '' --quantization none,int8  # int8 W8A8 against fp32
 
 Timings on a shared machine swing with its load: compare figures from one invocation.
 """
@@ -179,7 +180,8 @@ def main() -> None:
     parser.add_argument("--otlp-traces-endpoint", default=None, metavar="URL",
                         help="export a span per request (the cost of tracing; a collector need not listen)")
     parser.add_argument("--quantization", default=None,
-                        help="troupe's --quantization: 'gguf' runs the .gguf's blocks, 'none' its fp32 dequantization")
+                        help="troupe's --quantization: 'gguf' runs the .gguf's blocks, 'none' its fp32 dequantization, "
+                             "'int8' W8A8; several, comma-separated (none,int8), run one after the other")
     parser.add_argument("--quiet", action="store_true")
     args = parser.parse_args()
     torch.manual_seed(args.seed)
@@ -194,13 +196,22 @@ def main() -> None:
     print(f"model {model_dir}\nworkload: {len(prompts)} prompts, {sum(map(len, prompts))} prompt tokens, "
           f"{args.output_len} output tokens each, greedy, ignore_eos; torch threads {torch.get_num_threads()}")
 
-    runs = run_troupe(args, prompts)
-    troupe_time = statistics.median(elapsed for elapsed, _, _ in runs)
-    troupe_rate = statistics.median(tokens / elapsed for elapsed, tokens, _ in runs)
-    floor = statistics.median(floor for _, _, floor in runs)
-    ratio = statistics.median(elapsed / floor for elapsed, _, floor in runs)
-    print(f"troupe, median of {len(runs)}: {troupe_rate:.1f} output tok/s; matmul floor {floor:.2f} s; "
-          f"troupe time / floor {ratio:.2f}x (median of the runs' ratios)")
+    methods = args.quantization.split(",") if args.quantization else [None]
+    rates = []  # each method's (time, output tok/s), the first one's compared with HF's
+    for method in methods:
+        if len(methods) > 1:
+            print(f"--quantization {method}")
+        runs = run_troupe(argparse.Namespace(**{**vars(args), "quantization": method}), prompts)
+        rates.append((statistics.median(elapsed for elapsed, _, _ in runs),
+                      statistics.median(tokens / elapsed for elapsed, tokens, _ in runs)))
+        floor = statistics.median(floor for _, _, floor in runs)
+        ratio = statistics.median(elapsed / floor for elapsed, _, floor in runs)
+        print(f"troupe{f' ({method})' if len(methods) > 1 else ''}, median of {len(runs)}: {rates[-1][1]:.1f} "
+              f"output tok/s; matmul floor {floor:.2f} s; troupe time / floor {ratio:.2f}x (median of the runs' ratios)")
+    for method, (_, rate) in list(zip(methods, rates))[1:]:
+        print(f"troupe {method} / {methods[0]}: {rate / rates[0][1]:.2f}x output tok/s")
+    troupe_time, troupe_rate = rates[0]
+    args.quantization = methods[0]  # the actors' run (--actors) is the first method's
     if args.actors:
         actors_time, actors_tokens = run_actors(args, prompts)
         print(f"troupe actors (AsyncClient): {actors_tokens} tokens in {actors_time:.2f} s = "

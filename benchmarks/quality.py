@@ -8,10 +8,11 @@ same contexts ("gguf:dot": see score()). Greedy agreement is teacher-forced: at 
 methods' most likely next tokens are the same (free-running generations drift apart after
 their first difference and measure little else).
 
-    python benchmarks/quality.py                          # none (fp32), gguf and gguf:dot, the whole text
+    python benchmarks/quality.py                          # none (fp32), gguf, gguf:dot and int8, the whole text
     python benchmarks/quality.py --max-tokens 4000        # a quicker look
     python benchmarks/quality.py --methods none,gguf --window 512
     python benchmarks/quality.py --llama-cpp-python /work/llamacpp-venv/bin/python   # llama.cpp's too
+    python benchmarks/quality.py --methods none,int8,int8:int8-head --max-tokens 4000
 """
 
 from __future__ import annotations
@@ -31,13 +32,20 @@ TEXT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "quality
 
 def score(model: str | None, method: str, windows: list[list[int]]) -> tuple[list[float], list[int], float]:
     """Each scored position's log-probability of the text's token and the method's greedy
-    token, and the seconds the engine took. "gguf:dot" is gguf with every row through the
+    token, and the seconds the engine took. "int8:int8-head" is int8 (W8A8) with the LM head
+    in int8 too (int8 leaves it fp32). "gguf:dot" is gguf with every row through the
     int8 block dot products, activations quantized per block as in decode steps (a prompt's
     rows otherwise go through dequantized weights and sgemm, which is fp32's arithmetic)."""
     from actors import LLM, SamplingParams
 
+    from actors.quantization import int8_decoder
+
     quantization, _, variant = method.partition(":")
-    llm = LLM(model, quantization=quantization, enable_prefix_caching=False)
+    int8_decoder.QUANTIZE_LM_HEAD = variant == "int8-head"
+    try:
+        llm = LLM(model, quantization=quantization, enable_prefix_caching=False)
+    finally:
+        int8_decoder.QUANTIZE_LM_HEAD = False
     kernels = getattr(llm.engine.runner.backend, "kernels", None)
     dequantize_rows = kernels.dequantize_rows if kernels is not None else None
     if variant == "dot":
@@ -61,8 +69,9 @@ def score(model: str | None, method: str, windows: list[list[int]]) -> tuple[lis
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default=None, help="default: the embedded SmolLM2-135M-Instruct (a Q4_1 GGUF)")
-    parser.add_argument("--methods", default="none,gguf,gguf:dot",
-                        help="--quantization values (gguf:dot: see score()); the first is the baseline")
+    parser.add_argument("--methods", default="none,gguf,gguf:dot,int8",
+                        help="--quantization values (gguf:dot, int8:int8-head: see score()); the first is the "
+                             "baseline")
     parser.add_argument("--max-tokens", type=int, default=None, help="score only the text's first N tokens")
     parser.add_argument("--window", type=int, default=1024, help="tokens of context per window")
     parser.add_argument("--llama-cpp-python", default=None,

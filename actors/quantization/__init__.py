@@ -8,14 +8,15 @@ from __future__ import annotations
 
 # vLLM's `--quantization` values that troupe runs, and where:
 #   int8: weights quantized at load time to int8 per output channel, activations per
-#         token at run time (W8A8, dynamic); BERT-family encoders so far (issue #21 has
-#         the decoder's kernels)
+#         token at run time (W8A8, dynamic); BERT-family encoders (CPU, CUDA), decoders on
+#         the CPU in fp32 (int8_decoder.py, kernels/int8_gemm.cpp)
 #   gguf: a .gguf model's block-quantized weights (Q4_0, Q4_1, Q8_0) as the file has them,
 #         int8 block dot products on the CPU (gguf.py, kernels/gguf_linear.cpp)
 #   auto: gguf where a .gguf model can run so (the CPU, float32, one device), else none
 #   gptq, awq, compressed-tensors, fp8: a checkpoint's quantization_config (checkpoint_config.py)
 QUANTIZATION_METHODS = ("auto", "gguf", "int8", "gptq", "awq", "compressed-tensors", "fp8")
-ENCODER_ONLY_METHODS = ("int8",)
+ENCODER_ONLY_METHODS: tuple[str, ...] = ()
+CHECKPOINT_METHODS = ("gptq", "awq", "compressed-tensors", "fp8")  # read from config.json's quantization_config
 GGUF_METHODS = ("auto", "gguf")  # resolved against the model file at start-up (gguf_types.resolve_gguf)
 
 

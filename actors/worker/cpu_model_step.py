@@ -37,8 +37,9 @@ def _address(tensor: torch.Tensor | None) -> int | None:
 
 
 def _type(weight) -> int:
-    """DecoderLayer's weight type: 0 for a float32 tensor, else a GGUF weight's ggml type."""
-    return getattr(weight, "ggml_type", 0)
+    """DecoderLayer's weight type: 0 for a float32 tensor, else a GGUF weight's ggml type (or
+    kernels/int8_gemm.py's INT8_WEIGHT_TYPE)."""
+    return getattr(weight, "weight_type", getattr(weight, "ggml_type", 0))
 
 
 class CpuModelStep:

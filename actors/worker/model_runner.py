@@ -17,6 +17,7 @@ from actors.multimodal.runner import VisionRunner
 from actors.pooling.classifier import SCORE_WEIGHT, split_score_weight
 from actors.pooling.encoder import BertClassifierHead, EncoderStep, build_encoder
 from actors.pooling.runner import PoolingRunner, pooling_runner
+from actors.quantization.swap import checkpoint_weight_stream, quantized_backend
 from actors.worker.attention import make_backend
 from actors.worker.attention_metadata import AttentionMetadata
 from actors.worker.cpu_model_step import CpuModelStep
@@ -128,9 +129,7 @@ class ModelRunner:
                 from actors.worker.loader import iter_weight_slices
 
                 weights = VisionRunner.split(self.vision, iter_weight_slices(engine.model.model_path))
-                if engine.quantization in ("gptq", "awq", "compressed-tensors", "fp8"):  # a quantized checkpoint's
-                    from actors.quantization.checkpoint_weights import checkpoint_weights  # packed tensors
-                    weights = checkpoint_weights(weights, engine.model.model_path)
+                weights = checkpoint_weight_stream(weights, engine)  # (a quantized checkpoint's, dequantized)
                 self.model.load_weights((name, parallel.shard(name, weight_slice, engine.model))
                                         for name, weight_slice in split_score_weight(weights, head_weights))
             if self.vision is not None:
@@ -139,12 +138,7 @@ class ModelRunner:
                 and self.dtype == torch.float32:
             # past this many rows sgemm beats the C++ linear, which depends on the CPU's vectors
             self.backend.few_rows = tune_few_rows(self.backend.native, self.model.layers, MAX_FEW_ROWS)
-        if engine.quantization == "gguf":  # the projections' fp32 weights swapped for the file's blocks
-            from actors.quantization.gguf import use_gguf_weights
-            self.backend = use_gguf_weights(self.model, self.backend, engine.gguf_file)
-        if engine.quantization in ("gptq", "awq", "compressed-tensors", "fp8") and self.model is not None:
-            from actors.quantization.checkpoint_weights import use_checkpoint_kernels  # Triton, or GGUF blocks
-            self.backend = use_checkpoint_kernels(self.model, self.backend, engine.model.model_path, parallel)
+        self.backend = quantized_backend(self.model, self.backend, engine, parallel)  # (--quantization)
         # the whole-step fast path where there is one for this model and backend (the C++
         # one-call step on the CPU); _forward picks it or model.forward step by step
         self.model_step = CpuModelStep.build(self.model, self.backend) if self.encoder is None else None

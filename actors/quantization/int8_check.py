@@ -1,0 +1,19 @@
+"""Start-up checks of `--quantization int8` for decoders (torch-free: the engine config runs
+them in any process). What runs is in int8_decoder.py."""
+
+from __future__ import annotations
+
+
+class Int8Error(ValueError):
+    """`--quantization int8` asked of a decoder where it cannot run."""
+
+
+def check_int8_decoder(device: str | None, dtype: str, parallel_size: int, cuda_devices: int) -> None:
+    """Int8Error at start-up, naming what is missing, where a decoder cannot run int8: its
+    kernels are the CPU's (kernels/int8_gemm.cpp), fed fp32 activations, on one device."""
+    on_cpu = device == "cpu" or (device in (None, "auto") and cuda_devices == 0)
+    needs = [need for need, failed in (
+        ("the CPU (device 'cpu')", not on_cpu), ("dtype 'float32'", dtype not in ("auto", "float32")),
+        ("one device (tensor_parallel_size and pipeline_parallel_size 1)", parallel_size != 1)) if failed]
+    if needs:
+        raise Int8Error(f"quantization 'int8' runs decoders on the CPU's int8 kernels; it needs {', '.join(needs)}")

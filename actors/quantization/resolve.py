@@ -1,0 +1,27 @@
+"""--quantization resolved at start-up against the model (torch-free): the flag checked for
+this kind of model, int8 decoders' limits, a .gguf file's own types (auto/gguf), and a
+quantized checkpoint's quantization_config. Every refusal is a ValueError naming the field."""
+
+from __future__ import annotations
+
+from actors.cli_flags import cuda_device_count
+from actors.quantization import GGUF_METHODS, check_quantization
+from actors.quantization.checkpoint_config import resolve_checkpoint_quantization
+from actors.quantization.gguf_types import resolve_gguf
+from actors.quantization.int8_check import check_int8_decoder
+
+
+def resolve_quantization(args, model_config, generates: bool) -> tuple[str | None, str | None]:
+    """(the method the workers run, the .gguf file whose blocks they read or None) for the
+    EngineArgs `args` and the model's config."""
+    quantization, gguf_file = check_quantization(args.quantization, model_config.is_encoder), None
+    devices = args.tensor_parallel_size * args.pipeline_parallel_size  # one device: pipeline stages count too
+    if quantization == "int8" and not model_config.is_encoder:
+        check_int8_decoder(args.device, args.dtype, devices, cuda_device_count())
+    if quantization in GGUF_METHODS:
+        quantization, gguf_file = resolve_gguf(
+            quantization, args.model, model_config.num_hidden_layers, generates=generates,
+            device=args.device, dtype=args.dtype, tensor_parallel_size=devices, cuda_devices=cuda_device_count())
+    if gguf_file is None:  # a quantized checkpoint's own method, checked against the flag
+        quantization = resolve_checkpoint_quantization(quantization, model_config, args.tensor_parallel_size)
+    return quantization, gguf_file

@@ -1,0 +1,41 @@
+"""The one place the model runner hands a loaded decoder to its --quantization method: the
+checkpoint's weight stream for a quantized checkpoint, and afterwards the backend whose
+linears run the quantized weights (the float projections swapped for them). Unquantized
+models pass through untouched, so nothing here runs per step."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from actors.quantization import CHECKPOINT_METHODS
+
+
+def checkpoint_weight_stream(weights: Iterable[tuple[str, object]], engine) -> Iterable[tuple[str, object]]:
+    """A quantized checkpoint's packed tensors gathered per linear and yielded dequantized
+    (checkpoint_weights.py); any other checkpoint's weights as they are."""
+    if engine.quantization not in CHECKPOINT_METHODS:
+        return weights
+    from actors.quantization.checkpoint_weights import checkpoint_weights
+
+    return checkpoint_weights(weights, engine.model.model_path)
+
+
+def quantized_backend(model, backend, engine, parallel):
+    """The backend that runs the decoder `model` with its weights quantized by
+    engine.quantization (None: `backend` itself)."""
+    method = engine.quantization
+    if model is None or method is None:
+        return backend
+    if method == "gguf":  # the projections' fp32 weights swapped for the file's blocks
+        from actors.quantization.gguf import use_gguf_weights
+
+        return use_gguf_weights(model, backend, engine.gguf_file)
+    if method == "int8":  # W8A8 (int8_decoder.py)
+        from actors.quantization.int8_decoder import use_int8_weights
+
+        return use_int8_weights(model, backend)
+    if method in CHECKPOINT_METHODS:  # Triton, or GGUF blocks on the CPU
+        from actors.quantization.checkpoint_weights import use_checkpoint_kernels
+
+        return use_checkpoint_kernels(model, backend, engine.model.model_path, parallel)
+    return backend
