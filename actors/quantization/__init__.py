@@ -15,20 +15,17 @@ from __future__ import annotations
 #   auto: gguf where a .gguf model can run so (the CPU, float32, one device), else none
 #   gptq, awq, compressed-tensors, fp8: a checkpoint's quantization_config (checkpoint_config.py)
 QUANTIZATION_METHODS = ("auto", "gguf", "int8", "gptq", "awq", "compressed-tensors", "fp8")
-ENCODER_ONLY_METHODS: tuple[str, ...] = ()
 CHECKPOINT_METHODS = ("gptq", "awq", "compressed-tensors", "fp8")  # read from config.json's quantization_config
 GGUF_METHODS = ("auto", "gguf")  # resolved against the model file at start-up (gguf_types.resolve_gguf)
 
 
-def check_quantization(method: str | None, is_encoder: bool) -> str | None:
+def check_quantization(method: str | None) -> str | None:
     """The method, normalised (None and "none" mean unquantized); ValueError naming the flag
-    for a method troupe does not run, or does not run for this kind of model."""
+    for a method troupe does not run (what each method needs of the model is checked where it
+    resolves: resolve.py)."""
     if method is None or method == "none":
         return None
     if method not in QUANTIZATION_METHODS:
         raise ValueError(f"quantization {method!r} is not supported; choose from "
                          f"{', '.join(('none',) + QUANTIZATION_METHODS)}")
-    if method in ENCODER_ONLY_METHODS and not is_encoder:
-        raise ValueError(f"quantization {method!r} runs BERT-family encoders (runner 'pooling') so far; "
-                         "decoder models run unquantized, or a .gguf model's own blocks (--quantization gguf)")
     return method

@@ -14,7 +14,7 @@ from actors.quantization.int8_check import check_int8_decoder
 def resolve_quantization(args, model_config, generates: bool) -> tuple[str | None, str | None]:
     """(the method the workers run, the .gguf file whose blocks they read or None) for the
     EngineArgs `args` and the model's config."""
-    quantization, gguf_file = check_quantization(args.quantization, model_config.is_encoder), None
+    quantization, gguf_file = check_quantization(args.quantization), None
     devices = args.tensor_parallel_size * args.pipeline_parallel_size  # one device: pipeline stages count too
     if quantization == "int8" and not model_config.is_encoder:
         check_int8_decoder(args.device, args.dtype, devices, cuda_device_count())

@@ -65,11 +65,9 @@ def test_int8_linear_matches_dequantized_reference_and_fp32(rows, with_bias):
 
 
 def test_quantization_flag_checks():
-    assert check_quantization(None, is_encoder=False) is None
-    assert check_quantization("none", is_encoder=True) is None
-    assert check_quantization("int8", is_encoder=True) == "int8"
+    assert check_quantization(None) is None
+    assert check_quantization("none") is None
+    assert check_quantization("int8") == "int8"
     assert isinstance(linear_method("int8"), Int8Linear)
-    with pytest.raises(ValueError, match="runs BERT-family encoders"):
-        check_quantization("int8", is_encoder=False)
-    with pytest.raises(ValueError, match="'awq' is not supported"):
-        check_quantization("awq", is_encoder=True)
+    with pytest.raises(ValueError, match="'bitsandbytes' is not supported"):
+        check_quantization("bitsandbytes")

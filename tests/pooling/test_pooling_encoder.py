@@ -68,8 +68,10 @@ def test_int8_quantization_is_refused_where_it_does_not_run(tiny_llama_dir, bert
     with pytest.raises(ValueError, match="quantization 'int8' runs decoders on the CPU's int8 kernels; it needs "
                                          "dtype 'float32'"):
         LLM(tiny_llama_dir, quantization="int8", dtype="bfloat16", kv_cache_memory="16MiB")
-    with pytest.raises(ValueError, match="quantization must be one of"):
+    with pytest.raises(ValueError, match="quantization 'gptq' needs a checkpoint quantized so"):
         LLM(bert_dir, quantization="gptq", kv_cache_memory="16MiB")
+    with pytest.raises(ValueError, match="quantization must be one of"):
+        LLM(bert_dir, quantization="bitsandbytes", kv_cache_memory="16MiB")
 
 
 @pytest.mark.parametrize("family", ["roberta", "xlm-roberta"])
