@@ -25,6 +25,8 @@
 #include <cstring>
 #include <vector>
 
+#include "int8_rows.h"
+
 #include <omp.h>
 
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
@@ -38,7 +40,6 @@ namespace {
 
 constexpr int64_t kLanes = 16;  // output channels per packed block
 constexpr int kMaxRows = 6, kBlocks = 4;  // the register tile: rows x channel blocks
-constexpr float kRoundMagic = 12582912.0f;  // 1.5 * 2^23: see kernels/int8_linear.cpp
 
 // A packed weight, as actors/quantization/int8_decoder.py builds it (Int8GemmWeight there);
 // the fused step passes its address as the projection's "weight" pointer.
@@ -59,22 +60,10 @@ void quantize_rows_u8(const float* x, int64_t x_stride, int64_t rows, int64_t co
     for (int64_t r = 0; r < rows; ++r) {
         const float* in = x + r * x_stride;
         uint8_t* out = q + r * k_padded;
-        uint32_t max_bits = 0;  // |x| as integer bits: an integer max vectorizes
-        for (int64_t c = 0; c < cols; ++c) {
-            uint32_t bits;
-            std::memcpy(&bits, in + c, sizeof bits);
-            bits &= 0x7FFFFFFFu;
-            max_bits = bits > max_bits ? bits : max_bits;
-        }
-        float absmax;
-        std::memcpy(&absmax, &max_bits, sizeof absmax);
-        const float s = absmax > 0.0f ? absmax / 127.0f : 1.0f;
+        const float s = int8_rows::scale_of(in, cols);
         scale[r] = s;
-        for (int64_t c = 0; c < cols; ++c) {
-            float v = (in[c] / s + kRoundMagic) - kRoundMagic;  // round half to even, as torch.round
-            v = v > 127.0f ? 127.0f : (v < -127.0f ? -127.0f : v);
-            out[c] = static_cast<uint8_t>(static_cast<int32_t>(v) + 128);
-        }
+        for (int64_t c = 0; c < cols; ++c)
+            out[c] = static_cast<uint8_t>(static_cast<int32_t>(int8_rows::quantized(in[c], s)) + 128);
         for (int64_t c = cols; c < k_padded; ++c) out[c] = 128;
     }
 }

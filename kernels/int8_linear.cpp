@@ -10,7 +10,7 @@
 #include <cstdint>
 #include <cstring>
 
-static constexpr float kRoundMagic = 12582912.0f;  // 1.5 * 2^23
+#include "int8_rows.h"
 
 extern "C" void quantize_rows_f32(const float* x, int64_t rows, int64_t cols, int64_t row_stride, int8_t* q,
                                   float* scale) {
@@ -18,28 +18,9 @@ extern "C" void quantize_rows_f32(const float* x, int64_t rows, int64_t cols, in
   for (int64_t r = 0; r < rows; ++r) {
     const float* in = x + r * row_stride;
     int8_t* out = q + r * cols;
-    // |x| as the bits of a float without its sign: for non-negative floats the integer
-    // order is the float order, and an integer max reduction vectorizes (a float one does
-    // not without -ffast-math)
-    uint32_t max_bits = 0;
-    for (int64_t c = 0; c < cols; ++c) {
-      uint32_t bits;
-      std::memcpy(&bits, in + c, sizeof bits);
-      bits &= 0x7FFFFFFFu;
-      max_bits = bits > max_bits ? bits : max_bits;
-    }
-    float absmax;
-    std::memcpy(&absmax, &max_bits, sizeof absmax);
-    const float s = absmax > 0.0f ? absmax / 127.0f : 1.0f;  // an all-zero row: zeros, scale 1
+    const float s = int8_rows::scale_of(in, cols);
     scale[r] = s;
-    for (int64_t c = 0; c < cols; ++c) {
-      float v = in[c] / s;  // in [-127, 127] by the choice of s (or 0 for a zero row)
-      // round half to even, as torch.round: adding and subtracting 1.5 * 2^23 leaves the
-      // nearest integer in the default rounding mode, and unlike nearbyint it vectorizes
-      v = (v + kRoundMagic) - kRoundMagic;
-      v = v > 127.0f ? 127.0f : (v < -127.0f ? -127.0f : v);
-      out[c] = static_cast<int8_t>(v);
-    }
+    for (int64_t c = 0; c < cols; ++c) out[c] = static_cast<int8_t>(int8_rows::quantized(in[c], s));
   }
 }
 
