@@ -231,10 +231,18 @@ class ImageInputs:
         processed = [self.cache.get(key) for key in keys]
         missing = [i for i, entry in enumerate(processed) if entry is None]
         if missing:
-            pixel_values = self.image_processor(images=[decode_image(images[i], decode_param) for i in missing],
-                                                return_tensors="np")["pixel_values"]
-            for i, pixels in zip(missing, pixel_values):
-                data = np.ascontiguousarray(pixels, dtype="<f4").tobytes()
-                processed[i] = (data, tuple(pixels.shape), hashlib.blake2b(data, digest_size=16).hexdigest())
-                self.cache.put(keys[i], processed[i])
+            fresh = self.run_processor([decode_image(images[i], decode_param) for i in missing])
+            for i, entry in zip(missing, fresh):
+                processed[i] = entry
+                self.cache.put(keys[i], entry)
+        return processed
+
+    def run_processor(self, images: list) -> list[Processed]:
+        """Decoded images through the model's image processor in one call: each one's pixel
+        values as raw bytes, their shape, and a hash of them."""
+        pixel_values = self.image_processor(images=images, return_tensors="np")["pixel_values"]
+        processed = []
+        for pixels in pixel_values:
+            data = np.ascontiguousarray(pixels, dtype="<f4").tobytes()
+            processed.append((data, tuple(pixels.shape), hashlib.blake2b(data, digest_size=16).hexdigest()))
         return processed

@@ -276,6 +276,11 @@ class Qwen2VLRunner(VisionRunner):
         rows = torch.cat([self.positions.of(request, request.num_computed_tokens,
                                             request.num_computed_tokens + num_tokens)
                           for request, num_tokens in batch], dim=1)
+        if torch.equal(rows[0], rows[1]) and torch.equal(rows[0], rows[2]):
+            # no image token in this step (decodes, text after an image): every section
+            # rotates by the same position, which the plain table already holds
+            model.cos_sin_cache = self.text_cos_sin
+            return embeds, rows[0].to(positions.device)
         model.cos_sin_cache = step_cos_sin(self.text_cos_sin, rows, self.sections)
         return embeds, torch.arange(rows.shape[1], device=positions.device)
 

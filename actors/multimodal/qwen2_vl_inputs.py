@@ -12,7 +12,7 @@ import hashlib
 import numpy as np
 
 from actors.multimodal.config import VisionConfig
-from actors.multimodal.inputs import ImageInputs, Processed, ProcessedImageCache, decode_image
+from actors.multimodal.inputs import ImageInputs, Processed, ProcessedImageCache
 from actors.multimodal.qwen2_vl_config import Qwen2VLVisionConfig
 
 
@@ -39,22 +39,15 @@ class Qwen2VLImageInputs(ImageInputs):
     def num_tokens(self, shape: tuple[int, ...]) -> int:
         return self.vision.num_tokens(tuple(shape[:3]))
 
-    def _process(self, images: list, param: str) -> list[Processed]:
-        decode_param = "image_url" if param == "messages" else param
-        images = self.read_local_files(images, decode_param)
-        keys = [self.cache.key_of(image) for image in images]
-        processed = [self.cache.get(key) for key in keys]
-        missing = [i for i, entry in enumerate(processed) if entry is None]
-        if missing:
-            out = self.image_processor(images=[decode_image(images[i], decode_param) for i in missing],
-                                       return_tensors="np")
-            start = 0
-            for i, (t, h, w) in zip(missing, out["image_grid_thw"].tolist()):
-                patches = out["pixel_values"][start: start + t * h * w]
-                start += t * h * w
-                data = np.ascontiguousarray(patches, dtype="<f4").tobytes()
-                shape = (t, h, w, patches.shape[-1])
-                content_hash = hashlib.blake2b(data + repr(shape).encode(), digest_size=16).hexdigest()
-                processed[i] = (data, shape, content_hash)
-                self.cache.put(keys[i], processed[i])
+    def run_processor(self, images: list) -> list[Processed]:
+        """The patches of each image as [grid_t, grid_h, grid_w, patch features] (the grid is
+        the shape), hashed with their shape."""
+        out = self.image_processor(images=images, return_tensors="np")
+        processed, start = [], 0
+        for t, h, w in out["image_grid_thw"].tolist():
+            patches = out["pixel_values"][start: start + t * h * w]
+            start += t * h * w
+            data = np.ascontiguousarray(patches, dtype="<f4").tobytes()
+            shape = (t, h, w, patches.shape[-1])
+            processed.append((data, shape, hashlib.blake2b(data + repr(shape).encode(), digest_size=16).hexdigest()))
         return processed
