@@ -188,6 +188,7 @@ class EngineConfig:
     gguf_file: str | None = None  # quantization "gguf": the .gguf whose blocks the worker runs (actors/quantization)
     allowed_local_media_path: str | None = None  # image file:// URLs only under this directory; None: refused
     mm_processor_cache_gb: float | None = None  # each input processor's processed-image cache; None: 64 MiB
+    cuda_graph_sizes: tuple[int, ...] = ()  # on CUDA, decode batch sizes replayed from CUDA graphs; (): eager
 
 
 def cache_dir() -> str:

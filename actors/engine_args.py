@@ -21,10 +21,12 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from actors.cli_flags import CLI_GROUPS, add_flag, check_int, cuda_device_count, parse_size_flag
+from actors.cli_flags import CLI_GROUPS, add_flag, check_int, parse_size_flag
 from actors.cli_flags import cli_arg as _arg  # short: every field below is one
 from actors.config import (CacheConfig, EngineConfig, LoRAConfig, ParallelConfig, SchedulerConfig,
                            check_tensor_parallel_size, parse_size)
+from actors.cuda_args import (DEFAULT_GPU_MEMORY_UTILIZATION, capture_sizes, check_gpu_memory_utilization,
+                               on_cuda, parse_capture_sizes_flag)
 from actors.kv_offload_args import check_kv_offload_dir, host_kv_bytes
 from actors.distributed_args import EXECUTOR_BACKENDS, check_distributed, check_distributed_flags
 from actors.prefix_routing import ROUTING_LOGICS
@@ -98,8 +100,10 @@ class EngineArgs:
               % (SERVER_BATCHED_TOKENS["cpu"], SERVER_BATCHED_TOKENS["cuda"], PYTHON_BATCHED_TOKENS),
         metavar="TOKENS", parse=int)
     block_size: int = _arg(16, "tokens per KV-cache block", metavar="TOKENS")
-    kv_cache_memory: int | str = _arg("2GiB", "memory for the KV cache, e.g. 512MiB or 4GiB", metavar="SIZE",
-                                      parse=parse_size_flag)
+    kv_cache_memory: int | str | None = _arg(
+        None, "memory for the KV cache, e.g. 512MiB or 4GiB (default: 2GiB on the CPU; on CUDA "
+              "--gpu-memory-utilization %s instead)" % DEFAULT_GPU_MEMORY_UTILIZATION, metavar="SIZE",
+        parse=parse_size_flag)
     num_kv_blocks: int | None = _arg(None, "KV-cache blocks; overrides the pool size derived from --kv-cache-memory",
                                      metavar="N", parse=int)
     gpu_memory_utilization: float | None = _arg(
@@ -133,6 +137,10 @@ class EngineArgs:
     routing_logic: str = _arg("leastloaded", "how data-parallel replicas share requests: the least loaded, or "
                                              "'prefixaware': where the prompt's prefix went before",
                               choices=ROUTING_LOGICS)
+    enforce_eager: bool = _arg(False, "on CUDA, run every step eagerly: no CUDA graphs")
+    cuda_graph_sizes: str | list | None = _arg(
+        None, "on CUDA, the decode batch sizes replayed from CUDA graphs, e.g. 1,2,4,8 (default: 1, 2, 4 and every "
+              "multiple of 8 up to max_num_seqs, at most 512)", metavar="N,N,...", parse=parse_capture_sizes_flag)
     # two plans in flight (the actor engine; LLM with one device runs one step at a time)
     async_scheduling: bool = _arg(True, "build the next step's plan while the workers run the current one")
     scheduling_policy: str = _arg(
@@ -260,7 +268,9 @@ class EngineArgs:
         if fraction is not None and (isinstance(fraction, bool) or not isinstance(fraction, (int, float))
                                      or not 0 < fraction <= 1):
             raise ValueError(f"gpu_memory_utilization must be a fraction in (0, 1], got {fraction!r}")
-        parse_size(self.kv_cache_memory)
+        if self.kv_cache_memory is not None:
+            parse_size(self.kv_cache_memory)
+        capture_sizes(self.cuda_graph_sizes, self.enforce_eager, self.max_num_seqs)
         check_kv_offload_dir(self.kv_offload_dir, host_kv_bytes(self.swap_space, self.kv_offload_size,
                                                                 self.preemption_mode),
                              self.enable_prefix_caching, self.tensor_parallel_size)
@@ -283,7 +293,7 @@ class EngineArgs:
         fields left None take the Python API's meaning (for_server() sets the server's first)."""
         args = self._resolve_unset("python")
         args.check()
-        args._check_gpu_memory_utilization()
+        check_gpu_memory_utilization(args.device, args.gpu_memory_utilization)
         model_dir = resolve_model(args.model)
         model_config = load_model_config(model_dir)
         hf_overrides = parse_hf_overrides(args.hf_overrides)
@@ -345,7 +355,8 @@ class EngineArgs:
             pooler=pooler, speculative=speculative, draft_model=draft_model, gguf_file=gguf_file,
             limit_mm_per_prompt=parse_limit_mm_per_prompt(args.limit_mm_per_prompt),
             allowed_local_media_path=resolve_allowed_media_path(args.allowed_local_media_path),
-            mm_processor_cache_gb=args.mm_processor_cache_gb)
+            mm_processor_cache_gb=args.mm_processor_cache_gb,
+            cuda_graph_sizes=capture_sizes(args.cuda_graph_sizes, args.enforce_eager, args.max_num_seqs))
 
     def _lora_config(self) -> LoRAConfig | None:
         if not self.enable_lora:
@@ -360,18 +371,15 @@ class EngineArgs:
             device = SERVER_DEVICE if entry_point == "server" else PYTHON_DEVICE
         batched_tokens = self.max_num_batched_tokens
         if batched_tokens is None:
-            on_cuda = device.startswith("cuda") or (device == "auto" and cuda_device_count() > 0)
-            batched_tokens = SERVER_BATCHED_TOKENS["cuda" if on_cuda else "cpu"] if entry_point == "server" \
+            batched_tokens = SERVER_BATCHED_TOKENS["cuda" if on_cuda(device) else "cpu"] if entry_point == "server" \
                 else PYTHON_BATCHED_TOKENS
-        return dataclasses.replace(self, device=device, max_num_batched_tokens=batched_tokens)
-
-    def _check_gpu_memory_utilization(self) -> None:
-        if self.gpu_memory_utilization is None:
-            return
-        on_cuda = self.device.startswith("cuda") or (self.device == "auto" and cuda_device_count() > 0)
-        if not on_cuda:
-            raise ValueError("gpu_memory_utilization sizes the KV cache from GPU memory, and the engine runs on "
-                             "the CPU: size it with kv_cache_memory (--kv-cache-memory) instead")
+        kv_memory, fraction = self.kv_cache_memory, self.gpu_memory_utilization
+        if kv_memory is None:  # on CUDA the GPU's share, unless the pool is sized otherwise
+            kv_memory = "2GiB"
+            if fraction is None and self.num_kv_blocks is None and on_cuda(device):
+                fraction = DEFAULT_GPU_MEMORY_UTILIZATION
+        return dataclasses.replace(self, device=device, max_num_batched_tokens=batched_tokens,
+                                   kv_cache_memory=kv_memory, gpu_memory_utilization=fraction)
 
 
 _FIELD_NAMES = frozenset(spec.name for spec in dataclasses.fields(EngineArgs))

@@ -88,12 +88,10 @@ class EngineProcesses:
 
     def _ray_placement(self):
         if self.ray is None:
-            from actors.cli_flags import cuda_device_count
+            from actors.cuda_args import on_cuda
             from actors.ray_executor import RayPlacement
 
-            device = self.engine.device
-            self.ray = RayPlacement(self.engine.parallel,
-                                    device.startswith("cuda") or (device == "auto" and cuda_device_count() > 0))
+            self.ray = RayPlacement(self.engine.parallel, on_cuda(self.engine.device))
         return self.ray
 
     async def start(self, control: Inbox, timeout: float) -> None:

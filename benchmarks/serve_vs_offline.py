@@ -70,7 +70,8 @@ class Server:
         command = [sys.executable, "-m", "actors.launch", "--port", str(self.port), "--log-level", "warning",
                    *engine_flags, *extra]
         self.process = subprocess.Popen(command, cwd=_REPO, start_new_session=True,
-                                        env={**os.environ, "PYTHONPATH": _REPO})
+                                        env={**os.environ, "PYTHONPATH": os.pathsep.join(
+                                            filter(None, [_REPO, os.environ.get("PYTHONPATH")]))})
 
     def wait_ready(self, timeout: float = 300.0) -> None:
         deadline = time.monotonic() + timeout

@@ -164,9 +164,12 @@ def _paged_decode_reduce_kernel(
     rows = (decode.to(tl.int64) * num_heads + head) * NUM_SPLITS + splits
     maxes = tl.load(partial_max_ptr + rows, mask=split_mask, other=float("-inf"))
     weights = tl.load(partial_sum_ptr + rows, mask=split_mask, other=0.0) * tl.exp2(maxes - tl.max(maxes, 0))
+    # normalised first, so that one split's weight is exactly 1 and a decode whose keys fit one
+    # split gets the unsplit kernel's output bit for bit (a CUDA graph always launches splits)
+    weights = weights / tl.sum(weights, 0)
     partial = tl.load(partial_out_ptr + rows[:, None] * head_size + dims[None, :],
                       mask=split_mask[:, None] & (dims < head_size)[None, :], other=0.0)
-    out = tl.sum(partial * weights[:, None], 0) / tl.sum(weights, 0)
+    out = tl.sum(partial * weights[:, None], 0)
     token = tl.load(query_start_loc_ptr + seq).to(tl.int64)
     tl.store(out_ptr + token * out_stride_token + head * out_stride_head + dims,
              out.to(out_ptr.dtype.element_ty), mask=dims < head_size)

@@ -13,6 +13,7 @@ import logging
 from actors.actor import Actor, ActorSpec
 from messages.control import WorkerControl, WorkerControlDone
 from messages.transport import Sockets
+from actors.worker.gpu_idle import GpuIdleProfile
 from actors.worker.host_kv import host_tier_info
 from messages.worker import StepPlan, WorkerInbox
 
@@ -32,6 +33,7 @@ class WorkerActor(Actor):
         # the rank that answers: 0, or the last pipeline stage's tensor-parallel rank 0
         self.to_scheduler = sockets.outbox(addresses["scheduler"]) if rank == output_rank else None
         self.sleep_mode = None  # a SleepMode once the engine has been asked to sleep
+        self.idle_profile = GpuIdleProfile.from_env(str(getattr(runner, "device", "cpu")), rank)  # (a benchmark's)
 
     @classmethod
     def from_spec(cls, spec: ActorSpec, sockets: Sockets) -> WorkerActor:
@@ -68,6 +70,8 @@ class WorkerActor(Actor):
             self._control(message)
             return
         result = self.runner.execute(message)
+        if self.idle_profile is not None and message.num_scheduled_tokens:
+            self.idle_profile.step()
         # a plan with disk loads is answered even without tokens: the scheduler waits for the loads
         if (message.num_scheduled_tokens or message.blocks_to_load) and self.to_scheduler is not None:
             self.to_scheduler.send(result)

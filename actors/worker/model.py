@@ -123,9 +123,14 @@ class LlamaModel:
     def init_dummy_weights(self, seed: int = 0) -> None:
         """Random weights of the right shapes, for benchmarks."""
         c = self.config
-        generator = torch.Generator().manual_seed(seed)
+        # on a GPU drawn there, in the model's dtype: an 8B model's 32 GB of fp32 draws take
+        # the CPU half a minute (the CPU's draws stay as they were: tests compare with them)
+        on_gpu = self.device.type == "cuda"
+        generator = torch.Generator(self.device if on_gpu else "cpu").manual_seed(seed)
 
         def rand(*shape: int) -> torch.Tensor:
+            if on_gpu:
+                return torch.randn(*shape, generator=generator, device=self.device, dtype=self.dtype) * 0.02
             return torch.randn(*shape, generator=generator) * 0.02
 
         weights = {"model.embed_tokens.weight": rand(c.vocab_size, c.hidden_size),

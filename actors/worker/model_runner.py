@@ -22,6 +22,7 @@ from actors.worker.attention import make_backend
 from actors.worker.attention_metadata import AttentionMetadata
 from actors.worker.cpu_model_step import CpuModelStep
 from actors.worker.cpu_tuning import MAX_FEW_ROWS, tune_allocator, tune_few_rows
+from actors.worker.cuda_graphs import DecodeGraphs
 from actors.worker.device_config import DTYPES, kv_block_bytes, num_kv_blocks
 from actors.worker.draft_model import DraftModel
 from actors.worker.grammar_processor import sampling_processors
@@ -65,6 +66,7 @@ def build_model_runner(engine: EngineConfig, parallel: TensorParallel = TensorPa
     runner = ModelRunner(engine, None, engine.attention_backend, engine.load_format, parallel)
     num_blocks = runner.profile_num_kv_blocks(fraction)
     runner.allocate_kv_cache(num_blocks)
+    runner.graphs.prepare()  # (captured over the KV cache: now that it exists)
     return runner, num_blocks
 
 
@@ -109,6 +111,7 @@ class ModelRunner:
         if num_blocks is not None:
             self.allocate_kv_cache(num_blocks)
         self.host_kv = HostKVCache.build(self, parallel)  # the host KV tier, or None
+        self.graphs = DecodeGraphs(self)  # CUDA: small decode steps replayed from graphs
 
     def load_weights(self, head_weights: dict[str, object] | None = None) -> None:
         """Builds the model from its checkpoint (or dummy weights), and its fast step paths;
@@ -139,8 +142,7 @@ class ModelRunner:
             # past this many rows sgemm beats the C++ linear, which depends on the CPU's vectors
             self.backend.few_rows = tune_few_rows(self.backend.native, self.model.layers, MAX_FEW_ROWS)
         self.backend = quantized_backend(self.model, self.backend, engine, parallel)  # (--quantization)
-        # the whole-step fast path where there is one for this model and backend (the C++
-        # one-call step on the CPU); _forward picks it or model.forward step by step
+        # the CPU's whole-step fast path (one C++ call) where there is one; else model.forward
         self.model_step = CpuModelStep.build(self.model, self.backend) if self.encoder is None else None
 
     def drop_weights(self) -> None:
@@ -329,6 +331,8 @@ class ModelRunner:
         # -> [num_tokens, hidden]; embeds: the input embeddings, when images replaced some rows
         if self.encoder is not None:  # whole prompts: the step's query offsets are its sequences
             return self.encoder(input_ids, attention.host.query_start_loc)
+        if (hidden := self.graphs.forward(input_ids, positions, attention, lora, embeds)) is not None:
+            return hidden
         if self.model_step is not None and self.model_step.takes(attention):
             return self.model_step(self.model.embed(input_ids) if embeds is None else embeds, positions,
                                    self.kv_caches, attention, lora)

@@ -55,6 +55,7 @@ class SleepMode:
             if runner.kv_caches:
                 self._num_blocks = runner.kv_caches[0][0].shape[0]
             runner.kv_caches = []
+            runner.graphs.drop()  # (the graphs hold the old cache's addresses, and their memory)
             self.asleep.add(KV_CACHE)
         if WEIGHTS not in self.asleep:
             if level == 2 or (runner.device.type != "cpu" and runner.model is None):

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from actors import engine_args as engine_args_module
+from actors import cuda_args as cuda_args_module
 from actors.config import parse_size
 from actors.cli_flags import cuda_device_count
 from actors.engine_args import EngineArgs
@@ -30,9 +30,7 @@ def test_every_field_is_a_flag_whose_default_is_the_keywords_default():
     help_text = build_parser().format_help()
     for name in FIELD_NAMES:
         assert "--" + name.replace("_", "-") in help_text
-    from_flags = EngineArgs.from_cli_args(parse_args([]))
-    # the one difference: the flag's parser turns the size into bytes
-    assert from_flags == dataclasses.replace(EngineArgs(), kv_cache_memory=parse_size(EngineArgs().kv_cache_memory))
+    assert EngineArgs.from_cli_args(parse_args([])) == EngineArgs()
 
 
 def test_flags_set_the_fields_of_the_same_name():
@@ -46,6 +44,19 @@ def test_flags_set_the_fields_of_the_same_name():
     assert (args.tensor_parallel_size, args.nnodes, args.node_rank) == (2, 2, 1)
     speculative = EngineArgs.from_cli_args(parse_args(["--speculative-config", '{"method": "suffix"}']))
     assert speculative.speculative_config == '{"method": "suffix"}'
+
+
+def test_cuda_graph_flags_and_the_kv_cache_default():
+    graphs = EngineArgs.from_cli_args(parse_args(["--cuda-graph-sizes", "4,1,2,300", "--max-num-seqs", "64"]))
+    assert graphs.build().cuda_graph_sizes == (1, 2, 4)  # sorted; sizes past max_num_seqs dropped
+    assert EngineArgs(max_num_seqs=20).build().cuda_graph_sizes == (1, 2, 4, 8, 16, 20)
+    assert EngineArgs(max_num_seqs=1000).build().cuda_graph_sizes[-3:] == (496, 504, 512)
+    assert EngineArgs.from_cli_args(parse_args(["--enforce-eager"])).build().cuda_graph_sizes == ()
+    with pytest.raises(ValueError, match="cuda_graph_sizes must be a list of positive integers"):
+        EngineArgs(cuda_graph_sizes=[2, -1]).build()
+    # on the CPU the KV cache keeps its 2 GiB; on CUDA the GPU's share (tests/gpu)
+    cpu = EngineArgs(device="cpu").build().cache
+    assert (cpu.kv_cache_memory, cpu.gpu_memory_utilization) == (parse_size("2GiB"), None)
 
 
 @pytest.mark.parametrize("flags, message", [
@@ -83,9 +94,11 @@ def test_an_unknown_keyword_is_a_type_error_naming_it():
 
 def test_unset_device_and_step_size_mean_auto_for_the_server_and_the_cpu_for_python(tiny_llama_dir, monkeypatch):
     for num_gpus, server_tokens in ((0, 512), (1, 2048)):
-        monkeypatch.setattr(engine_args_module, "cuda_device_count", lambda: num_gpus)
+        monkeypatch.setattr(cuda_args_module, "cuda_device_count", lambda: num_gpus)
         server = engine_args(parse_args(["--model", tiny_llama_dir]))
         assert (server["device"], server["max_num_batched_tokens"]) == ("auto", server_tokens)
+        # on a GPU the KV cache is sized from its memory unless a size is given
+        assert server["gpu_memory_utilization"] == (0.9 if num_gpus else None)
         # the Python API runs on the CPU with 2048-token steps, GPU or not
         config = EngineArgs(model=tiny_llama_dir).build()
         assert (config.device, config.dtype, config.scheduler.max_num_batched_tokens) == ("cpu", "auto", 2048)

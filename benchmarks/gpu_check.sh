@@ -1,0 +1,42 @@
+#!/bin/bash
+# The GPU checks of issue #20 in one call of a lent GPU machine (its python3 has torch with
+# CUDA; the packages it lacks travel as wheels in .whl, see /work/.library/device/README.md):
+#   bash benchmarks/gpu_check.sh [stage...]    stages: tests engine-tests attention decode offline serve
+# Each stage runs under its own time limit, logs to $OUT/<stage>.log and prints its tail.
+set -u
+export PYTHONUNBUFFERED=1 PYTEST_DISABLE_PLUGIN_AUTOLOAD=1
+OUT=${OUT:-/tmp/gpu_check}
+mkdir -p "$OUT"
+if [ -d .whl ]; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+        || exit 1
+    export PYTHONPATH=/tmp/site:$PWD
+fi
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__)"
+PYTEST="python3 -m pytest -q -p no:cacheprovider -p pytest_asyncio.plugin -p pytest_timeout -rfE --tb=short --maxfail=15"
+KERNEL_TESTS="tests/kernels/test_paged_attention.py tests/kernels/test_store_kv.py tests/kernels/test_rms_norm.py
+  tests/kernels/test_rotary.py tests/kernels/test_silu_mul.py tests/kernels/test_lora_kernels.py tests/kernels/test_quant_triton.py
+  tests/kernels/test_quant_checkpoint_triton_path.py tests/kernels/test_token_bitmask.py tests/kernels/test_attention_backend.py
+  tests/actors/test_sampler_device.py"
+
+stage() {  # name, seconds, command...
+    local name=$1 limit=$2 start=$SECONDS
+    shift 2
+    echo "=== $name (limit ${limit}s)"
+    timeout "$limit" "$@" > "$OUT/$name.log" 2>&1
+    echo "--- $name: rc=$? in $((SECONDS - start))s"
+    tail -n "${TAIL:-12}" "$OUT/$name.log"
+}
+
+for part in "${@:-tests engine-tests attention decode offline}"; do for s in $part; do case $s in
+    tests) stage tests "${T_TESTS:-110}" $PYTEST $KERNEL_TESTS ;;
+    engine-tests) stage engine-tests "${T_ENGINE:-150}" $PYTEST tests/gpu ;;
+    attention) stage attention "${T_ATTENTION:-45}" python3 benchmarks/kernels.py ;;
+    decode) stage decode "${T_DECODE:-90}" python3 benchmarks/gpu_engine.py --parts decode --repeats 3 ;;
+    offline) stage offline "${T_OFFLINE:-90}" python3 benchmarks/gpu_engine.py --models qwen3-0.6b --parts offline \
+        --hf --hf-num-requests 64 ;;
+    offline-8b) stage offline-8b "${T_OFFLINE:-90}" python3 benchmarks/gpu_engine.py --models llama-3.1-8b --parts offline ;;
+    serve) stage serve "${T_SERVE:-150}" python3 benchmarks/gpu_serve.py --max-concurrency 64 ;;
+    *) echo "unknown stage $s" ;;
+esac; done; done

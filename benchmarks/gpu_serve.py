@@ -1,0 +1,59 @@
+"""The serving benchmark against the server on a GPU, with the GPU's idle share: the
+server runs Qwen3-0.6B's shapes with dummy weights (benchmarks/gpu_engine.py builds the
+directory), benchmarks/serve.py drives it at a fixed concurrency, and the worker profiles a
+window of steps in the middle of the run (actors/worker/gpu_idle.py) for the share of the
+time no kernel ran.
+
+    python benchmarks/gpu_serve.py                       # 64 in flight, 512 requests
+    python benchmarks/gpu_serve.py --max-concurrency 32 --enforce-eager
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+
+_REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if __name__ == "__main__":
+    sys.path[0] = _REPO  # the checkout, not this folder
+
+from actors.worker.gpu_idle import ENV
+from benchmarks.gpu_engine import CONFIGS, model_dir
+from benchmarks.serve_vs_offline import Server
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="qwen3-0.6b", choices=sorted(CONFIGS))
+    parser.add_argument("--max-concurrency", type=int, default=64)
+    parser.add_argument("--num-prompts", type=int, default=512)
+    parser.add_argument("--output-len", type=int, default=256)
+    parser.add_argument("--enforce-eager", action="store_true")
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory() as root:
+        path = model_dir(args.model, root)
+        idle_path = os.environ[ENV] = os.path.join(root, "idle.json")  # (the server's worker writes it)
+        server = Server(["--model", path, "--load-format", "dummy", "--device", "cuda", "--max-model-len", "2048",
+                         "--gpu-memory-utilization", "0.5"], ["--enforce-eager"] if args.enforce_eager else [])
+        try:
+            server.wait_ready()
+            subprocess.run([sys.executable, os.path.join(_REPO, "benchmarks", "serve.py"), "--url", server.url,
+                            "--num-prompts", str(args.num_prompts), "--max-concurrency", str(args.max_concurrency),
+                            "--output-len", str(args.output_len), "--vocab-size", "30000"], check=True)
+        finally:
+            server.stop()
+        if os.path.exists(idle_path):
+            idle = json.load(open(idle_path))
+            print(f"GPU idle share over {idle['steps']} steps in the middle of the run: {idle['idle_share']:.1%} "
+                  f"({idle['busy_ms']:.0f} ms of kernels in {idle['span_ms']:.0f} ms, "
+                  f"{idle['ms_per_step']:.2f} ms a step)")
+        else:
+            print("no idle profile: the run had fewer steps than the profile's window")
+
+
+if __name__ == "__main__":
+    main()
