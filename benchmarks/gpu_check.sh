@@ -23,7 +23,7 @@ KERNEL_TESTS="tests/kernels/test_paged_attention.py tests/kernels/test_store_kv.
 stage() {  # name, seconds, command...
     local name=$1 limit=$2 start=$SECONDS
     shift 2
-    echo "=== $name (limit ${limit}s)"
+    echo "=== $name (limit ${limit}s; GPU memory used before: $(nvidia-smi --query-gpu=memory.used --format=csv,noheader))"
     timeout "$limit" "$@" > "$OUT/$name.log" 2>&1
     echo "--- $name: rc=$? in $((SECONDS - start))s"
     tail -n "${TAIL:-12}" "$OUT/$name.log"
@@ -34,6 +34,7 @@ for part in "${@:-tests engine-tests attention decode offline}"; do for s in $pa
     engine-tests) stage engine-tests "${T_ENGINE:-150}" $PYTEST tests/gpu ;;
     attention) stage attention "${T_ATTENTION:-45}" python3 benchmarks/kernels.py ;;
     decode) stage decode "${T_DECODE:-90}" python3 benchmarks/gpu_engine.py --parts decode --repeats 3 ;;
+    profile) stage profile "${T_PROFILE:-60}" python3 benchmarks/gpu_engine.py --models qwen3-0.6b --parts profile ;;
     offline) stage offline "${T_OFFLINE:-90}" python3 benchmarks/gpu_engine.py --models qwen3-0.6b --parts offline \
         --hf --hf-num-requests 64 ;;
     offline-8b) stage offline-8b "${T_OFFLINE:-90}" python3 benchmarks/gpu_engine.py --models llama-3.1-8b --parts offline ;;

@@ -5,6 +5,8 @@ shapes, Qwen3-0.6B and Llama-3.1-8B, built from their configs here (no model hub
   --enforce-eager, against the weight-read floor: the bytes a decode step must read (every
   weight once, the embedding table's one row, not all of it) over the device's copy
   bandwidth, measured here with a large device-to-device copy;
+  Also through the actor engine (AsyncClient), as the server runs it;
+- profile: where a single-stream decode step's CPU time goes (cProfile);
 - offline: 256 requests with input and output lengths uniform in [100, 1024] (seeded),
   output tokens/s; with --hf, Hugging Face `generate` on the same device and dtype as the
   peer (batched, requests sorted by output length to spare it padding; only each request's
@@ -101,7 +103,8 @@ def decode(name: str, path: str, bandwidth: float, args) -> None:
         llm = LLM(path, load_format="dummy", device="cuda", max_model_len=4096, max_num_seqs=args.max_num_seqs,
                   gpu_memory_utilization=args.gpu_memory_utilization, enforce_eager=eager)
         runner = llm.engine.runner
-        floor_s = floor_bytes(runner) / bandwidth
+        floor = floor_bytes(runner)
+        floor_s = floor / bandwidth
         one = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
         many = SamplingParams(temperature=0.0, max_tokens=1 + args.output_len, ignore_eos=True)
         llm.generate([prompt], many, use_tqdm=False)  # warm-up (and the prompt prefix-cached)
@@ -115,12 +118,62 @@ def decode(name: str, path: str, bandwidth: float, args) -> None:
             times.append((time.perf_counter() - start - first) / args.output_len)
         per_token = sorted(times)[len(times) // 2]
         print(f"{name} decode batch 1 ({'eager' if eager else 'CUDA graphs'}): {per_token * 1e3:.3f} ms a token; "
-              f"floor {floor_s * 1e3:.3f} ms ({floor_bytes(runner) / 1e9:.2f} GB at {bandwidth / 1e12:.2f} TB/s): "
+              f"floor {floor_s * 1e3:.3f} ms ({floor / 1e9:.2f} GB at {bandwidth / 1e12:.2f} TB/s): "
               f"{per_token / floor_s:.2f}x", flush=True)
         llm.close()
         del llm, runner
         gc.collect()
         torch.cuda.empty_cache()
+    actor_decode(name, path, bandwidth, floor, args)
+
+
+def actor_decode(name: str, path: str, bandwidth: float, floor: int, args) -> None:
+    """The same through the actor engine (AsyncClient: the worker in its own process, the
+    scheduler planning the next step while the worker runs this one)."""
+    import asyncio
+
+    from actors import AsyncClient, SamplingParams
+
+    prompt = [random.Random(0).randrange(1000, 30000) for _ in range(100)]
+    one = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
+    many = SamplingParams(temperature=0.0, max_tokens=1 + args.output_len, ignore_eos=True)
+
+    async def run() -> float:
+        async with AsyncClient(path, load_format="dummy", device="cuda", max_model_len=4096,
+                               max_num_seqs=args.max_num_seqs, gpu_memory_utilization=args.gpu_memory_utilization) \
+                as client:
+            await client.generate_batch([prompt], many, use_tqdm=False)
+            times = []
+            for _ in range(args.repeats):
+                start = time.perf_counter()
+                await client.generate_batch([prompt], one, use_tqdm=False)
+                first = time.perf_counter() - start
+                start = time.perf_counter()
+                await client.generate_batch([prompt], many, use_tqdm=False)
+                times.append((time.perf_counter() - start - first) / args.output_len)
+            return sorted(times)[len(times) // 2]
+
+    per_token, floor_s = asyncio.run(run()), floor / bandwidth
+    print(f"{name} decode batch 1 (actor engine, CUDA graphs): {per_token * 1e3:.3f} ms a token; "
+          f"floor {floor_s * 1e3:.3f} ms: {per_token / floor_s:.2f}x", flush=True)
+
+
+def profile_decode(path: str, args) -> None:
+    """Where a single-stream decode step's CPU time goes (cProfile of LLM.generate)."""
+    import cProfile
+    import pstats
+
+    from actors import LLM, SamplingParams
+
+    llm = LLM(path, load_format="dummy", device="cuda", max_model_len=4096, max_num_seqs=args.max_num_seqs,
+              gpu_memory_utilization=args.gpu_memory_utilization)
+    params = SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True)
+    llm.generate([[1000 + i for i in range(100)]], params, use_tqdm=False)
+    profiler = cProfile.Profile()
+    profiler.runcall(llm.generate, [[1000 + i for i in range(100)]], params, use_tqdm=False)
+    pstats.Stats(profiler).sort_stats("tottime").print_stats(30)
+    pstats.Stats(profiler).sort_stats("cumulative").print_stats(30)
+    llm.close()
 
 
 def workload(num_requests: int, seed: int = 0) -> list[tuple[list[int], int]]:
@@ -180,7 +233,7 @@ def hf_offline(name: str, path: str, requests, args) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--models", default="qwen3-0.6b,llama-3.1-8b", help=f"comma-separated: {', '.join(CONFIGS)}")
-    parser.add_argument("--parts", default="decode,offline", help="comma-separated: decode, offline")
+    parser.add_argument("--parts", default="decode,offline", help="comma-separated: decode, offline, profile")
     parser.add_argument("--output-len", type=int, default=128, help="decode: tokens timed a run")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--num-requests", type=int, default=256)
@@ -203,6 +256,8 @@ def main() -> None:
                 decode(name, path, bandwidth, args)
             if "offline" in args.parts:
                 offline(name, path, args)
+            if "profile" in args.parts:
+                profile_decode(path, args)
 
 
 if __name__ == "__main__":

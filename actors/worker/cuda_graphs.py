@@ -19,6 +19,8 @@ verification) runs eagerly through model.forward."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from actors.worker.attention_metadata import AttentionMetadata
@@ -39,6 +41,15 @@ def graph_partition_size(max_model_len: int) -> int:
     return size
 
 
+@dataclass(frozen=True)
+class StagedDecode:
+    """A decode step whose inputs CudaGraphs.stage has put in the graphs' buffers: what the
+    model runner passes on to its forward in place of the step's AttentionMetadata."""
+
+    num_decodes: int
+    size: int  # the captured size that takes it
+
+
 class CudaGraphs:
     """The captured decode graphs of one model and one KV cache."""
 
@@ -47,13 +58,20 @@ class CudaGraphs:
         device = model.device
         self.model, self.kv_caches, self.sizes = model, kv_caches, sizes
         self.max_model_len, self.block_size = max_model_len, block_size
-        largest, max_blocks = sizes[-1], -(-max_model_len // block_size)
-        # the persistent inputs, sliced per size; the padding's values are set each replay
-        self.input_ids = torch.zeros(largest, dtype=torch.long, device=device)
-        self.positions = torch.zeros(largest, dtype=torch.long, device=device)
-        self.slot_mapping = torch.full((largest,), -1, dtype=torch.long, device=device)
-        self.seq_lens = torch.ones(largest, dtype=torch.int32, device=device)
-        self.block_tables = torch.zeros(largest, max_blocks, dtype=torch.int32, device=device)
+        largest = sizes[-1]
+        self.max_blocks = max_blocks = -(-max_model_len // block_size)
+        # The persistent inputs, sliced per size, are views of two buffers, so that a step
+        # fills a host copy of each (pinned on CUDA) and sends them in two copies: token ids,
+        # positions and KV slots (int64); sequence lengths, then the block table (int32).
+        self.longs = torch.zeros(3, largest, dtype=torch.long, device=device)
+        self.ints = torch.zeros(largest * (1 + max_blocks), dtype=torch.int32, device=device)
+        pinned = device.type == "cuda"
+        self.host_longs = torch.zeros(3, largest, dtype=torch.long, pin_memory=pinned)
+        self.host_ints = torch.zeros(largest * (1 + max_blocks), dtype=torch.int32, pin_memory=pinned)
+        self.input_ids, self.positions, self.slot_mapping = self.longs
+        self.seq_lens, self.block_tables = self.ints[:largest], self.ints[largest:].view(largest, max_blocks)
+        self.slot_mapping.fill_(-1)  # (the captures write no KV)
+        self.seq_lens.fill_(1)
         self.query_start_loc = torch.arange(largest + 1, dtype=torch.int32, device=device)  # one token each
         self.decode_seqs = torch.arange(largest, dtype=torch.int32, device=device)
         self.no_prefills = torch.zeros(0, dtype=torch.int32, device=device)
@@ -64,9 +82,6 @@ class CudaGraphs:
     def valid_for(self, model, kv_caches: list) -> bool:
         """Whether these graphs were captured over this model's weights and this KV cache."""
         return model is self.model and kv_caches is self.kv_caches
-
-    def takes(self, attention: AttentionMetadata) -> bool:
-        return attention.num_prefills == 0 and attention.num_decodes <= self.sizes[-1]
 
     def _metadata(self, size: int) -> AttentionMetadata:
         host = SequenceSplit([1] * size, list(range(size + 1)), list(range(size)), [])  # (not read on CUDA)
@@ -99,22 +114,33 @@ class CudaGraphs:
             self.graphs[size] = graph
         torch.cuda.synchronize(self.model.device)
 
-    def run(self, input_ids: torch.Tensor, positions: torch.Tensor, attention: AttentionMetadata) -> torch.Tensor:
-        """The step's hidden states [num_decodes, hidden], from the graph of the next
-        captured size up."""
-        count = attention.num_decodes
+    def stage(self, input_ids: list[int], positions: list[int], slots: list[int], seq_lens: list[int],
+              block_ids: list[list[int]]) -> StagedDecode | None:
+        """Puts a step's inputs in the buffers (one token per sequence, each sequence's
+        block ids), or None where no graph takes the step: not all decodes, or too many.
+        The host copies are reused by the next step, which starts after this one's
+        sampled tokens were read back, so after these copies ran."""
+        count = len(seq_lens)
+        if len(input_ids) != count or count > self.sizes[-1]:
+            return None
         size = next(size for size in self.sizes if size >= count)
-        width = attention.block_tables.shape[1]
-        self.input_ids[:count].copy_(input_ids)
-        self.positions[:count].copy_(positions)
-        self.slot_mapping[:count].copy_(attention.slot_mapping)
-        self.seq_lens[:count].copy_(attention.seq_lens)
-        self.block_tables[:count, :width].copy_(attention.block_tables)
-        if size > count:  # padding rows: no KV written, one cached token read
-            self.slot_mapping[count:size].fill_(-1)
-            self.seq_lens[count:size].fill_(1)
-        self.graphs[size].replay()
-        return self.outputs[size][:count]
+        longs, ints = self.host_longs.numpy(), self.host_ints.numpy()
+        longs[0, :count], longs[1, :count], longs[2, :count] = input_ids, positions, slots
+        longs[2, count:size] = -1  # padding rows: no KV written, one cached token read
+        largest = self.sizes[-1]
+        ints[:count], ints[count:size] = seq_lens, 1
+        tables = ints[largest:].reshape(largest, self.max_blocks)
+        for row, ids in enumerate(block_ids):
+            tables[row, : len(ids)] = ids
+        self.longs[:, :size].copy_(self.host_longs[:, :size], non_blocking=True)
+        end = largest + size * self.max_blocks
+        self.ints[:end].copy_(self.host_ints[:end], non_blocking=True)
+        return StagedDecode(count, size)
+
+    def replay(self, step: StagedDecode) -> torch.Tensor:
+        """The staged step's hidden states [num_decodes, hidden]."""
+        self.graphs[step.size].replay()
+        return self.outputs[step.size][: step.num_decodes]
 
 
 class _RerunAsReplay:
@@ -160,11 +186,15 @@ class DecodeGraphs:
         """Lets the graphs, their memory and their hold on the KV cache go (sleep)."""
         self.captured = None
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attention: AttentionMetadata,
-                lora, embeds: torch.Tensor | None) -> torch.Tensor | None:
-        """The step's hidden states from a graph, or None: the step runs eagerly."""
-        if not self.sizes or lora is not None or embeds is not None or attention.num_prefills \
-                or attention.num_decodes > self.sizes[-1]:
+    def stage(self, input_ids: list[int], positions: list[int], slots: list[int], seq_lens: list[int],
+              block_ids: list[list[int]], lora) -> StagedDecode | None:
+        """A graph's step with these inputs staged, or None: the step runs eagerly (lora:
+        the step's adapters, which no graph runs)."""
+        if not self.sizes or lora is not None or len(input_ids) != len(seq_lens):
             return None
         self.prepare()
-        return self.captured.run(input_ids, positions, attention)
+        return self.captured.stage(input_ids, positions, slots, seq_lens, block_ids)
+
+    def forward(self, attention: AttentionMetadata | StagedDecode) -> torch.Tensor | None:
+        """A staged step's hidden states from its graph, or None: the step runs eagerly."""
+        return self.captured.replay(attention) if isinstance(attention, StagedDecode) else None

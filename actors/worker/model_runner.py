@@ -22,9 +22,10 @@ from actors.worker.attention import make_backend
 from actors.worker.attention_metadata import AttentionMetadata
 from actors.worker.cpu_model_step import CpuModelStep
 from actors.worker.cpu_tuning import MAX_FEW_ROWS, tune_allocator, tune_few_rows
-from actors.worker.cuda_graphs import DecodeGraphs
+from actors.worker.cuda_graphs import DecodeGraphs, StagedDecode
 from actors.worker.device_config import DTYPES, kv_block_bytes, num_kv_blocks
 from actors.worker.draft_model import DraftModel
+from actors.worker.gpu_memory import MemorySnapshot, check_free_at_start, profile_num_kv_blocks
 from actors.worker.grammar_processor import sampling_processors
 from actors.worker.host_kv import HostKVCache
 from actors.worker.model import LlamaModel
@@ -63,8 +64,10 @@ def build_model_runner(engine: EngineConfig, parallel: TensorParallel = TensorPa
         return ModelRunner(engine, num_blocks, engine.attention_backend, engine.load_format, parallel), num_blocks
     if not engine.device.startswith("cuda"):
         raise ValueError("gpu_memory_utilization needs a CUDA device; on the CPU use kv_cache_memory")
+    start = MemorySnapshot.take(torch.device(engine.device))  # (before the weights)
+    check_free_at_start(start, fraction)
     runner = ModelRunner(engine, None, engine.attention_backend, engine.load_format, parallel)
-    num_blocks = runner.profile_num_kv_blocks(fraction)
+    num_blocks = profile_num_kv_blocks(runner, fraction, start, kv_block_bytes(engine, parallel))
     runner.allocate_kv_cache(num_blocks)
     runner.graphs.prepare()  # (captured over the KV cache: now that it exists)
     return runner, num_blocks
@@ -166,42 +169,6 @@ class ModelRunner:
         if self.speculator is not None:
             self.speculator.allocate_kv_cache(num_blocks)  # a draft model's, with the same block ids
 
-    @torch.inference_mode()
-    def profile_num_kv_blocks(self, gpu_memory_utilization: float) -> int:
-        """CUDA: the KV blocks that fit in gpu_memory_utilization of the device's memory
-        after the weights, the peak activations of the largest step (one prefill chunk of
-        max_num_batched_tokens, with logits for max_num_seqs rows) and what torch does not
-        allocate (the CUDA context, NCCL's buffers)."""
-        scheduler = self.engine.scheduler
-        num_tokens = min(scheduler.max_num_batched_tokens, scheduler.max_model_len)
-        blocks_needed = -(-num_tokens // self.block_size)
-        self.allocate_kv_cache(blocks_needed)
-        torch.cuda.synchronize(self.device)
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats(self.device)
-        request = CachedRequest("profile", [0] * num_tokens, num_tokens, SamplingParams(max_tokens=1),
-                                list(range(blocks_needed)), 0)
-        input_ids, positions, attention = self._prepare_inputs([(request, num_tokens)])
-        hidden = self._forward(input_ids, positions, attention)
-        if self.model is not None:  # an encoder has no logits
-            rows = torch.arange(min(scheduler.max_num_seqs, num_tokens), device=self.device)
-            self.model.compute_logits(hidden[rows])
-        torch.cuda.synchronize(self.device)
-        peak = torch.cuda.max_memory_allocated(self.device)
-        self.kv_caches = []
-        torch.cuda.empty_cache()
-        free, total = torch.cuda.mem_get_info(self.device)
-        outside_torch = max(0, total - free - torch.cuda.memory_reserved(self.device))
-        budget = int(total * gpu_memory_utilization) - peak - outside_torch
-        block_bytes = kv_block_bytes(self.engine, self.parallel)
-        if budget < block_bytes:
-            gib = 2**30
-            raise ValueError(f"no GPU memory left for the KV cache: gpu_memory_utilization={gpu_memory_utilization} "
-                             f"allows {total * gpu_memory_utilization / gib:.2f} GiB of {total / gib:.2f} GiB, and the "
-                             f"weights and a step's activations take {(peak + outside_torch) / gib:.2f} GiB; "
-                             "raise gpu_memory_utilization or lower max_num_batched_tokens")
-        return budget // block_bytes
-
     def num_weight_bytes(self) -> int:
         """Bytes of weights this rank holds: the decoder's, or the encoder's."""
         return self.encoder.model.num_weight_bytes() if self.encoder is not None else self.model.num_weight_bytes()
@@ -251,7 +218,7 @@ class ModelRunner:
         batch, lora = self._order_batch([(request, num_tokens + drafts.num_drafts(request))
                                          for request, num_tokens in scheduled] if drafts else scheduled)
         # 3. flat inputs and attention metadata
-        input_ids, positions, attention = self._prepare_inputs(batch)
+        input_ids, positions, attention = self._prepare_inputs(batch, lora)
         # 4. rows that need logits: each sampling request's last token (every scored position
         #    of a speculated decode), prompt-logprob positions
         sample_rows, samplers, prompt_rows = self._logit_rows(batch)
@@ -262,7 +229,9 @@ class ModelRunner:
         pooled = self._pool(hidden, batch)
         rows = sample_rows + spec_rows + [row for _, rows_of_request, _ in prompt_rows for row in rows_of_request]
         # (a collective under tensor parallelism: the logits end up on rank 0 only)
-        logits = self.model.compute_logits(hidden[torch.tensor(rows, dtype=torch.long)]) if rows else None
+        if rows and rows != list(range(hidden.shape[0])):  # (every row, as a decode step has: no gather)
+            hidden = hidden[torch.tensor(rows, dtype=torch.long)]
+        logits = self.model.compute_logits(hidden) if rows else None
         # 5. sample and verify (rank 0, which then hands its tokens to the other ranks), and
         #    advance every scheduled request
         tokens, logprobs, prompt_logprobs, emitted = [], None, {}, []
@@ -331,17 +300,18 @@ class ModelRunner:
         # -> [num_tokens, hidden]; embeds: the input embeddings, when images replaced some rows
         if self.encoder is not None:  # whole prompts: the step's query offsets are its sequences
             return self.encoder(input_ids, attention.host.query_start_loc)
-        if (hidden := self.graphs.forward(input_ids, positions, attention, lora, embeds)) is not None:
+        if (hidden := self.graphs.forward(attention)) is not None:  # (a step staged for a CUDA graph)
             return hidden
         if self.model_step is not None and self.model_step.takes(attention):
             return self.model_step(self.model.embed(input_ids) if embeds is None else embeds, positions,
                                    self.kv_caches, attention, lora)
         return self.model.forward(input_ids, positions, self.kv_caches, attention, lora, embeds)
 
-    def _prepare_inputs(self, batch: list[tuple[CachedRequest, int]]
-                        ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+    def _prepare_inputs(self, batch: list[tuple[CachedRequest, int]], lora: LoRABatch | None = None
+                        ) -> tuple[torch.Tensor | None, torch.Tensor | None, AttentionMetadata | StagedDecode]:
         """Flat inputs, and the step's attention metadata (built once, with the backend's
-        plan; every layer reads it). The batch is ordered decodes first."""
+        plan; every layer reads it); or, for a CUDA graph's decode step, the inputs staged
+        in its buffers. The batch is ordered decodes first."""
         block_size = self.block_size
         input_ids: list[int] = []
         positions: list[int] = []
@@ -357,6 +327,9 @@ class ModelRunner:
             slots += [block_ids[p // block_size] * block_size + p % block_size for p in span]
             seq_lens.append(end)
             query_start_loc.append(query_start_loc[-1] + num_tokens)
+        if (staged := self.graphs.stage(input_ids, positions, slots, seq_lens,
+                                        [request.block_ids for request, _ in batch], lora)) is not None:
+            return None, None, staged
         max_blocks = max(len(request.block_ids) for request, _ in batch)
         # one tensor from padded lists: a tensor per row costs more than the copy
         block_tables = [request.block_ids + [0] * (max_blocks - len(request.block_ids)) for request, _ in batch]

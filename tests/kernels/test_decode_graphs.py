@@ -46,6 +46,14 @@ def step(model: LlamaModel, seqs: list[tuple[list[int], int, list[int]]]):
     return torch.tensor(ids), torch.tensor(positions), attention
 
 
+def replayed(graphs: CudaGraphs, seqs: list[tuple[list[int], int, list[int]]]) -> torch.Tensor:
+    """The decode step of seqs (one new token each) through the graphs: staged, replayed."""
+    slots = [blocks[done // BLOCK] * BLOCK + done % BLOCK for blocks, done, _ in seqs]
+    staged = graphs.stage([new[0] for _, _, new in seqs], [done for _, done, _ in seqs], slots,
+                          [done + 1 for _, done, _ in seqs], [blocks for blocks, _, _ in seqs])
+    return graphs.replay(staged)
+
+
 @requires_triton
 @torch.inference_mode()  # (as the model runner's steps run)
 def test_replayed_decodes_equal_eager_ones_with_padding_and_long_sequences():
@@ -72,18 +80,19 @@ def test_replayed_decodes_equal_eager_ones_with_padding_and_long_sequences():
             v.copy_(v0)
 
     full = step(model, decode)  # four decodes: the graph of four, no padding (its buffers now hold them)
-    torch.testing.assert_close(graphs.run(*full), model.forward(*full[:2], caches, full[2]), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(replayed(graphs, decode), model.forward(*full[:2], caches, full[2]), rtol=1e-5,
+                               atol=1e-6)
     restore()
     ids, positions, attention = step(model, decode[:3])
     eager = model.forward(ids, positions, caches, attention)
     eager_caches = [(k.clone(), v.clone()) for k, v in caches]
     restore()
-    assert graphs.takes(attention)
-    replayed = graphs.run(ids, positions, attention)  # three decodes in the graph of four
-    assert replayed.shape == eager.shape
-    torch.testing.assert_close(replayed, eager, rtol=1e-5, atol=1e-6)
+    three = replayed(graphs, decode[:3])  # three decodes in the graph of four
+    assert three.shape == eager.shape
+    torch.testing.assert_close(three, eager, rtol=1e-5, atol=1e-6)
     for (k, v), (k1, v1) in zip(caches, eager_caches):  # the padding row wrote nothing (its stale slot neither)
         assert torch.equal(k, k1) and torch.equal(v, v1)
-    one = step(model, decode[1:2])  # a batch of one takes the graph of one, over the same buffers
-    torch.testing.assert_close(graphs.run(*one), eager[1:2], rtol=1e-5, atol=1e-6)
-    assert not graphs.takes(step(model, [(blocks[0], 0, prompts[0])])[2])  # a prefill runs eagerly
+    # a batch of one takes the graph of one, over the same buffers
+    torch.testing.assert_close(replayed(graphs, decode[1:2]), eager[1:2], rtol=1e-5, atol=1e-6)
+    # a prefill runs eagerly: no graph takes it
+    assert graphs.stage(prompts[0], list(range(lengths[0])), [0] * lengths[0], [lengths[0]], [blocks[0]]) is None
