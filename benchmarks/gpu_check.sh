@@ -14,7 +14,7 @@ if [ -d .whl ]; then
 fi
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__)"
-PYTEST="python3 -m pytest -q -p no:cacheprovider -p pytest_asyncio.plugin -p pytest_timeout -rfE --tb=short --maxfail=15"
+PYTEST="python3 -m pytest -q -p no:cacheprovider -p pytest_asyncio.plugin -p pytest_timeout -rfE --tb=short --maxfail=40"
 KERNEL_TESTS="tests/kernels/test_paged_attention.py tests/kernels/test_store_kv.py tests/kernels/test_rms_norm.py
   tests/kernels/test_rotary.py tests/kernels/test_silu_mul.py tests/kernels/test_lora_kernels.py tests/kernels/test_quant_triton.py
   tests/kernels/test_quant_checkpoint_triton_path.py tests/kernels/test_token_bitmask.py tests/kernels/test_attention_backend.py
@@ -34,10 +34,13 @@ for part in "${@:-tests engine-tests attention decode offline}"; do for s in $pa
     engine-tests) stage engine-tests "${T_ENGINE:-150}" $PYTEST tests/gpu ;;
     attention) stage attention "${T_ATTENTION:-45}" python3 benchmarks/kernels.py ;;
     decode) stage decode "${T_DECODE:-90}" python3 benchmarks/gpu_engine.py --parts decode --repeats 3 ;;
-    profile) stage profile "${T_PROFILE:-60}" python3 benchmarks/gpu_engine.py --models qwen3-0.6b --parts profile ;;
+    profile) stage profile "${T_PROFILE:-60}" python3 benchmarks/gpu_engine.py --models llama-3.1-8b --parts profile ;;
     offline) stage offline "${T_OFFLINE:-90}" python3 benchmarks/gpu_engine.py --models qwen3-0.6b --parts offline \
         --hf --hf-num-requests 64 ;;
     offline-8b) stage offline-8b "${T_OFFLINE:-90}" python3 benchmarks/gpu_engine.py --models llama-3.1-8b --parts offline ;;
+    suite-on-cuda) TROUPE_TEST_DEVICE=cuda stage suite-on-cuda "${T_SUITE:-120}" $PYTEST --maxfail=30 \
+        tests/actors/test_llm_matches_hf.py tests/actors/test_llm_sampling.py tests/actors/test_logits_processors.py \
+        tests/actors/test_structured_outputs.py tests/actors/test_lora.py tests/actors/test_async_client.py ;;
     serve) stage serve "${T_SERVE:-150}" python3 benchmarks/gpu_serve.py --max-concurrency 64 ;;
     *) echo "unknown stage $s" ;;
 esac; done; done

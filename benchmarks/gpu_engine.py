@@ -159,7 +159,8 @@ def actor_decode(name: str, path: str, bandwidth: float, floor: int, args) -> No
 
 
 def profile_decode(path: str, args) -> None:
-    """Where a single-stream decode step's CPU time goes (cProfile of LLM.generate)."""
+    """Where a single-stream decode step's time goes: the CPU's (cProfile of LLM.generate),
+    and the GPU's kernels (torch.profiler, CUDA activity only: the graphs' kernels by name)."""
     import cProfile
     import pstats
 
@@ -167,12 +168,16 @@ def profile_decode(path: str, args) -> None:
 
     llm = LLM(path, load_format="dummy", device="cuda", max_model_len=4096, max_num_seqs=args.max_num_seqs,
               gpu_memory_utilization=args.gpu_memory_utilization)
-    params = SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True)
-    llm.generate([[1000 + i for i in range(100)]], params, use_tqdm=False)
+    prompt = [1000 + i for i in range(100)]
+    params = SamplingParams(temperature=0.0, max_tokens=100, ignore_eos=True)
+    llm.generate([prompt], params, use_tqdm=False)
     profiler = cProfile.Profile()
-    profiler.runcall(llm.generate, [[1000 + i for i in range(100)]], params, use_tqdm=False)
-    pstats.Stats(profiler).sort_stats("tottime").print_stats(30)
-    pstats.Stats(profiler).sort_stats("cumulative").print_stats(30)
+    profiler.runcall(llm.generate, [prompt], params, use_tqdm=False)
+    pstats.Stats(profiler).sort_stats("cumulative").print_stats(18)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as kernels:
+        llm.generate([prompt], params, use_tqdm=False)
+    print(f"GPU kernels of one request, {params.max_tokens} tokens (one prefill, the rest decode steps):")
+    print(kernels.key_averages().table(sort_by="self_device_time_total", row_limit=25, max_name_column_width=70))
     llm.close()
 
 

@@ -108,6 +108,8 @@ def plan_decodes(block_tables: torch.Tensor, seq_lens: torch.Tensor, host: Seque
                  dtype: torch.dtype) -> dict:
     decode_seqs, starts = host.decode_seqs, host.query_start_loc
     num_decodes = len(decode_seqs)
+    # planned on the host (a reference: one copy of the tables is fine), handed to the device after
+    device, block_tables, seq_lens = block_tables.device, block_tables.cpu(), seq_lens.cpu()
     rows = torch.tensor(decode_seqs, dtype=torch.long)
     lens = seq_lens.long().index_select(0, rows)
     num_blocks = (lens + block_size - 1) // block_size
@@ -135,11 +137,11 @@ def plan_decodes(block_tables: torch.Tensor, seq_lens: torch.Tensor, host: Seque
     bias = torch.zeros(valid.shape, dtype=dtype).masked_fill_(~valid, _MASKED)
     return {
         "num_decodes": num_decodes,
-        "decode_query_index": torch.tensor([starts[i] for i in decode_seqs], dtype=torch.long),
+        "decode_query_index": torch.tensor([starts[i] for i in decode_seqs], dtype=torch.long, device=device),
         "decode_block_range": block_range,
-        "decode_block_ids": None if block_range else block_ids,
-        "decode_owner": owner,
-        "decode_bias": bias[:, None, None, :],
+        "decode_block_ids": None if block_range else block_ids.to(device),
+        "decode_owner": owner.to(device),
+        "decode_bias": bias[:, None, None, :].to(device),
     }
 
 
@@ -183,7 +185,7 @@ def decode_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: 
     probs = torch.exp(scores - seq_max.index_select(0, owner).unsqueeze(-1))
     denominator = torch.zeros_like(seq_max).index_add_(0, owner, probs.sum(-1))
     partial = torch.matmul(probs.to(values.dtype), values)  # [num_pairs, num_kv_heads, group, head_size]
-    numerator = torch.zeros(q.shape, dtype=torch.float32).index_add_(0, owner, partial.float())
+    numerator = torch.zeros(q.shape, dtype=torch.float32, device=q.device).index_add_(0, owner, partial.float())
     result = numerator[:num_decodes] / denominator[:num_decodes].unsqueeze(-1)
     return result.view(num_decodes, num_kv_heads * group, head_size).to(query.dtype)
 
@@ -201,7 +203,8 @@ def prefill_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache:
         mask, causal = None, True
     else:  # the chunk starts mid-sequence: query i sits at position seq_len - query_len + i
         first = chunk.seq_len - chunk.query_len
-        mask = torch.arange(chunk.seq_len)[None, :] <= torch.arange(first, chunk.seq_len)[:, None]
+        positions = torch.arange(chunk.seq_len, device=query.device)
+        mask = positions[None, :] <= positions[first:, None]
         causal = False
     out = F.scaled_dot_product_attention(q, gather(key_cache), gather(value_cache), attn_mask=mask,
                                          is_causal=causal, scale=scale, enable_gqa=True)

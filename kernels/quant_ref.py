@@ -20,7 +20,7 @@ def unpack_int32(packed: torch.Tensor, bits: int, dim: int, order: tuple[int, ..
     32 // bits consecutive values there; order[i] is the field holding the i-th of them."""
     per_word = 32 // bits
     fields = order if order is not None else tuple(range(per_word))
-    shifts = torch.tensor([field * bits for field in fields], dtype=torch.int64)
+    shifts = torch.tensor([field * bits for field in fields], dtype=torch.int64, device=packed.device)
     words = packed.to(torch.int64).unsqueeze(-1 if dim in (-1, packed.dim() - 1) else dim + 1)
     shape = [1] * words.dim()
     shape[dim + 1 if dim >= 0 else -1] = per_word

@@ -1,5 +1,9 @@
 """Shared fixtures: tiny random Hugging Face models built on the fly, and the embedded SmolLM2.
 
+TROUPE_TEST_DEVICE=cuda runs the Python API's engines (LLM, AsyncClient) on that device
+instead of the CPU, in float32 unless a test asks otherwise (as the tests compare with
+Hugging Face's fp32): the CPU suite's engine tests, on a GPU (benchmarks/gpu_check.sh).
+
 Every tiny model is a real Hugging Face directory (config.json, generation_config.json,
 model.safetensors, tokenizer files with a chat template), built once per session, seeded, so
 runs are reproducible and anything transformers can load is an oracle for our own model.
@@ -7,12 +11,26 @@ runs are reproducible and anything transformers can load is an oracle for our ow
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import json
+import os
 from collections.abc import Callable
 
 import pytest
 import torch
+
+if os.environ.get("TROUPE_TEST_DEVICE"):
+    from actors import engine_args as _engine_args
+
+    _engine_args.PYTHON_DEVICE = os.environ["TROUPE_TEST_DEVICE"]
+    _resolve_unset = _engine_args.EngineArgs._resolve_unset
+
+    def _in_float32(self, entry_point):
+        args = _resolve_unset(self, entry_point)
+        return dataclasses.replace(args, dtype="float32") if args.dtype == "auto" else args
+
+    _engine_args.EngineArgs._resolve_unset = _in_float32
 
 # A small English + emoji + CJK corpus for the tiny byte-level BPE tokenizer.
 _TOKENIZER_CORPUS = [

@@ -22,11 +22,12 @@ class MemorySnapshot:
     free: int  # bytes free on the device
     total: int
     reserved: int  # what this process's torch allocator holds
+    allocated: int  # of which in live tensors (an in-process engine's process may hold others)
 
     @staticmethod
     def take(device: torch.device) -> MemorySnapshot:
         free, total = torch.cuda.mem_get_info(device)
-        return MemorySnapshot(free, total, torch.cuda.memory_reserved(device))
+        return MemorySnapshot(free, total, torch.cuda.memory_reserved(device), torch.cuda.memory_allocated(device))
 
     @property
     def outside_torch(self) -> int:
@@ -64,7 +65,8 @@ def profile_num_kv_blocks(runner, fraction: float, start: MemorySnapshot, block_
         rows = torch.arange(min(scheduler.max_num_seqs, num_tokens), device=device)
         runner.model.compute_logits(hidden[rows])
     torch.cuda.synchronize(device)
-    peak = torch.cuda.max_memory_allocated(device)  # the weights, the profile's KV blocks, the activations
+    # the weights, the profile's KV blocks, the activations; not what the process held before
+    peak = torch.cuda.max_memory_allocated(device) - start.allocated
     runner.kv_caches = []
     del hidden
     torch.cuda.empty_cache()
