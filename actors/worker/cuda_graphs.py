@@ -7,8 +7,8 @@ model runner's seam, beside the CPU's one-call C++ step).
 - Captured at start-up, once per KV-cache layout (the graphs hold the caches' addresses),
   largest batch first into one memory pool, for the sizes of --cuda-graph-sizes.
 - A step whose sequences all decode one token, with no LoRA adapter and no image rows,
-  takes the graph of the next captured size: its inputs are copied into persistent
-  buffers, the padding rows write no KV (slot -1) and attend to one cached token, and the
+  takes the graph of the next captured size: its inputs go into persistent buffers in two
+  copies from pinned host buffers, the padding rows write no KV (slot -1) and attend to one cached token, and the
   graph's output rows past the step's are ignored. Every kernel works row by row, so a
   padding row never changes a real one.
 - Paged decode attention normally sizes its grid by the step's longest sequence (a host
@@ -193,7 +193,8 @@ class DecodeGraphs:
         if not self.sizes or lora is not None or len(input_ids) != len(seq_lens):
             return None
         self.prepare()
-        return self.captured.stage(input_ids, positions, slots, seq_lens, block_ids)
+        return None if self.captured is None else self.captured.stage(input_ids, positions, slots, seq_lens,
+                                                                      block_ids)
 
     def forward(self, attention: AttentionMetadata | StagedDecode) -> torch.Tensor | None:
         """A staged step's hidden states from its graph, or None: the step runs eagerly."""
