@@ -2,7 +2,8 @@
 
 TROUPE_TEST_DEVICE=cuda runs the Python API's engines (LLM, AsyncClient) on that device
 instead of the CPU, in float32 unless a test asks otherwise (as the tests compare with
-Hugging Face's fp32): the CPU suite's engine tests, on a GPU (benchmarks/gpu_check.sh).
+Hugging Face's fp32) and with the CPU's 2 GiB KV cache unless a test sizes it: the CPU
+suite's engine tests, on a GPU (benchmarks/gpu_check.sh).
 
 Every tiny model is a real Hugging Face directory (config.json, generation_config.json,
 model.safetensors, tokenizer files with a chat template), built once per session, seeded, so
@@ -26,11 +27,13 @@ if os.environ.get("TROUPE_TEST_DEVICE"):
     _engine_args.PYTHON_DEVICE = os.environ["TROUPE_TEST_DEVICE"]
     _resolve_unset = _engine_args.EngineArgs._resolve_unset
 
-    def _in_float32(self, entry_point):
+    def _as_on_the_cpu(self, entry_point):
+        if self.kv_cache_memory is None and self.gpu_memory_utilization is None:
+            self = dataclasses.replace(self, kv_cache_memory="2GiB")  # (not 0.9 of the GPU per engine)
         args = _resolve_unset(self, entry_point)
         return dataclasses.replace(args, dtype="float32") if args.dtype == "auto" else args
 
-    _engine_args.EngineArgs._resolve_unset = _in_float32
+    _engine_args.EngineArgs._resolve_unset = _as_on_the_cpu
 
 # A small English + emoji + CJK corpus for the tiny byte-level BPE tokenizer.
 _TOKENIZER_CORPUS = [
