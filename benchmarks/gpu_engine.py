@@ -177,7 +177,10 @@ def profile_decode(path: str, args) -> None:
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as kernels:
         llm.generate([prompt], params, use_tqdm=False)
     print(f"GPU kernels of one request, {params.max_tokens} tokens (one prefill, the rest decode steps):")
-    print(kernels.key_averages().table(sort_by="self_device_time_total", row_limit=25, max_name_column_width=70))
+    try:
+        print(kernels.key_averages().table(sort_by="self_device_time_total", row_limit=25, max_name_column_width=70))
+    except (KeyError, AttributeError):  # (torch's older name of the column)
+        print(kernels.key_averages().table(sort_by="self_cuda_time_total", row_limit=25, max_name_column_width=70))
     llm.close()
 
 
