@@ -102,8 +102,9 @@ def test_tiny_decoder_logits_match_the_torch_reference(make_tiny_model, arch):
         fused, reference = one_mixed_step(runner, shapes, generator)
         assert relative_error(fused, reference) < 1e-3
     fp32 = LLM(model_dir, quantization="none", kv_cache_memory="16MiB", block_size=4).engine.runner
-    fused, fp32_logits = one_mixed_step(fp32, [(9, 1), (0, 11)], torch.Generator().manual_seed(2), reference=False)
-    quantized, _ = one_mixed_step(runner, [(9, 1), (0, 11)], torch.Generator().manual_seed(2), reference=False)
+    # prompts alone: cached values filled at random are not divided as smoothed v_proj's are
+    fused, fp32_logits = one_mixed_step(fp32, [(0, 9), (0, 11)], torch.Generator().manual_seed(2), reference=False)
+    quantized, _ = one_mixed_step(runner, [(0, 9), (0, 11)], torch.Generator().manual_seed(2), reference=False)
     assert 0 < relative_error(quantized, fused) < 0.1  # int8 ran, and stays near fp32
 
 
@@ -128,8 +129,9 @@ async def test_actor_processes_generate_what_the_in_process_engine_does(make_tin
 def test_int8_decoders_are_refused_where_they_cannot_run(tiny_llama_dir):
     with pytest.raises(Int8Error, match="needs dtype 'float32'"):
         EngineArgs(model=tiny_llama_dir, quantization="int8", dtype="bfloat16").build()
-    with pytest.raises(Int8Error, match=r"needs the CPU \(device 'cpu'\)"):
-        EngineArgs(model=tiny_llama_dir, quantization="int8", device="cuda").build()
+    if not torch.cuda.is_available():  # (on CUDA: the Triton W8A8 GEMM, tests/kernels/test_online_quantization.py)
+        with pytest.raises(Int8Error, match=r"on device 'cuda' needs a CUDA device; none is visible"):
+            EngineArgs(model=tiny_llama_dir, quantization="int8", device="cuda").build()
     with pytest.raises(Int8Error, match="needs one device"):
         EngineArgs(model=tiny_llama_dir, quantization="int8", tensor_parallel_size=2).build()
     assert EngineArgs(model=tiny_llama_dir, quantization="int8").build().quantization == "int8"

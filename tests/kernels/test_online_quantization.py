@@ -1,0 +1,114 @@
+"""`--quantization fp8` (and int8 on CUDA) on an unquantized checkpoint: each projection
+quantized at load (actors/quantization/online_gpu.py) and run by the Triton GEMMs.
+
+On the CPU the engine refuses fp8 at start-up (it needs FP8 hardware), so the worker-level
+pieces run directly under triton's interpreter: an unquantized engine on the Triton backend has
+its projections quantized by use_online_weights, and its greedy tokens and logprobs equal
+Hugging Face's on the checkpoint whose weights are the same FP8 values dequantized (the
+Triton fallback on the CPU quantizes weights only). The `gpu` tests run the whole engine on
+CUDA against its bf16 self."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from actors import LLM, SamplingParams
+from actors.engine_args import EngineArgs
+from actors.quantization.checkpoint_gpu import Fp8Weight, PackedWeightBackend, W8A8Weight
+from actors.quantization.online_check import OnlineQuantError, check_online_fp8
+from actors.quantization.online_gpu import fp8_weight, quantize_fp8_per_tensor, use_online_weights
+from tests.actors.test_llm_matches_hf import hf_greedy, make_prompts
+from tests.kernels.helpers import requires_cuda, requires_triton
+from tests.quant_checkpoints import assert_matches_reference, quantize_fp8, write_quantized_checkpoint
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True, logprobs=3)
+
+
+def test_per_tensor_fp8_of_each_fused_part():
+    generator = torch.Generator().manual_seed(0)
+    parts = [torch.randn(32, 64, generator=generator) * scale for scale in (0.1, 3.0, 0.02)]
+    fused = fp8_weight(torch.cat(parts), [32, 32, 32])
+    for index, part in enumerate(parts):
+        expected_weight, expected_scale, dequantized = quantize_fp8(part, per_channel=False)
+        rows = slice(32 * index, 32 * (index + 1))
+        assert torch.equal(fused.weight[rows].view(torch.uint8), expected_weight.view(torch.uint8))
+        assert torch.equal(fused.scale[rows], expected_scale.expand(32))
+        assert torch.allclose(fused.weight[rows].float() * fused.scale[rows, None], dequantized)
+        # E4M3 keeps 3 mantissa bits: each weight within 1/16 of itself (or of the smallest step)
+        assert ((dequantized - part).abs() <= part.abs() / 16 + expected_scale * 2 ** -9).all()
+    q, scale = quantize_fp8_per_tensor(torch.zeros(4, 4))
+    assert scale > 0 and not q.float().any()
+
+
+def test_fp8_is_refused_at_start_up_where_it_cannot_run(tiny_llama_dir):
+    if not torch.cuda.is_available():
+        with pytest.raises(OnlineQuantError, match=r"quantization 'fp8' .* compute capability >= 8.9; the device"):
+            EngineArgs(model=tiny_llama_dir, quantization="fp8").build()
+    with pytest.raises(OnlineQuantError, match="quantization 'fp8'.*needs a CUDA device.*the CPU"):
+        EngineArgs(model=tiny_llama_dir, quantization="fp8", device="cpu").build()
+    with pytest.raises(OnlineQuantError, match=r"this GPU has 8.0"):
+        check_online_fp8("cuda", 1, (8, 0))
+    check_online_fp8("cuda", 1, (8, 9))
+    check_online_fp8("auto", 1, (9, 0))
+
+
+@requires_triton
+def test_fp8_quantized_at_load_matches_the_dequantized_checkpoint(tiny_llama_dir, tmp_path):
+    # the tests' FP8 checkpoint writer quantizes each q/k/v/o/gate/up/down per tensor as
+    # use_online_weights does; its reference directory holds those weights dequantized
+    reference = os.path.join(write_quantized_checkpoint(tiny_llama_dir, str(tmp_path), "fp8", per_channel=False),
+                             "reference")
+    prompts = make_prompts(256, [3, 11])
+    expected, expected_logprobs = hf_greedy(reference, prompts, GREEDY.max_tokens)
+    with LLM(tiny_llama_dir, attention_backend="triton", dtype="float32", kv_cache_memory="16MiB") as llm:
+        runner = llm.engine.runner
+        float_qkv = runner.model.layers[0].qkv_proj
+        runner.backend = use_online_weights(runner.model, runner.backend, "fp8")
+        assert isinstance(runner.backend, PackedWeightBackend)
+        layer = runner.model.layers[0]
+        assert type(layer.qkv_proj) is Fp8Weight and layer.qkv_proj.weight.dtype == torch.float8_e4m3fn
+        assert layer.qkv_proj.weight.shape == float_qkv.shape
+        outputs = llm.generate(prompts, GREEDY, use_tqdm=False)
+    assert_matches_reference(outputs, expected, expected_logprobs)
+
+
+def _agreement(a: list[list[int]], b: list[list[int]]) -> float:
+    """The share of positions, before each pair's first difference, that agree."""
+    agreed = total = 0
+    for x, y in zip(a, b):
+        total += len(x)
+        for p, q in zip(x, y):
+            if p != q:
+                break
+            agreed += 1
+    return agreed / total
+
+
+@requires_cuda
+@pytest.mark.gpu
+@pytest.mark.parametrize("method,kind", [("fp8", Fp8Weight), ("int8", W8A8Weight)])
+def test_quantized_at_load_on_cuda_follows_bf16(method, kind, make_tiny_model):
+    """The engine on CUDA: greedy tokens mostly the bf16 engine's, the first step's logprobs
+    close. (fp8 needs compute capability 8.9: skipped before.)"""
+    if method == "fp8" and torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip("FP8 needs compute capability 8.9")
+    model_dir = make_tiny_model("llama", hidden_size=256, intermediate_size=512, num_attention_heads=8,
+                                num_key_value_heads=4, head_dim=32)
+    prompts = make_prompts(256, [5, 17, 40, 64])
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True, logprobs=1)
+    runs = {}
+    for quantization in (None, method):
+        with LLM(model_dir, quantization=quantization, dtype="bfloat16", kv_cache_memory="64MiB") as llm:
+            if quantization is not None:
+                assert type(llm.engine.runner.model.layers[0].down_proj) is kind
+            runs[quantization] = llm.generate(prompts, params, use_tqdm=False)
+    tokens = {q: [o.outputs[0].token_ids for o in outs] for q, outs in runs.items()}
+    assert _agreement(tokens[method], tokens[None]) >= 0.6
+    for quantized, bf16 in zip(runs[method], runs[None]):
+        first_q, first_b = quantized.outputs[0].logprobs[0], bf16.outputs[0].logprobs[0]
+        token = next(iter(first_b))
+        if token in first_q:
+            assert abs(first_q[token].logprob - first_b[token].logprob) < 0.3
