@@ -30,7 +30,9 @@ from actors.worker.model import DecoderLayerWeights
 
 CALIBRATION_TEXT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "int8_calibration.txt")
 CALIBRATION_TOKENS = 512  # the first tokens of the calibration text that one forward pass sees
-SMOOTHING_ALPHA = 0.5  # how much of an outlier moves into the weights (SmoothQuant's default)
+# how much of an outlier moves into the weights (SmoothQuant's default; 0: no smoothing, which
+# benchmarks/quality.py's int8:no-smoothing measures)
+SMOOTHING_ALPHA = 0.5
 
 
 def calibration_token_ids(tokenizer_path: str) -> list[int]:
@@ -120,11 +122,12 @@ def smoothed_layer(layer: DecoderLayerWeights, maxima: dict[str, torch.Tensor], 
     return dataclasses.replace(layer, **{name: t.contiguous() for name, t in changes.items()})
 
 
-def smooth_model(model, token_ids: list[int], alpha: float = SMOOTHING_ALPHA) -> None:
+def smooth_model(model, token_ids: list[int], alpha: float | None = None) -> None:
     """Replaces model.layers with smoothed fp32 layers (before their projections are packed).
     Token ids past the model's vocabulary (a test model's tokenizer may be larger) are dropped."""
+    alpha = SMOOTHING_ALPHA if alpha is None else alpha
     token_ids = [token for token in token_ids if token < model.config.vocab_size]
-    if not token_ids:
+    if not token_ids or alpha == 0:
         return
     maxima = activation_maxima(model, token_ids)
     model.layers = [smoothed_layer(layer, seen, model.num_heads, model.num_kv_heads, model.head_dim, alpha)

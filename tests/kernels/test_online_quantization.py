@@ -75,6 +75,25 @@ def test_fp8_quantized_at_load_matches_the_dequantized_checkpoint(tiny_llama_dir
     assert_matches_reference(outputs, expected, expected_logprobs)
 
 
+@requires_triton
+def test_int8_quantized_at_load_on_the_triton_path_matches_w8a8_reference(tiny_llama_dir, tmp_path):
+    """The int8 path CUDA runs (per-channel int8 weights, activations int8 per token, the
+    Triton GEMM), against Hugging Face's Llama whose linears compute the W8A8 reference on the
+    same int8 weights (the tests' compressed-tensors int8 writer quantizes as the CPU's int8)."""
+    from tests.kernels.test_quant_checkpoint_triton_path import w8a8_reference_linears
+
+    out = write_quantized_checkpoint(tiny_llama_dir, str(tmp_path), "compressed-tensors-int8", per_channel=True)
+    prompts = make_prompts(256, [3, 11])
+    with w8a8_reference_linears(os.path.join(out, "reference"), os.path.join(out, "quantized")):
+        expected, expected_logprobs = hf_greedy(os.path.join(out, "reference"), prompts, GREEDY.max_tokens)
+    with LLM(tiny_llama_dir, attention_backend="triton", dtype="float32", kv_cache_memory="16MiB") as llm:
+        runner = llm.engine.runner
+        runner.backend = use_online_weights(runner.model, runner.backend, "int8")
+        assert type(runner.model.layers[0].gate_up_proj) is W8A8Weight
+        outputs = llm.generate(prompts, GREEDY, use_tqdm=False)
+    assert_matches_reference(outputs, expected, expected_logprobs)
+
+
 def _agreement(a: list[list[int]], b: list[list[int]]) -> float:
     """The share of positions, before each pair's first difference, that agree."""
     agreed = total = 0
