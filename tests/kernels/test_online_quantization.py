@@ -94,40 +94,34 @@ def test_int8_quantized_at_load_on_the_triton_path_matches_w8a8_reference(tiny_l
     assert_matches_reference(outputs, expected, expected_logprobs)
 
 
-def _agreement(a: list[list[int]], b: list[list[int]]) -> float:
-    """The share of positions, before each pair's first difference, that agree."""
-    agreed = total = 0
-    for x, y in zip(a, b):
-        total += len(x)
-        for p, q in zip(x, y):
-            if p != q:
-                break
-            agreed += 1
-    return agreed / total
-
-
 @requires_cuda
 @pytest.mark.gpu
 @pytest.mark.parametrize("method,kind", [("fp8", Fp8Weight), ("int8", W8A8Weight)])
-def test_quantized_at_load_on_cuda_follows_bf16(method, kind, make_tiny_model):
-    """The engine on CUDA: greedy tokens mostly the bf16 engine's, the first step's logprobs
-    close. (fp8 needs compute capability 8.9: skipped before.)"""
+def test_quantized_at_load_on_cuda_follows_bf16(method, kind, smollm2_dir):
+    """The engine on CUDA, SmolLM2 in bf16 with its projections quantized at load, against the
+    bf16 engine on the same text, teacher-forced (benchmarks/quality.py's measure: a free-running
+    generation drifts after its first difference): the most likely next token mostly the same,
+    the text's logprobs close. (fp8 needs compute capability 8.9: skipped before.)"""
     if method == "fp8" and torch.cuda.get_device_capability() < (8, 9):
         pytest.skip("FP8 needs compute capability 8.9")
-    model_dir = make_tiny_model("llama", hidden_size=256, intermediate_size=512, num_attention_heads=8,
-                                num_key_value_heads=4, head_dim=32)
-    prompts = make_prompts(256, [5, 17, 40, 64])
-    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True, logprobs=1)
-    runs = {}
+    from actors.worker.loader import load_tokenizer
+
+    text_path = os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks", "data", "quality_text.txt")
+    with open(text_path, encoding="utf-8") as file:
+        tokens = load_tokenizer(smollm2_dir)(file.read(), add_special_tokens=False)["input_ids"][:512]
+    windows = [tokens[i:i + 128] for i in range(0, 512, 128)]
+    params = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=1)
+    scored = {}
     for quantization in (None, method):
-        with LLM(model_dir, quantization=quantization, dtype="bfloat16", kv_cache_memory="64MiB") as llm:
+        with LLM(smollm2_dir, quantization=quantization, dtype="bfloat16", kv_cache_memory="256MiB") as llm:
             if quantization is not None:
                 assert type(llm.engine.runner.model.layers[0].down_proj) is kind
-            runs[quantization] = llm.generate(prompts, params, use_tqdm=False)
-    tokens = {q: [o.outputs[0].token_ids for o in outs] for q, outs in runs.items()}
-    assert _agreement(tokens[method], tokens[None]) >= 0.6
-    for quantized, bf16 in zip(runs[method], runs[None]):
-        first_q, first_b = quantized.outputs[0].logprobs[0], bf16.outputs[0].logprobs[0]
-        token = next(iter(first_b))
-        if token in first_q:
-            assert abs(first_q[token].logprob - first_b[token].logprob) < 0.3
+            outputs = llm.generate(windows, params, use_tqdm=False)
+        scored[quantization] = [
+            (position[token].logprob, next(t for t, logprob in position.items() if logprob.rank == 1))
+            for window, output in zip(windows, outputs) for token, position in
+            zip(window[1:], output.prompt_logprobs[1:])]
+    pairs = list(zip(scored[method], scored[None]))
+    agreement = sum(q[1] == b[1] for q, b in pairs) / len(pairs)
+    mean_difference = sum(abs(q[0] - b[0]) for q, b in pairs) / len(pairs)
+    assert agreement >= 0.8 and mean_difference < 0.25, (agreement, mean_difference)
