@@ -47,11 +47,13 @@ def calibration_token_ids(tokenizer_path: str) -> list[int]:
 @torch.no_grad()
 def activation_maxima(model, token_ids: list[int]) -> list[dict[str, torch.Tensor]]:
     """Per layer, each projection's per-input-channel max |x| over one causal fp32 forward of
-    token_ids as one sequence (plain torch attention: no KV cache needed)."""
+    token_ids as one sequence (plain torch attention: no KV cache needed). Under tensor
+    parallelism every rank calls it (the row-parallel outputs are all-reduced): each gets its
+    own shards' maxima."""
     ops, eps = model.backend, model.config.rms_norm_eps
     ids = torch.tensor(token_ids, dtype=torch.int64)
     positions = torch.arange(len(token_ids))
-    hidden = model.embed_tokens[ids].float()
+    hidden = model.embed(ids).float()
     group = model.num_heads // model.num_kv_heads
     maxima = []
     for layer in model.layers:
@@ -72,13 +74,13 @@ def activation_maxima(model, token_ids: list[int]) -> list[dict[str, torch.Tenso
             v.repeat_interleave(group, 1).transpose(0, 1), is_causal=True, scale=model.scale)
         attn = attn.transpose(0, 1).reshape(-1, model.q_size)
         seen["o_proj"] = attn.abs().amax(0)
-        hidden = hidden + F.linear(attn, layer.o_proj)
+        hidden = hidden + model.parallel.all_reduce(F.linear(attn, layer.o_proj))
         x = ops.rms_norm(hidden.clone(), layer.post_attention_norm, eps)
         seen["gate_up_proj"] = x.abs().amax(0)
         gate, up = F.linear(x, layer.gate_up_proj).chunk(2, dim=-1)
         x = F.silu(gate) * up
         seen["down_proj"] = x.abs().amax(0)
-        hidden = hidden + F.linear(x, layer.down_proj)
+        hidden = hidden + model.parallel.all_reduce(F.linear(x, layer.down_proj))
         maxima.append(seen)
     return maxima
 
@@ -91,14 +93,25 @@ def smoothing_factors(activation_max: torch.Tensor, weight_max: torch.Tensor, al
     return torch.where(usable, factors, torch.ones_like(factors))
 
 
+def column_maxima(weight: torch.Tensor, parallel=None) -> torch.Tensor:
+    """max|W_j| over the output rows of a column-parallel weight [out, in]; with tensor
+    parallelism over every rank's rows, so each rank smooths as one device does."""
+    maxima = weight.abs().amax(0)
+    if parallel is not None and parallel.enabled:
+        torch.distributed.all_reduce(maxima, op=torch.distributed.ReduceOp.MAX, group=parallel.group)
+    return maxima
+
+
 def smoothed_layer(layer: DecoderLayerWeights, maxima: dict[str, torch.Tensor], num_heads: int,
-                   num_kv_heads: int, head_dim: int, alpha: float = SMOOTHING_ALPHA) -> DecoderLayerWeights:
+                   num_kv_heads: int, head_dim: int, alpha: float = SMOOTHING_ALPHA,
+                   parallel=None) -> DecoderLayerWeights:
     """The layer's fp32 weights with each projection's inputs smoothed, the division folded
-    into what produces them (the module docstring); the same function in float arithmetic."""
+    into what produces them (the module docstring); the same function in float arithmetic.
+    parallel: the rank's TensorParallel where the weights are its shards."""
     changes = {}
-    s = smoothing_factors(maxima["qkv_proj"], layer.qkv_proj.abs().amax(0), alpha)
+    s = smoothing_factors(maxima["qkv_proj"], column_maxima(layer.qkv_proj, parallel), alpha)
     changes["input_norm"], changes["qkv_proj"] = layer.input_norm / s, layer.qkv_proj * s
-    s = smoothing_factors(maxima["gate_up_proj"], layer.gate_up_proj.abs().amax(0), alpha)
+    s = smoothing_factors(maxima["gate_up_proj"], column_maxima(layer.gate_up_proj, parallel), alpha)
     changes["post_attention_norm"], gate_up = layer.post_attention_norm / s, layer.gate_up_proj * s
     # o_proj: one factor per kv-head channel, from the maxima over the q heads sharing it
     group = num_heads // num_kv_heads
@@ -130,5 +143,5 @@ def smooth_model(model, token_ids: list[int], alpha: float | None = None) -> Non
     if not token_ids or alpha == 0:
         return
     maxima = activation_maxima(model, token_ids)
-    model.layers = [smoothed_layer(layer, seen, model.num_heads, model.num_kv_heads, model.head_dim, alpha)
-                    for layer, seen in zip(model.layers, maxima, strict=True)]
+    model.layers = [smoothed_layer(layer, seen, model.num_heads, model.num_kv_heads, model.head_dim, alpha,
+                                   model.parallel) for layer, seen in zip(model.layers, maxima, strict=True)]

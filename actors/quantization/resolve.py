@@ -18,7 +18,7 @@ def resolve_quantization(args, model_config, generates: bool) -> tuple[str | Non
     quantization, gguf_file = check_quantization(args.quantization), None
     devices = args.tensor_parallel_size * args.pipeline_parallel_size  # one device: pipeline stages count too
     if quantization == "int8" and not model_config.is_encoder:
-        check_int8_decoder(args.device, args.dtype, devices, cuda_device_count())
+        check_int8_decoder(args.device, args.dtype, args.pipeline_parallel_size, cuda_device_count())
     if quantization == "fp8" and read_checkpoint_quant(model_config.model_path) is None:  # quantized at load
         check_online_fp8(args.device, cuda_device_count(), cuda_capability())
     if quantization in GGUF_METHODS:

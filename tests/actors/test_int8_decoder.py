@@ -20,6 +20,7 @@ from actors.quantization.int8_decoder import PROJECTIONS, Int8CpuBackend, int8_l
 from kernels.int8_gemm import PackedInt8Weight, int8_gemm_kernels
 from kernels.int8_linear import quantize_rows_reference
 from tests.actors.test_gguf_quantized import relative_error
+from tests.actors.test_llm_matches_hf import make_prompts
 from tests.actors.test_gguf_quantized import one_mixed_step as gguf_mixed_step
 
 
@@ -132,9 +133,31 @@ def test_int8_decoders_are_refused_where_they_cannot_run(tiny_llama_dir):
     if not torch.cuda.is_available():  # (on CUDA: the Triton W8A8 GEMM, tests/kernels/test_online_quantization.py)
         with pytest.raises(Int8Error, match=r"on device 'cuda' needs a CUDA device; none is visible"):
             EngineArgs(model=tiny_llama_dir, quantization="int8", device="cuda").build()
-    with pytest.raises(Int8Error, match="needs one device"):
-        EngineArgs(model=tiny_llama_dir, quantization="int8", tensor_parallel_size=2).build()
+    with pytest.raises(Int8Error, match="needs pipeline_parallel_size 1"):
+        EngineArgs(model=tiny_llama_dir, quantization="int8", pipeline_parallel_size=2).build()
     assert EngineArgs(model=tiny_llama_dir, quantization="int8").build().quantization == "int8"
+
+
+def test_tensor_parallel_int8_follows_one_device(tiny_llama_dir):
+    """Each rank smooths with one device's factors and quantizes its shards (the row-parallel
+    o/down slices get scales of their own, their inputs quantized over the rank's slice, as
+    vLLM's W8A8 does): not the same integers as one device, so the tokens are held to one
+    device's mostly, the logprobs closely."""
+    prompts = make_prompts(256, [5, 21, 9])
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=1)
+    runs = []
+    for tensor_parallel_size in (1, 2):
+        with LLM(tiny_llama_dir, quantization="int8", kv_cache_memory="16MiB",
+                 tensor_parallel_size=tensor_parallel_size) as llm:
+            runs.append(llm.generate(prompts, params, use_tqdm=False))
+    one, two = ([o.outputs[0] for o in outputs] for outputs in runs)
+    first = [(a.token_ids[0], b.token_ids[0]) for a, b in zip(one, two)]
+    assert all(a == b for a, b in first)
+    agreement = sum(x == y for a, b in zip(one, two) for x, y in zip(a.token_ids, b.token_ids)) / (8 * len(prompts))
+    assert agreement >= 0.75
+    for a, b in zip(one, two):
+        token = a.token_ids[0]
+        assert abs(a.logprobs[0][token].logprob - b.logprobs[0][token].logprob) < 0.05
 
 
 class CheckingBackend(Int8CpuBackend):
