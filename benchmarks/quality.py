@@ -13,6 +13,7 @@ their first difference and measure little else).
     python benchmarks/quality.py --methods none,gguf --window 512
     python benchmarks/quality.py --llama-cpp-python /work/llamacpp-venv/bin/python   # llama.cpp's too
     python benchmarks/quality.py --methods none,int8,int8:int8-head --max-tokens 4000
+    python benchmarks/quality.py --methods none,int8,int8:no-smoothing --max-tokens 10000
 """
 
 from __future__ import annotations
@@ -38,14 +39,16 @@ def score(model: str | None, method: str, windows: list[list[int]]) -> tuple[lis
     rows otherwise go through dequantized weights and sgemm, which is fp32's arithmetic)."""
     from actors import LLM, SamplingParams
 
-    from actors.quantization import int8_decoder
+    from actors.quantization import int8_decoder, int8_smoothing
 
     quantization, _, variant = method.partition(":")
     int8_decoder.QUANTIZE_LM_HEAD = variant == "int8-head"
+    alpha, int8_smoothing.SMOOTHING_ALPHA = int8_smoothing.SMOOTHING_ALPHA, 0.0 if variant == "no-smoothing" else \
+        int8_smoothing.SMOOTHING_ALPHA
     try:
         llm = LLM(model, quantization=quantization, enable_prefix_caching=False)
     finally:
-        int8_decoder.QUANTIZE_LM_HEAD = False
+        int8_decoder.QUANTIZE_LM_HEAD, int8_smoothing.SMOOTHING_ALPHA = False, alpha
     kernels = getattr(llm.engine.runner.backend, "kernels", None)
     dequantize_rows = kernels.dequantize_rows if kernels is not None else None
     if variant == "dot":
@@ -70,8 +73,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default=None, help="default: the embedded SmolLM2-135M-Instruct (a Q4_1 GGUF)")
     parser.add_argument("--methods", default="none,gguf,gguf:dot,int8",
-                        help="--quantization values (gguf:dot, int8:int8-head: see score()); the first is the "
-                             "baseline")
+                        help="--quantization values (gguf:dot, int8:int8-head, int8:no-smoothing: see score()); the "
+                             "first is the baseline")
     parser.add_argument("--max-tokens", type=int, default=None, help="score only the text's first N tokens")
     parser.add_argument("--window", type=int, default=1024, help="tokens of context per window")
     parser.add_argument("--llama-cpp-python", default=None,

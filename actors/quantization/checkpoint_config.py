@@ -203,9 +203,9 @@ def resolve_checkpoint_quantization(flag: str | None, model, tensor_parallel_siz
     attention_width = model.num_attention_heads * model.head_dim
     quant = read_checkpoint_quant(model_dir)
     if quant is None:
-        if flag in CHECKPOINT_METHODS:
+        if flag in CHECKPOINT_METHODS and flag != "fp8":  # fp8: quantized at load (online_gpu.py)
             raise QuantConfigError(f"quantization {flag!r} needs a checkpoint quantized so ({model_dir}/config.json "
-                                   "has no quantization_config; quantizing at load time is not built)")
+                                   "has no quantization_config; only int8 and fp8 quantize at load time)")
         return flag
     if flag not in FOLLOW_CHECKPOINT and flag != quant.method:
         raise QuantConfigError(f"quantization {flag!r} does not match the checkpoint's quantization_config "

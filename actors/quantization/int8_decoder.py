@@ -18,6 +18,7 @@ import logging
 import torch
 
 from actors.quantization.int8_check import Int8Error
+from actors.quantization.int8_smoothing import smooth_model
 from actors.worker.attention import CpuBackend
 from kernels.int8_gemm import Int8GemmKernels, PackedInt8Weight, int8_gemm_kernels
 
@@ -46,14 +47,20 @@ class Int8CpuBackend(CpuBackend):
         return super().linear(x, weight, bias)
 
 
-def use_int8_weights(model, backend: CpuBackend, lm_head: bool | None = None) -> Int8CpuBackend:
+def use_int8_weights(model, backend: CpuBackend, lm_head: bool | None = None,
+                     calibration_ids: list[int] | None = None) -> Int8CpuBackend:
     """Quantizes model's projections (and its LM head where lm_head, default QUANTIZE_LM_HEAD)
-    to packed int8 and swaps
-    its backend for one that runs them (returned: the model runner's backend from then on)."""
+    to packed int8 and swaps its backend for one that runs them (returned: the model runner's
+    backend from then on). calibration_ids: tokens whose fp32 activations smooth the
+    projections' inputs first (int8_smoothing.py); None: quantized as they are."""
     kernels = int8_gemm_kernels()
     if kernels is None:
         raise Int8Error("--quantization int8 needs the C++ kernels, which did not build (no C++ compiler?)")
     fp32_bytes = model.num_weight_bytes()
+    float_layers = not any(isinstance(getattr(layer, name), PackedInt8Weight)
+                           for layer in model.layers for name in PROJECTIONS)
+    if calibration_ids and float_layers:
+        smooth_model(model, calibration_ids)
     for layer in model.layers:
         for name in PROJECTIONS:
             weight = getattr(layer, name)

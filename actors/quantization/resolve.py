@@ -6,9 +6,10 @@ from __future__ import annotations
 
 from actors.cli_flags import cuda_device_count
 from actors.quantization import GGUF_METHODS, check_quantization
-from actors.quantization.checkpoint_config import resolve_checkpoint_quantization
+from actors.quantization.checkpoint_config import read_checkpoint_quant, resolve_checkpoint_quantization
 from actors.quantization.gguf_types import resolve_gguf
 from actors.quantization.int8_check import check_int8_decoder
+from actors.quantization.online_check import check_online_fp8, cuda_capability
 
 
 def resolve_quantization(args, model_config, generates: bool) -> tuple[str | None, str | None]:
@@ -17,7 +18,9 @@ def resolve_quantization(args, model_config, generates: bool) -> tuple[str | Non
     quantization, gguf_file = check_quantization(args.quantization), None
     devices = args.tensor_parallel_size * args.pipeline_parallel_size  # one device: pipeline stages count too
     if quantization == "int8" and not model_config.is_encoder:
-        check_int8_decoder(args.device, args.dtype, devices, cuda_device_count())
+        check_int8_decoder(args.device, args.dtype, args.pipeline_parallel_size, cuda_device_count())
+    if quantization == "fp8" and read_checkpoint_quant(model_config.model_path) is None:  # quantized at load
+        check_online_fp8(args.device, cuda_device_count(), cuda_capability())
     if quantization in GGUF_METHODS:
         quantization, gguf_file = resolve_gguf(
             quantization, args.model, model_config.num_hidden_layers, generates=generates,

@@ -13,7 +13,7 @@ from actors.quantization import CHECKPOINT_METHODS
 def checkpoint_weight_stream(weights: Iterable[tuple[str, object]], engine) -> Iterable[tuple[str, object]]:
     """A quantized checkpoint's packed tensors gathered per linear and yielded dequantized
     (checkpoint_weights.py); any other checkpoint's weights as they are."""
-    if engine.quantization not in CHECKPOINT_METHODS:
+    if engine.quantization not in CHECKPOINT_METHODS or quantized_at_load(engine):
         return weights
     from actors.quantization.checkpoint_weights import checkpoint_weights
 
@@ -30,12 +30,29 @@ def quantized_backend(model, backend, engine, parallel):
         from actors.quantization.gguf import use_gguf_weights
 
         return use_gguf_weights(model, backend, engine.gguf_file)
-    if method == "int8":  # W8A8 (int8_decoder.py)
-        from actors.quantization.int8_decoder import use_int8_weights
+    if quantized_at_load(engine) and (method == "fp8" or model.device.type == "cuda"):
+        from actors.quantization.online_gpu import use_online_weights  # fp8, or int8 on CUDA
 
-        return use_int8_weights(model, backend)
+        return use_online_weights(model, backend, method)
+    if method == "int8":  # W8A8 on the CPU (int8_decoder.py), smoothed unless LoRA adds to the linears' inputs
+        from actors.quantization.int8_decoder import use_int8_weights
+        from actors.quantization.int8_smoothing import calibration_token_ids
+
+        calibration = None if engine.lora is not None else calibration_token_ids(
+            engine.tokenizer_path or engine.model.model_path)
+        return use_int8_weights(model, backend, calibration_ids=calibration)
     if method in CHECKPOINT_METHODS:  # Triton, or GGUF blocks on the CPU
         from actors.quantization.checkpoint_weights import use_checkpoint_kernels
 
         return use_checkpoint_kernels(model, backend, engine.model.model_path, parallel)
     return backend
+
+
+def quantized_at_load(engine) -> bool:
+    """Whether engine.quantization quantizes a float checkpoint as it loads (int8, or fp8 where
+    config.json has no quantization_config) rather than reading a quantized checkpoint."""
+    if engine.quantization == "int8":
+        return True
+    from actors.quantization.checkpoint_config import read_checkpoint_quant
+
+    return engine.quantization == "fp8" and read_checkpoint_quant(engine.model.model_path) is None
