@@ -18,7 +18,7 @@ PYTEST="python3 -m pytest -q -p no:cacheprovider -p pytest_asyncio.plugin -p pyt
 KERNEL_TESTS="tests/kernels/test_paged_attention.py tests/kernels/test_store_kv.py tests/kernels/test_rms_norm.py
   tests/kernels/test_rotary.py tests/kernels/test_silu_mul.py tests/kernels/test_lora_kernels.py tests/kernels/test_quant_triton.py
   tests/kernels/test_quant_checkpoint_triton_path.py tests/kernels/test_token_bitmask.py tests/kernels/test_attention_backend.py
-  tests/actors/test_sampler_device.py"
+  tests/kernels/test_online_quantization.py tests/actors/test_sampler_device.py"
 
 stage() {  # name, seconds, command...
     local name=$1 limit=$2 start=$SECONDS
