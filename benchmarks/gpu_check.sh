@@ -36,7 +36,7 @@ for part in "${@:-tests engine-tests attention decode offline}"; do for s in $pa
     decode) stage decode "${T_DECODE:-90}" python3 benchmarks/gpu_engine.py --parts decode --repeats 3 ;;
     profile) stage profile "${T_PROFILE:-60}" python3 benchmarks/gpu_engine.py --models llama-3.1-8b --parts profile ;;
     offline) stage offline "${T_OFFLINE:-90}" python3 benchmarks/gpu_engine.py --models qwen3-0.6b --parts offline \
-        --hf --hf-num-requests 64 ;;
+        --hf --hf-num-requests "${HF_REQUESTS:-64}" --hf-batch-size "${HF_REQUESTS:-64}" ;;
     offline-8b) stage offline-8b "${T_OFFLINE:-90}" python3 benchmarks/gpu_engine.py --models llama-3.1-8b --parts offline ;;
     suite-on-cuda) TROUPE_TEST_DEVICE=cuda stage suite-on-cuda "${T_SUITE:-120}" $PYTEST --maxfail=30 \
         tests/actors/test_llm_matches_hf.py tests/actors/test_llm_sampling.py tests/actors/test_logits_processors.py \

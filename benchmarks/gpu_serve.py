@@ -20,6 +20,7 @@ import tempfile
 _REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if __name__ == "__main__":
     sys.path[0] = _REPO  # the checkout, not this folder
+    sys.path.insert(1, os.path.join(_REPO, "benchmarks"))  # (serve_vs_offline imports serve as a script does)
 
 from actors.worker.gpu_idle import ENV
 from benchmarks.gpu_engine import CONFIGS, model_dir

@@ -37,9 +37,10 @@ class MemorySnapshot:
 
 def check_free_at_start(start: MemorySnapshot, fraction: float) -> None:
     wanted = start.total * fraction
-    if start.free < wanted:
+    free = start.free + start.reserved - start.allocated  # (what torch caches unused here is free for it)
+    if free < wanted:
         raise ValueError(f"gpu_memory_utilization={fraction} asks for {wanted / GIB:.2f} GiB of the GPU's "
-                         f"{start.total / GIB:.2f} GiB, and only {start.free / GIB:.2f} GiB is free (other processes "
+                         f"{start.total / GIB:.2f} GiB, and only {free / GIB:.2f} GiB is free (other processes "
                          "hold the rest): lower gpu_memory_utilization")
 
 

@@ -66,7 +66,8 @@ class ServerProcess:
         signal as a whole (as a service manager does) without signalling pytest."""
         command = [sys.executable, "-m", "actors.launch", "--model", model_dir, "--host", "127.0.0.1", "--port", "0",
                    "--served-model-name", MODEL_NAME, *ENGINE_FLAGS, *flags]
-        env = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
+        python_path = os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")]))
+        env = {**os.environ, "PYTHONPATH": python_path}
         self.log_path = log_path
         self._log = open(log_path, "w")
         self.popen = subprocess.Popen(command, cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE, stderr=self._log,
