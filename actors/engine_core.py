@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import logging
 
+import torch
+
 from actors.config import EngineConfig
 from actors.detokenizer import OutputProcessor, merge_delta
 from actors.pooling.outputs import pooling_request_output
@@ -99,12 +101,20 @@ class EngineCore:
         return reset_prefix_cache(self.scheduler)
 
     def close(self) -> None:
-        """Sends the disk tier's last saves (the last result's blocks) and lets the writes finish."""
+        """Sends the disk tier's last saves (the last result's blocks), lets the writes finish
+        and lets the weights and KV cache go (the engine takes no more steps)."""
         tiers = self.scheduler.kv_tiers
         if tiers is not None and tiers.has_orders():
             self.step()
         if self.runner.host_kv is not None:
             self.runner.host_kv.close()
+        # the device's memory goes now, not when the garbage collector finds the engine's
+        # reference cycles (another engine in this process, or another process, wants it)
+        self.runner.graphs.drop()
+        self.runner.kv_caches = []
+        self.runner.drop_weights()
+        if self.runner.device.type == "cuda":
+            torch.cuda.empty_cache()
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
