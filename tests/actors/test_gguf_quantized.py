@@ -262,6 +262,7 @@ def test_a_type_without_a_kernel_fails_at_start_up_naming_the_tensor(make_tiny_m
         with pytest.raises(GGUFError, match=r"tensor 'blk\.0\.attn_q\.weight' is MXFP4, which has no CPU kernel"):
             EngineArgs(model=path, quantization=method).build()
     assert EngineArgs(model=path, quantization="none").build().quantization is None
+    assert EngineArgs(model=path).build().quantization is None  # unset (auto by default): float32, not refused
     mixed = str(tmp_path / "tiny-q4_0-q8_0-v.gguf")  # only the decoded types mix in a fused projection
     write_quantized_gguf(make_tiny_model("llama"), mixed, gguf.GGMLQuantizationType.Q4_0,
                          overrides={"attn_v": gguf.GGMLQuantizationType.Q8_0})
@@ -279,6 +280,10 @@ def test_auto_runs_gguf_files_quantized_and_leaves_the_rest(make_tiny_model, tmp
     assert EngineArgs(model=floats, quantization="auto").build().quantization is None
     assert EngineArgs(model=model_dir, quantization="auto").build().quantization is None
     assert EngineArgs(model=quantized, quantization="auto", dtype="bfloat16").build().quantization is None
+    # unset is auto on a .gguf model: the embedded default runs its blocks, --quantization none float32
+    assert (EngineArgs(model=quantized).build().quantization, EngineArgs().build().quantization) == ("gguf", "gguf")
+    assert EngineArgs(quantization="none").build().quantization is None
+    assert EngineArgs(model=model_dir).build().quantization is None
     with pytest.raises(GGUFError, match="needs a .gguf model"):
         EngineArgs(model=model_dir, quantization="gguf").build()
     with pytest.raises(GGUFError, match="dtype 'float32'"):
