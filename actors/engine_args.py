@@ -84,7 +84,8 @@ class EngineArgs:
               "'auto': gguf where it can run, else none; 'int8': weights quantized to int8 at load time, "
               "activations per token as they come (W8A8; BERT-family encoders, decoders on the CPU); 'gptq', 'awq', "
               "'compressed-tensors', 'fp8': a quantized checkpoint's quantization_config, which unset follows "
-              "(docs/quantization.md); 'none' or unset: the checkpoint's dtype (a .gguf dequantized to float32)",
+              "(docs/quantization.md); 'none': the checkpoint's dtype (a .gguf dequantized to float32); unset: "
+              "'auto' on a .gguf model (the embedded default's), else its quantization_config or none",
         group="model",
         choices=("none",) + QUANTIZATION_METHODS)
     seed: int = _arg(0, "the engine's random seed", group="model")
