@@ -39,7 +39,9 @@ namespace {
 
 using gguf_rows::kBlock;
 constexpr int64_t kLanes = 16;  // output channels per packed block
-constexpr int kMaxRows = 6, kMaxBlocks = 2;  // the register tile: rows x channel blocks
+// the register tile: rows x channel blocks, 12 int32 and 12 float accumulators; 4x3, 3x4 and
+// 4x2 measured within 5% of it on SmolLM2's linears (one thread, 64 and 512 rows), 8x1 15% slower
+constexpr int kMaxRows = 6, kMaxBlocks = 2;
 
 typedef int (*Linear)(int type, const float* x, int64_t x_stride, int64_t rows, const uint8_t* weight,
                       int64_t in_features, int64_t out_features, const float* bias, float* y, int64_t y_stride,

@@ -19,8 +19,9 @@
 // (_mm512_dpbusd_epi32). Without VNNI, plain loops over dequantized weights and x.
 // Each weight row is multiplied with every row of x, 4 rows of x at once: a decode step
 // streams each weight row from memory once for all its rows. Threads split the weight rows
-// in chunks of kChunkRows, as linear_few_rows_f32 does. Past a few rows, tiles of weight rows
-// are dequantized to floats and multiplied by sgemm instead (dequantized_sgemm).
+// in chunks of kChunkRows, as linear_few_rows_f32 does. Past a few rows, gguf_gemm.cpp's int8
+// tiles take the step where the weight has them; here, tiles of weight rows are dequantized to
+// floats and multiplied by sgemm instead (dequantized_sgemm: Q6_K, or a CPU without VNNI).
 
 #include <math.h>
 #include <stdint.h>

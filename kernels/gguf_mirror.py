@@ -1,5 +1,6 @@
-"""A torch reference that repeats kernels/gguf_linear.cpp's VNNI arithmetic step for step, so a
-whole model's logits can be held to it tightly (tests/actors/test_gguf_quantized.py).
+"""A torch reference that repeats kernels/gguf_linear.cpp's VNNI arithmetic step for step (and,
+gguf_gemm_mirror, the many-row tiles' of kernels/gguf_gemm.cpp), so a whole model's logits can
+be held to it tightly (tests/actors/test_gguf_quantized.py).
 
 Why a second reference: gguf_linear_reference (float64 sums of the dequantized weights) holds
 each linear within 1e-7 relative, but not a whole model. The next linear quantizes its input
