@@ -18,9 +18,9 @@
 // kernel pays 4 for each one, and the tiles are read from cache once per kMaxRows rows.
 //
 // gguf_gemm_linear_f32 is what the fused step calls for every GGUF projection (through
-// DecoderShape::quant_linear): its weight is a GGUFTiles descriptor, and up to
-// dequantize_rows rows (or without tiles) it hands the file's blocks to the decode-row kernel
-// (gguf_linear.cpp's gguf_linear_f32, whose address the descriptor holds).
+// DecoderShape::quant_linear): its weight is a GGUFTiles descriptor, and below its tile_rows
+// rows (or without tiles) it hands the file's blocks to the decode-row kernel (gguf_linear.cpp's
+// gguf_linear_f32, whose address the descriptor holds; kernels/gguf_gemm.py: TILE_ROWS).
 #include <stdint.h>
 #include <string.h>
 
@@ -56,6 +56,7 @@ struct GGUFTiles {
     const float* scale;  // [out_padded / 16][in_features / 32][16] d (0 in the padding)
     const float* offset;  // the same for c
     int64_t out_padded;
+    int64_t tile_rows;  // steps of this many rows or more run the tiles
 };
 
 // x quantized: q [rows, in_features], dx and dx * sum(q) [rows, in_features / 32]
@@ -191,14 +192,15 @@ extern "C" {
 int gguf_gemm_uses_vnni() { return GGUF_GEMM_VNNI; }
 
 // The fused step's QuantLinear for GGUF weights (cpu_kernels.cpp): weight is a GGUFTiles*,
-// type unused (the descriptor's). y = x @ W^T (+ bias): more than dequantize_rows rows by the
-// tiles, fewer (or a weight without tiles) by gguf_linear_f32 on the file's blocks. 0, or -1.
+// type unused (the descriptor's). y = x @ W^T (+ bias): from the descriptor's tile_rows rows on
+// by the tiles, fewer (or a weight without tiles) by gguf_linear_f32 on the file's blocks, which
+// takes dequantize_rows and sgemm. 0, or -1.
 int gguf_gemm_linear_f32(int type, const float* x, int64_t x_stride, int64_t rows, const uint8_t* weight,
                          int64_t in_features, int64_t out_features, const float* bias, float* y, int64_t y_stride,
                          int64_t dequantize_rows, void* sgemm, int num_threads) {
     (void)type;
     const GGUFTiles& w = *reinterpret_cast<const GGUFTiles*>(weight);
-    if (rows <= dequantize_rows || w.packed == nullptr || !GGUF_GEMM_VNNI)
+    if (rows < w.tile_rows || w.packed == nullptr || !GGUF_GEMM_VNNI)
         return w.few_rows((int)w.type, x, x_stride, rows, w.blocks, in_features, out_features, bias, y, y_stride,
                           dequantize_rows, sgemm, num_threads);
     if (in_features % kBlock != 0 || w.out_padded < out_features) return -1;

@@ -18,6 +18,13 @@ from kernels._native import load_library
 from kernels.gguf_linear import BLOCK, Q4_0, Q4_1, Q8_0, U8X16, GGUFKernels, gguf_kernels
 
 LANES = 16  # output channels per packed block (gguf_gemm.cpp's kLanes)
+# Steps of this many rows or more run the tiles, fewer the dot products over the file's blocks.
+# Measured on SmolLM2 (one thread, the loaded 2-core Xeon, ms a decode step, the dot products
+# up to 8 rows against the tiles from 2 on; from 1: all tiles): 2 rows 18.9 -> 13.1, 4 rows
+# 21.2 -> 14.9, 8 rows 37.7 -> 18.7; one row 14.4, or 11.2 by the tiles, which read twice the
+# bytes (1.25 a weight): a single stream stays on the file's blocks, bound by memory with two
+# threads on a quiet machine (9.2 ms, docs/quantization.md)
+TILE_ROWS = 2
 _BYTES = {Q4_0: 18, Q4_1: 20, Q8_0: 34}  # the types read straight from their blocks
 
 _i64, _i32, _ptr = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p
@@ -27,7 +34,7 @@ class GGUFTilesStruct(ctypes.Structure):
     """gguf_gemm.cpp's GGUFTiles."""
 
     _fields_ = [("blocks", _ptr), ("type", _i64), ("few_rows", _ptr), ("packed", _ptr), ("scale", _ptr),
-                ("offset", _ptr), ("out_padded", _i64)]
+                ("offset", _ptr), ("out_padded", _i64), ("tile_rows", _i64)]
 
 
 @dataclass(frozen=True)
@@ -72,8 +79,9 @@ class GGUFTiles:
     """A GGUF weight's descriptor for gguf_gemm.cpp: its file blocks (for a few rows) and, where
     its type allows, the packed tiles; address is what the fused step's weight pointer holds."""
 
-    def __init__(self, blocks: torch.Tensor, ggml_type: int, parts: BlockParts | None, few_rows: int) -> None:
-        self.blocks = blocks
+    def __init__(self, blocks: torch.Tensor, ggml_type: int, parts: BlockParts | None, few_rows: int,
+                 tile_rows: int = TILE_ROWS) -> None:
+        self.blocks, self.tile_rows = blocks, tile_rows
         self.packed = self.scale = self.offset = None
         out_padded = -(-blocks.shape[0] // LANES) * LANES
         if parts is not None:
@@ -84,7 +92,10 @@ class GGUFTiles:
             self.scale, self.offset = (torch.nn.functional.pad(t, (0, 0, 0, pad)).view(
                 out_padded // LANES, LANES, -1).permute(0, 2, 1).contiguous() for t in (parts.d, parts.c))
         pointers = [t.data_ptr() if t is not None else None for t in (self.packed, self.scale, self.offset)]
-        self.descriptor = GGUFTilesStruct(blocks.data_ptr(), ggml_type, few_rows, *pointers, out_padded)
+        self.descriptor = GGUFTilesStruct(blocks.data_ptr(), ggml_type, few_rows, *pointers, out_padded, tile_rows)
+
+    def runs_tiles(self, rows: int) -> bool:
+        return self.packed is not None and rows >= self.tile_rows
 
     @property
     def address(self) -> int:
@@ -109,16 +120,18 @@ class GGUFTiledKernels(GGUFKernels):
         self._block_sums.restype = _i32
         self._block_sums.argtypes = [_ptr, _i64, _i64, _ptr, _i64, _ptr, _i32]
 
-    def tiles(self, blocks: torch.Tensor, ggml_type: int, in_features: int) -> GGUFTiles:
-        return GGUFTiles(blocks, ggml_type, block_parts(blocks, ggml_type, in_features, self), self.few_rows_address)
+    def tiles(self, blocks: torch.Tensor, ggml_type: int, in_features: int, tile_rows: int = TILE_ROWS) -> GGUFTiles:
+        parts = block_parts(blocks, ggml_type, in_features, self)
+        return GGUFTiles(blocks, ggml_type, parts, self.few_rows_address, tile_rows)
 
     def tiled_linear(self, x: torch.Tensor,  # [rows, in_features] float32
                      tiles: GGUFTiles, in_features: int,
                      bias: torch.Tensor | None = None,  # [out_features]
                      dequantize_rows: int | None = None,
                      ) -> torch.Tensor:  # [rows, out_features]
-        """x @ W^T (+ bias): past dequantize_rows rows by the tiles (where the weight has them),
-        else by the block dot products (or dequantized sgemm) over the file's blocks."""
+        """x @ W^T (+ bias): from tiles.tile_rows rows on by the tiles (where the weight has
+        them), else by the block dot products (past dequantize_rows: dequantized sgemm) over the
+        file's blocks."""
         rows, out_features = x.shape[0], tiles.blocks.shape[0]
         assert x.dtype == torch.float32 and x.device.type == "cpu" and x.dim() == 2 and x.stride(1) == 1
         assert x.shape[1] == in_features and in_features % BLOCK == 0

@@ -52,7 +52,7 @@ class GGUFWeight:
     def quantizes_x(self, rows: int, dequantize_rows: int) -> bool:
         """Whether a linear of `rows` rows multiplies x quantized per block of 32 (the dot
         products, the tiles), or x as it is (dequantized tiles and sgemm)."""
-        return rows <= dequantize_rows or (self.tiles is not None and self.tiles.packed is not None)
+        return rows <= dequantize_rows or (self.tiles is not None and self.tiles.runs_tiles(rows))
 
     def data_ptr(self) -> int:
         return self.tiles.address if self.tiles is not None else self.blocks.data_ptr()

@@ -97,8 +97,8 @@ def relative_error(a: torch.Tensor, b: torch.Tensor) -> float:
 
 def assert_runs_the_files_weights(path: str, runner, names: tuple[str, ...], seed: int) -> None:
     """The named projections' blocks, dequantized, are the weights the fp32 path loads (q/k rows
-    un-permuted alike); a step of decodes only (the block dot products) gives the torch
-    reference's logits within 1e-3; a step with prefill chunks (past 8 rows: the tiles, or
+    un-permuted alike); a step of decodes only (the tiles: 3 rows) gives the torch
+    reference's logits within 1e-3; a step with prefill chunks (the tiles; past 8 rows without them
     dequantized sgemm) gives each linear's within 1e-3 on its own input (a whole model's drift:
     kernels/gguf_mirror.py), and the op-by-op forward's logits."""
     fp32 = LLM(path, quantization="none", kv_cache_memory="16MiB").engine.runner.model.layers
@@ -152,15 +152,15 @@ def test_fused_projections_mixing_k_quants_run_decoded(make_tiny_model, tmp_path
 
 class MirrorBackend(GGUFCpuBackend):
     """The op-by-op forward with each GGUF linear as kernels/gguf_mirror.py's torch reference,
-    which sums in the VNNI kernels' order: the decode rows' (up to dequantize_rows rows), the
-    many-row tiles' past that."""
+    which sums in the VNNI kernels' order: the decode rows' (one row; up to dequantize_rows for
+    a weight without tiles), the many-row tiles' past that."""
 
     def linear(self, x, weight, bias=None):
         if not isinstance(weight, GGUFWeight):
             return super().linear(x, weight, bias)
-        if x.shape[0] <= self.kernels.dequantize_rows:
+        if weight.tiles is None or not weight.tiles.runs_tiles(x.shape[0]):
+            assert x.shape[0] <= self.kernels.dequantize_rows
             return gguf_linear_mirror(x, weight.blocks, weight.ggml_type, weight.in_features, bias)
-        assert weight.tiles is not None and weight.tiles.packed is not None
         return gguf_gemm_mirror(x, block_parts(weight.blocks, weight.ggml_type, weight.in_features, self.kernels),
                                 bias)
 
@@ -191,7 +191,7 @@ def test_tiny_llama_logits_equal_the_reference_that_sums_as_the_kernel(make_tiny
     else:
         write_quantized_gguf(make_tiny_model("llama", intermediate_size=96), path, kinds[type_name])
     runner = LLM(path, quantization="gguf", kv_cache_memory="16MiB", block_size=4).engine.runner
-    steps = [[(9, 1), (16, 1), (3, 1), (0, 1)]]
+    steps = [[(9, 1)], [(9, 1), (16, 1), (3, 1), (0, 1)]]  # one decode row: the dot products; more: the tiles
     if type_name != "Q4_K_M":  # with prefill chunks: the tiles (a Q6_K's scales of 16 have none: sgemm)
         steps.append([(9, 1), (16, 1), (3, 1), (0, 11), (7, 6)])
     for shapes in steps:
@@ -204,7 +204,7 @@ def test_smollm2_logits_equal_the_reference_that_sums_as_the_kernel(smollm2_dir)
     dequantized weights and int8 activations, summed in the kernels' order): measured equal to
     the last bit (the bound leaves room for the mirror's emulated fma, a double rounding)."""
     runner = LLM(quantization="gguf", kv_cache_memory="64MiB", block_size=4).engine.runner
-    for shapes in ([(20, 1), (5, 1), (7, 1), (30, 1)], [(20, 1), (5, 1), (3, 12)]):  # decodes; the tiles too
+    for shapes in ([(20, 1)], [(20, 1), (5, 1), (7, 1), (30, 1)], [(20, 1), (5, 1), (3, 12)]):  # 1 row: dots
         fused, mirrored = mirrored_step(runner, shapes, seed=1)
         assert relative_error(fused, mirrored) < 1e-5
 
@@ -293,9 +293,8 @@ def test_auto_runs_gguf_files_quantized_and_leaves_the_rest(make_tiny_model, tmp
 async def test_actor_processes_run_the_blocks_as_the_in_process_engine_does(make_tiny_model, tmp_path):
     """The worker process gets the file through EngineConfig.gguf_file: its greedy tokens are
     the in-process engine's, and differ from float32's somewhere (the quantized path ran).
-    One sequence a step: a step of more than 8 rows multiplies unquantized activations
-    (dequantized tiles and sgemm), so tokens depend on what a step batches, which the two
-    engines schedule differently."""
+    One sequence a step: one row and several sum in different orders (the dot products, the
+    tiles), so tokens depend on what a step batches, which the two engines schedule differently."""
     path = str(tmp_path / "tiny-q4_0.gguf")
     write_quantized_gguf(make_tiny_model("llama"), path, gguf.GGMLQuantizationType.Q4_0)
     prompts = [[5, 6, 7, 8], [40, 41, 42], [100, 7, 3, 9, 12]]

@@ -17,7 +17,7 @@ import torch
 
 from actors.config import cache_dir
 from kernels._native import load_library
-from kernels.gguf_gemm import GGUFTiledKernels, block_parts, gguf_tiled_kernels
+from kernels.gguf_gemm import TILE_ROWS, GGUFTiledKernels, block_parts, gguf_tiled_kernels
 from kernels.gguf_linear import Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K, Q8_0, dequantize_reference, \
     gguf_linear_reference
 from kernels.gguf_mirror import gguf_gemm_mirror
@@ -81,8 +81,7 @@ def test_outputs_equal_the_mirror_and_match_the_reference(kernels, type_name, ro
     x = torch.randn(rows, in_features, generator=generator) * 3
     x[0, :32] = 0.0  # an all-zero block: scale 0
     bias = torch.randn(out_features, generator=generator)
-    out = kernels.tiled_linear(x, kernels.tiles(blocks, ggml_type, in_features), in_features, bias,
-                               dequantize_rows=0)
+    out = kernels.tiled_linear(x, kernels.tiles(blocks, ggml_type, in_features, tile_rows=1), in_features, bias)
     mirrored = gguf_gemm_mirror(x, block_parts(blocks, ggml_type, in_features, kernels), bias)
     expected = gguf_linear_reference(x, blocks, ggml_type, in_features, bias)
     assert ((out - mirrored).abs().max() / mirrored.abs().max()).item() < 1e-6
@@ -94,15 +93,16 @@ def test_smollm2_shapes_across_threads(kernels):
     for out_features, in_features in ((576, 1536), (3072, 576)):
         blocks = weight(Q4_1, out_features, in_features, seed=out_features)
         x = torch.randn(64, in_features, generator=torch.Generator().manual_seed(5))
-        out = kernels.tiled_linear(x, kernels.tiles(blocks, Q4_1, in_features), in_features, dequantize_rows=8)
+        out = kernels.tiled_linear(x, kernels.tiles(blocks, Q4_1, in_features), in_features)
         mirrored = gguf_gemm_mirror(x, block_parts(blocks, Q4_1, in_features, kernels))
         assert ((out - mirrored).abs().max() / mirrored.abs().max()).item() < 1e-6
 
 
 def test_a_few_rows_and_scales_of_16_go_to_the_file_blocks_kernel(kernels):
-    """Up to dequantize_rows rows, and a Q6_K weight (a scale per 16 weights: no tiles) at any
-    count, give what gguf_linear.cpp gives for the file's blocks."""
-    for ggml_type, rows in ((Q4_1, 8), (Q6_K, 8), (Q6_K, 40)):
+    """Below TILE_ROWS rows, and a Q6_K weight (a scale per 16 weights: no tiles) at any count,
+    give what gguf_linear.cpp gives for the file's blocks (the dot products up to its
+    dequantize_rows, dequantized sgemm past them)."""
+    for ggml_type, rows in ((Q4_1, TILE_ROWS - 1), (Q6_K, 8), (Q6_K, 40)):
         out_features, in_features = shape_for(ggml_type)
         blocks = weight(ggml_type, out_features, in_features, seed=3)
         tiles = kernels.tiles(blocks, ggml_type, in_features)
