@@ -178,7 +178,9 @@ Rows quantize(const float* x, int64_t x_stride, int64_t rows, int64_t in_feature
     // the caller's buffers (inside the loop, a name of a thread_local would be each thread's own)
     int8_t* q = quantized.data();
     float *dx = scales.data(), *xo = offsets.data();
-#pragma omp parallel for schedule(static) num_threads(num_threads) if (rows > 1)
+    // threads only for a prompt chunk's rows: a decode batch's take microseconds, less than a
+    // parallel region's barrier (as gguf_linear.cpp's quantize_rows)
+#pragma omp parallel for schedule(static) num_threads(num_threads) if (rows * in_features >= (1 << 16))
     for (int64_t r = 0; r < rows; r++)
         gguf_rows::quantize_row(x + r * x_stride, in_features, in_features, q + r * in_features, dx + r * num_blocks,
                                 xo + r * num_blocks);
