@@ -13,6 +13,7 @@ from actors.quantization import GGUF_METHODS, check_quantization
 from actors.quantization.checkpoint_config import resolve_checkpoint_quantization
 from actors.quantization.gguf_types import GGUFError, gguf_source, resolve_gguf
 from actors.quantization.int8_check import check_int8_decoder
+from kernels._native import _compiler
 
 logger = logging.getLogger(__name__)
 
@@ -22,7 +23,7 @@ def resolve_quantization(args, model_config, generates: bool) -> tuple[str | Non
     EngineArgs `args` and the model's config."""
     quantization, gguf_file = check_quantization(args.quantization), None
     unset = args.quantization is None  # a .gguf model's default is `auto` (docs/quantization.md: the default)
-    if unset and gguf_source(args.model) is not None:
+    if unset and gguf_source(args.model) is not None and _compiler() is not None:  # the kernels build
         quantization = "auto"
     devices = args.tensor_parallel_size * args.pipeline_parallel_size  # one device: pipeline stages count too
     if quantization == "int8" and not model_config.is_encoder:

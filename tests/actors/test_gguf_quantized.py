@@ -290,6 +290,13 @@ def test_auto_runs_gguf_files_quantized_and_leaves_the_rest(make_tiny_model, tmp
         EngineArgs(model=quantized, quantization="gguf", dtype="bfloat16").build()
 
 
+def test_the_default_stays_float32_where_the_kernels_cannot_build(make_tiny_model, tmp_path, monkeypatch):
+    quantized = str(tmp_path / "q8.gguf")
+    write_quantized_gguf(make_tiny_model("llama"), quantized, gguf.GGMLQuantizationType.Q8_0)
+    monkeypatch.setenv("PATH", str(tmp_path))  # no C++ compiler
+    assert EngineArgs(model=quantized).build().quantization is None
+
+
 async def test_actor_processes_run_the_blocks_as_the_in_process_engine_does(make_tiny_model, tmp_path):
     """The worker process gets the file through EngineConfig.gguf_file: its greedy tokens are
     the in-process engine's, and differ from float32's somewhere (the quantized path ran).
