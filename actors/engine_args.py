@@ -84,9 +84,10 @@ class EngineArgs:
     quantization: str | None = _arg(
         None, "'gguf': a .gguf model's Q4_0/Q4_1/Q8_0 weights run as they are on the CPU (docs/quantization.md); "
               "'auto': gguf where it can run, else none; 'int8': weights quantized to int8 at load time, "
-              "activations per token as they come (W8A8; BERT-family encoders, decoders on the CPU); 'gptq', 'awq', "
-              "'compressed-tensors', 'fp8': a quantized checkpoint's quantization_config, which unset follows "
-              "(docs/quantization.md); 'none' or unset: the checkpoint's dtype (a .gguf dequantized to float32)",
+              "activations per token as they come (W8A8; encoders, decoders); 'fp8': a float checkpoint's weights "
+              "quantized at load on CUDA 8.9+; 'gptq', 'awq', 'compressed-tensors', 'fp8': a quantized checkpoint's "
+              "quantization_config, which unset follows; 'none': the checkpoint's dtype (a .gguf dequantized); unset: "
+              "'auto' on a .gguf model (the embedded default's), else its quantization_config or none",
         group="model",
         choices=("none",) + QUANTIZATION_METHODS)
     seed: int = _arg(0, "the engine's random seed", group="model")

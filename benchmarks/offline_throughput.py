@@ -11,7 +11,7 @@ norms, sampling, scheduling, Python). troupe runs the workload --repeats times (
 prefix cache emptied before each), each run followed by its floor, and the medians are
 reported: on a shared machine both swing by a quarter from minute to minute.
 
-    python benchmarks/offline_throughput.py                       # embedded SmolLM2-135M
+    python benchmarks/offline_throughput.py                       # embedded SmolLM2-135M, float32 (none)
     python benchmarks/offline_throughput.py --hf-batch-sizes 16,64
     python benchmarks/offline_throughput.py --hf-batch-sizes ''   # troupe and the floor only
     python benchmarks/offline_throughput.py --hf-batch-sizes '' --quantization gguf  # the GGUF's own blocks
@@ -179,9 +179,10 @@ def main() -> None:
                              "\"num_speculative_tokens\": 5}'")
     parser.add_argument("--otlp-traces-endpoint", default=None, metavar="URL",
                         help="export a span per request (the cost of tracing; a collector need not listen)")
-    parser.add_argument("--quantization", default=None,
-                        help="troupe's --quantization: 'gguf' runs the .gguf's blocks, 'none' its fp32 dequantization, "
-                             "'int8' W8A8; several, comma-separated (none,int8), run one after the other")
+    parser.add_argument("--quantization", default="none",
+                        help="troupe's --quantization: 'none' (the default here, not troupe's: float32, the baseline) "
+                             "the .gguf's fp32 dequantization, 'gguf' its blocks, 'int8' W8A8; several, "
+                             "comma-separated (none,int8), run one after the other")
     parser.add_argument("--quiet", action="store_true")
     args = parser.parse_args()
     torch.manual_seed(args.seed)
@@ -206,7 +207,7 @@ def main() -> None:
                       statistics.median(tokens / elapsed for elapsed, tokens, _ in runs)))
         floor = statistics.median(floor for _, _, floor in runs)
         ratio = statistics.median(elapsed / floor for elapsed, _, floor in runs)
-        print(f"troupe{f' ({method})' if len(methods) > 1 else ''}, median of {len(runs)}: {rates[-1][1]:.1f} "
+        print(f"troupe ({method or 'unset'}), median of {len(runs)}: {rates[-1][1]:.1f} "
               f"output tok/s; matmul floor {floor:.2f} s; troupe time / floor {ratio:.2f}x (median of the runs' ratios)")
     for method, (_, rate) in list(zip(methods, rates))[1:]:
         print(f"troupe {method} / {methods[0]}: {rate / rates[0][1]:.2f}x output tok/s")

@@ -19,13 +19,16 @@
 // (_mm512_dpbusd_epi32). Without VNNI, plain loops over dequantized weights and x.
 // Each weight row is multiplied with every row of x, 4 rows of x at once: a decode step
 // streams each weight row from memory once for all its rows. Threads split the weight rows
-// in chunks of kChunkRows, as linear_few_rows_f32 does. Past a few rows, tiles of weight rows
-// are dequantized to floats and multiplied by sgemm instead (dequantized_sgemm).
+// in chunks of kChunkRows, as linear_few_rows_f32 does. Past a few rows, gguf_gemm.cpp's int8
+// tiles take the step where the weight has them; here, tiles of weight rows are dequantized to
+// floats and multiplied by sgemm instead (dequantized_sgemm: Q6_K, or a CPU without VNNI).
 
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
 #include <vector>
+
+#include "gguf_rows.h"
 
 #if defined(__AVX512F__) || defined(__F16C__)
 #include <immintrin.h>
@@ -36,7 +39,8 @@
 
 namespace {
 
-constexpr int kBlock = 32;
+using gguf_rows::kBlock;
+using gguf_rows::quantize_row;
 constexpr int kChunkRows = 8;  // weight rows a thread takes at a time
 constexpr int kTileRows = 4;  // rows of x whose accumulators sit in registers at once
 enum { kQ4_0 = 2, kQ4_1 = 3, kQ8_0 = 8 };  // ggml's type ids
@@ -74,8 +78,7 @@ inline float half_to_float(const uint8_t* p) {
     return out;
 }
 
-// x's rows quantized per block of 32: q = round(x / dx), dx = max|x| / 127 (0 for an all-zero
-// block), rounding half away from zero as llama.cpp's roundf.
+// x's rows quantized per block of 32 (gguf_rows.h)
 struct QuantizedRows {
     int64_t num_blocks, padded;  // blocks per row; bytes per row of q (whole pairs of blocks)
     std::vector<int8_t> q;  // [rows, padded]
@@ -87,30 +90,6 @@ struct QuantizedRows {
     std::vector<float> lane_offset16;  // [rows, padded / 4]: dx * each lane's sum of 4 q (gguf_decoded.h)
 #endif
 };
-
-void quantize_row(const float* x, int64_t in_features, int64_t padded, int8_t* q, float* scale, float* offset) {
-    const int64_t num_blocks = in_features / kBlock;
-    for (int64_t b = 0; b < num_blocks; b++) {
-        const float* v = x + b * kBlock;
-        float amax = 0.0f;
-        for (int i = 0; i < kBlock; i++) amax = fmaxf(amax, fabsf(v[i]));
-        const float d = amax / 127.0f, inverse = d != 0.0f ? 1.0f / d : 0.0f;
-        int sum = 0;
-        for (int i = 0; i < kBlock; i++) {
-            const float scaled = v[i] * inverse;
-            const int magnitude = (int)floorf(fabsf(scaled) + 0.5f);
-            const int value = scaled < 0.0f ? -magnitude : magnitude;
-            q[b * kBlock + i] = (int8_t)value;
-            sum += value;
-        }
-        scale[b] = d;
-        offset[b] = d * (float)sum;
-    }
-    for (int64_t b = num_blocks; b < padded / kBlock; b++) {
-        memset(q + b * kBlock, 0, kBlock);
-        scale[b] = offset[b] = 0.0f;
-    }
-}
 
 void quantize_rows(const float* x, int64_t x_stride, int64_t rows, int64_t in_features, QuantizedRows& out,
                    int num_threads) {

@@ -1,5 +1,6 @@
-"""A torch reference that repeats kernels/gguf_linear.cpp's VNNI arithmetic step for step, so a
-whole model's logits can be held to it tightly (tests/actors/test_gguf_quantized.py).
+"""A torch reference that repeats kernels/gguf_linear.cpp's VNNI arithmetic step for step (and,
+gguf_gemm_mirror, the many-row tiles' of kernels/gguf_gemm.cpp), so a whole model's logits can
+be held to it tightly (tests/actors/test_gguf_quantized.py).
 
 Why a second reference: gguf_linear_reference (float64 sums of the dequantized weights) holds
 each linear within 1e-7 relative, but not a whole model. The next linear quantizes its input
@@ -112,3 +113,26 @@ def gguf_linear_mirror(x: torch.Tensor,  # [rows, in_features] float32
     fours = eights[..., 4:] + eights[..., :4]
     out = (fours[..., 0] + fours[..., 2]) + (fours[..., 1] + fours[..., 3])
     return out + bias if bias is not None else out
+
+
+def gguf_gemm_mirror(x: torch.Tensor,  # [rows, in_features] float32
+                     parts, bias: torch.Tensor | None = None,  # parts: kernels/gguf_gemm.py's BlockParts
+                     ) -> torch.Tensor:  # [rows, out_features] float32
+    """The many-row tiles' result (kernels/gguf_gemm.cpp), summed in their order: per block of
+    32, the exact int32 sum(u * q), then acc = fma(sum, d * dx, acc), acc = fma(c, dx * sum(q),
+    acc), block after block; plus the bias."""
+    rows, in_features = x.shape
+    num_blocks = in_features // BLOCK
+    blocks = x.float().reshape(rows, num_blocks, BLOCK)
+    dx = blocks.abs().amax(dim=-1) / 127.0
+    inverse = torch.where(dx != 0, 1.0 / dx, torch.zeros_like(dx))
+    scaled = blocks * inverse[..., None]
+    q = torch.sign(scaled) * torch.floor(scaled.abs() + 0.5)
+    xo = dx * q.sum(dim=-1)
+    u = parts.u.reshape(-1, num_blocks, BLOCK).double()
+    sums = torch.einsum("rbk,obk->rob", q.double(), u).float()  # exact: |sum| < 2^20
+    acc = torch.zeros(rows, u.shape[0])
+    for b in range(num_blocks):
+        acc = _fma(sums[:, :, b], parts.d[None, :, b] * dx[:, None, b], acc)
+        acc = _fma(parts.c[None, :, b], xo[:, None, b], acc)
+    return acc + bias if bias is not None else acc

@@ -12,13 +12,14 @@ q/k rows put back in Hugging Face's order as gguf_convert.py does, a row permuta
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
 
 from actors.worker.attention import CpuBackend
 from actors.quantization.gguf_types import KERNEL_TYPES, GGUFError, layer_tensor_names, lm_head_name
+from kernels.gguf_gemm import GGUFTiledKernels, GGUFTiles, gguf_tiled_kernels
 from kernels.gguf_linear import U8X16, GGUFKernels, gguf_kernels
 
 logger = logging.getLogger(__name__)
@@ -31,6 +32,7 @@ class GGUFWeight:
     blocks: torch.Tensor
     ggml_type: int
     in_features: int
+    tiles: GGUFTiles | None = None  # for steps of many rows (kernels/gguf_gemm.py): the fused step's pointer
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -47,8 +49,13 @@ class GGUFWeight:
     def element_size(self) -> int:
         return 1
 
+    def quantizes_x(self, rows: int, dequantize_rows: int) -> bool:
+        """Whether a linear of `rows` rows multiplies x quantized per block of 32 (the dot
+        products, the tiles), or x as it is (dequantized tiles and sgemm)."""
+        return rows <= dequantize_rows or (self.tiles is not None and self.tiles.runs_tiles(rows))
+
     def data_ptr(self) -> int:
-        return self.blocks.data_ptr()
+        return self.tiles.address if self.tiles is not None else self.blocks.data_ptr()
 
 
 class GGUFCpuBackend(CpuBackend):
@@ -60,6 +67,8 @@ class GGUFCpuBackend(CpuBackend):
         self.kernels = kernels
 
     def linear(self, x: torch.Tensor, weight, bias: torch.Tensor | None = None) -> torch.Tensor:
+        if isinstance(weight, GGUFWeight) and weight.tiles is not None:
+            return self.kernels.tiled_linear(x.contiguous(), weight.tiles, weight.in_features, bias)
         if isinstance(weight, GGUFWeight):
             return self.kernels.linear(x.contiguous(), weight.blocks, weight.ggml_type, weight.in_features, bias)
         return super().linear(x, weight, bias)
@@ -83,7 +92,7 @@ def use_gguf_weights(model, backend: CpuBackend, gguf_path: str) -> GGUFCpuBacke
     one that runs them (returned: the model runner's backend from then on)."""
     import gguf
 
-    kernels = gguf_kernels()
+    kernels = gguf_tiled_kernels() or gguf_kernels()
     if kernels is None:
         raise GGUFError("--quantization gguf needs the C++ kernels, which did not build (no C++ compiler?)")
     reader = gguf.GGUFReader(gguf_path)
@@ -104,11 +113,29 @@ def use_gguf_weights(model, backend: CpuBackend, gguf_path: str) -> GGUFCpuBacke
     head = tensors[lm_head_name(tensors)]
     if int(head.tensor_type) in KERNEL_TYPES:
         model.lm_head = GGUFWeight(_blocks(head, kernels), int(head.tensor_type), int(head.shape[0]))
+    tile_bytes = with_tiles(model, kernels)
     quantized = GGUFCpuBackend(backend, kernels)
     model.backend = quantized
-    logger.info("running %s's weights as the file has them (%s), %.0f MB", gguf_path,
-                ", ".join(sorted({w.type_name for w in _weights(model)})), model.num_weight_bytes() / 1e6)
+    logger.info("running %s's weights as the file has them (%s), %.0f MB (and %.0f MB of many-row tiles)",
+                gguf_path, ", ".join(sorted({w.type_name for w in _weights(model)})), model.num_weight_bytes() / 1e6,
+                tile_bytes / 1e6)
     return quantized
+
+
+def with_tiles(model, kernels: GGUFKernels) -> int:
+    """Gives each GGUF weight its descriptor for gguf_gemm.cpp, which the fused step then calls
+    for all of them (GGUFTiledKernels.linear_address), with tiles for steps of many rows where
+    the type has them; returns their bytes. Nothing without those kernels (no AVX-512 VNNI)."""
+    if not isinstance(kernels, GGUFTiledKernels):
+        return 0
+    total = 0
+    for owner in [*model.layers, model]:
+        for name, weight in list(vars(owner).items()):
+            if isinstance(weight, GGUFWeight) and weight.tiles is None:
+                tiles = kernels.tiles(weight.blocks, weight.ggml_type, weight.in_features)
+                setattr(owner, name, replace(weight, tiles=tiles))
+                total += tiles.num_bytes()
+    return total
 
 
 def _weights(model) -> list[GGUFWeight]:

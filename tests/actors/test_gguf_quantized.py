@@ -18,7 +18,8 @@ from actors.quantization.gguf import GGUFCpuBackend, GGUFWeight
 from actors.quantization.gguf_types import GGUFError
 from actors.worker.model_runner import CachedRequest
 from kernels.gguf_linear import dequantize_reference, gguf_linear_reference
-from kernels.gguf_mirror import gguf_linear_mirror
+from kernels.gguf_gemm import block_parts
+from kernels.gguf_mirror import gguf_gemm_mirror, gguf_linear_mirror
 from tests.actors.test_gguf_loader import write_gguf
 from tests.kernels.test_gguf_linear import HAND_BUILT, hand_built_blocks
 
@@ -56,7 +57,7 @@ class ReferenceBackend(GGUFCpuBackend):
     def linear(self, x, weight, bias=None):
         if not isinstance(weight, GGUFWeight):
             return super().linear(x, weight, bias)
-        quantize_x = x.shape[0] <= self.kernels.dequantize_rows
+        quantize_x = weight.quantizes_x(x.shape[0], self.kernels.dequantize_rows)
         return gguf_linear_reference(x, weight.blocks, weight.ggml_type, weight.in_features, bias, quantize_x)
 
 
@@ -96,17 +97,19 @@ def relative_error(a: torch.Tensor, b: torch.Tensor) -> float:
 
 def assert_runs_the_files_weights(path: str, runner, names: tuple[str, ...], seed: int) -> None:
     """The named projections' blocks, dequantized, are the weights the fp32 path loads (q/k rows
-    un-permuted alike); a step's logits are the torch reference's within 1e-3: decodes only (the
-    block dot products), then decodes with prefill chunks (past 8 rows: sgemm)."""
+    un-permuted alike); a step of decodes only (the tiles: 3 rows) gives the torch
+    reference's logits within 1e-3; a step with prefill chunks (the tiles; past 8 rows without them
+    dequantized sgemm) gives each linear's within 1e-3 on its own input (a whole model's drift:
+    kernels/gguf_mirror.py), and the op-by-op forward's logits."""
     fp32 = LLM(path, quantization="none", kv_cache_memory="16MiB").engine.runner.model.layers
     for name in names:
         weight = getattr(runner.model.layers[0], name)
         assert torch.equal(dequantize_reference(weight.blocks, weight.ggml_type, weight.in_features),
                            getattr(fp32[0], name))
     generator = torch.Generator().manual_seed(seed)
-    for shapes in ([(9, 1), (16, 1), (3, 1)], [(9, 1), (16, 1), (3, 1), (0, 11), (7, 6)]):
-        fused, reference = one_mixed_step(runner, shapes, generator)
-        assert relative_error(fused, reference) < 1e-3
+    fused, reference = one_mixed_step(runner, [(9, 1), (16, 1), (3, 1)], generator)
+    assert relative_error(fused, reference) < 1e-3
+    assert_each_linear_matches(runner, [(9, 1), (16, 1), (3, 1), (0, 11), (7, 6)], generator)
 
 
 @pytest.mark.parametrize("type_name", ["Q4_0", "Q4_1", "Q8_0", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K"])
@@ -149,13 +152,17 @@ def test_fused_projections_mixing_k_quants_run_decoded(make_tiny_model, tmp_path
 
 class MirrorBackend(GGUFCpuBackend):
     """The op-by-op forward with each GGUF linear as kernels/gguf_mirror.py's torch reference,
-    which sums in the VNNI kernel's order (decode steps: up to dequantize_rows rows)."""
+    which sums in the VNNI kernels' order: the decode rows' (one row; up to dequantize_rows for
+    a weight without tiles), the many-row tiles' past that."""
 
     def linear(self, x, weight, bias=None):
         if not isinstance(weight, GGUFWeight):
             return super().linear(x, weight, bias)
-        assert x.shape[0] <= self.kernels.dequantize_rows
-        return gguf_linear_mirror(x, weight.blocks, weight.ggml_type, weight.in_features, bias)
+        if weight.tiles is None or not weight.tiles.runs_tiles(x.shape[0]):
+            assert x.shape[0] <= self.kernels.dequantize_rows
+            return gguf_linear_mirror(x, weight.blocks, weight.ggml_type, weight.in_features, bias)
+        return gguf_gemm_mirror(x, block_parts(weight.blocks, weight.ggml_type, weight.in_features, self.kernels),
+                                bias)
 
 
 def mirrored_step(runner, shapes, seed: int):
@@ -184,17 +191,22 @@ def test_tiny_llama_logits_equal_the_reference_that_sums_as_the_kernel(make_tiny
     else:
         write_quantized_gguf(make_tiny_model("llama", intermediate_size=96), path, kinds[type_name])
     runner = LLM(path, quantization="gguf", kv_cache_memory="16MiB", block_size=4).engine.runner
-    fused, mirrored = mirrored_step(runner, [(9, 1), (16, 1), (3, 1), (0, 1)], seed=2)
-    assert relative_error(fused, mirrored) < 1e-5
+    steps = [[(9, 1)], [(9, 1), (16, 1), (3, 1), (0, 1)]]  # one decode row: the dot products; more: the tiles
+    if type_name != "Q4_K_M":  # with prefill chunks: the tiles (a Q6_K's scales of 16 have none: sgemm)
+        steps.append([(9, 1), (16, 1), (3, 1), (0, 11), (7, 6)])
+    for shapes in steps:
+        fused, mirrored = mirrored_step(runner, shapes, seed=2)
+        assert relative_error(fused, mirrored) < 1e-5
 
 
 def test_smollm2_logits_equal_the_reference_that_sums_as_the_kernel(smollm2_dir):
     """The whole model, 30 layers and the Q8_0 LM head, against kernels/gguf_mirror.py (the same
-    dequantized weights and int8 activations, summed in the kernel's order): measured equal to
+    dequantized weights and int8 activations, summed in the kernels' order): measured equal to
     the last bit (the bound leaves room for the mirror's emulated fma, a double rounding)."""
     runner = LLM(quantization="gguf", kv_cache_memory="64MiB", block_size=4).engine.runner
-    fused, mirrored = mirrored_step(runner, [(20, 1), (5, 1), (7, 1), (30, 1)], seed=1)
-    assert relative_error(fused, mirrored) < 1e-5
+    for shapes in ([(20, 1)], [(20, 1), (5, 1), (7, 1), (30, 1)], [(20, 1), (5, 1), (3, 12)]):  # 1 row: dots
+        fused, mirrored = mirrored_step(runner, shapes, seed=1)
+        assert relative_error(fused, mirrored) < 1e-5
 
 
 class CheckingBackend(GGUFCpuBackend):
@@ -206,11 +218,26 @@ class CheckingBackend(GGUFCpuBackend):
     def linear(self, x, weight, bias=None):
         out = super().linear(x, weight, bias)
         if isinstance(weight, GGUFWeight):
-            quantize_x = x.shape[0] <= self.kernels.dequantize_rows
+            quantize_x = weight.quantizes_x(x.shape[0], self.kernels.dequantize_rows)
             expected = gguf_linear_reference(x, weight.blocks, weight.ggml_type, weight.in_features, bias,
                                              quantize_x)
             self.errors.append(relative_error(out, expected))
         return out
+
+
+def assert_each_linear_matches(runner, shapes, generator) -> None:
+    """A step's linears each within 1e-3 of the float64 reference on its own input (the LM head
+    included), and the fused step's logits the op-by-op forward's."""
+    model = runner.model
+    quantized_backend = model.backend
+    model.backend = CheckingBackend(quantized_backend, quantized_backend.kernels)
+    try:
+        CheckingBackend.errors = []
+        fused, op_by_op = one_mixed_step(runner, shapes, generator, reference=False)
+        assert len(CheckingBackend.errors) == 4 * len(model.layers) + 2 and max(CheckingBackend.errors) < 1e-3
+        assert relative_error(fused, op_by_op) < 1e-5
+    finally:
+        model.backend = quantized_backend
 
 
 def test_smollm2_logits_match_the_torch_reference(smollm2_dir):
@@ -223,17 +250,9 @@ def test_smollm2_logits_match_the_torch_reference(smollm2_dir):
     model = runner.model
     assert {w.type_name for w in vars(model.layers[0]).values() if isinstance(w, GGUFWeight)} == {"Q4_1"}
     assert model.lm_head.type_name == "Q8_0"
-    quantized_backend = model.backend
-    model.backend = CheckingBackend(quantized_backend, quantized_backend.kernels)
-    try:
-        # decodes (the block dot products), then with a prefill chunk (dequantized tiles and sgemm)
-        for shapes in ([(20, 1), (5, 1)], [(20, 1), (5, 1), (3, 12)]):
-            CheckingBackend.errors = []
-            fused, op_by_op = one_mixed_step(runner, shapes, torch.Generator().manual_seed(1), reference=False)
-            assert len(CheckingBackend.errors) == 4 * 30 + 2 and max(CheckingBackend.errors) < 1e-3
-            assert relative_error(fused, op_by_op) < 1e-5
-    finally:
-        model.backend = quantized_backend
+    # decodes (the block dot products), then with a prefill chunk (the many-row tiles)
+    for shapes in ([(20, 1), (5, 1)], [(20, 1), (5, 1), (3, 12)]):
+        assert_each_linear_matches(runner, shapes, torch.Generator().manual_seed(1))
 
 
 def test_a_type_without_a_kernel_fails_at_start_up_naming_the_tensor(make_tiny_model, tmp_path):
@@ -243,6 +262,7 @@ def test_a_type_without_a_kernel_fails_at_start_up_naming_the_tensor(make_tiny_m
         with pytest.raises(GGUFError, match=r"tensor 'blk\.0\.attn_q\.weight' is MXFP4, which has no CPU kernel"):
             EngineArgs(model=path, quantization=method).build()
     assert EngineArgs(model=path, quantization="none").build().quantization is None
+    assert EngineArgs(model=path).build().quantization is None  # unset (auto by default): float32, not refused
     mixed = str(tmp_path / "tiny-q4_0-q8_0-v.gguf")  # only the decoded types mix in a fused projection
     write_quantized_gguf(make_tiny_model("llama"), mixed, gguf.GGMLQuantizationType.Q4_0,
                          overrides={"attn_v": gguf.GGMLQuantizationType.Q8_0})
@@ -260,18 +280,28 @@ def test_auto_runs_gguf_files_quantized_and_leaves_the_rest(make_tiny_model, tmp
     assert EngineArgs(model=floats, quantization="auto").build().quantization is None
     assert EngineArgs(model=model_dir, quantization="auto").build().quantization is None
     assert EngineArgs(model=quantized, quantization="auto", dtype="bfloat16").build().quantization is None
+    # unset is auto on a .gguf model: the embedded default runs its blocks, --quantization none float32
+    assert (EngineArgs(model=quantized).build().quantization, EngineArgs().build().quantization) == ("gguf", "gguf")
+    assert EngineArgs(quantization="none").build().quantization is None
+    assert EngineArgs(model=model_dir).build().quantization is None
     with pytest.raises(GGUFError, match="needs a .gguf model"):
         EngineArgs(model=model_dir, quantization="gguf").build()
     with pytest.raises(GGUFError, match="dtype 'float32'"):
         EngineArgs(model=quantized, quantization="gguf", dtype="bfloat16").build()
 
 
+def test_the_default_stays_float32_where_the_kernels_cannot_build(make_tiny_model, tmp_path, monkeypatch):
+    quantized = str(tmp_path / "q8.gguf")
+    write_quantized_gguf(make_tiny_model("llama"), quantized, gguf.GGMLQuantizationType.Q8_0)
+    monkeypatch.setenv("PATH", str(tmp_path))  # no C++ compiler
+    assert EngineArgs(model=quantized).build().quantization is None
+
+
 async def test_actor_processes_run_the_blocks_as_the_in_process_engine_does(make_tiny_model, tmp_path):
     """The worker process gets the file through EngineConfig.gguf_file: its greedy tokens are
     the in-process engine's, and differ from float32's somewhere (the quantized path ran).
-    One sequence a step: a step of more than 8 rows multiplies unquantized activations
-    (dequantized tiles and sgemm), so tokens depend on what a step batches, which the two
-    engines schedule differently."""
+    One sequence a step: one row and several sum in different orders (the dot products, the
+    tiles), so tokens depend on what a step batches, which the two engines schedule differently."""
     path = str(tmp_path / "tiny-q4_0.gguf")
     write_quantized_gguf(make_tiny_model("llama"), path, gguf.GGMLQuantizationType.Q4_0)
     prompts = [[5, 6, 7, 8], [40, 41, 42], [100, 7, 3, 9, 12]]

@@ -49,7 +49,7 @@ def test_reset_prefix_cache_makes_the_next_identical_prompt_recompute(tiny_llama
 
 def test_level_2_frees_at_least_the_weights(tmp_path):
     """The embedded SmolLM2 (538 MB of fp32 weights): the process shrinks by that much asleep."""
-    llm = LLM(kv_cache_memory="32MiB")
+    llm = LLM(kv_cache_memory="32MiB", quantization="none")
     weight_bytes = llm.engine.runner.model.num_weight_bytes()
     text = llm.generate("Name three colours.", GREEDY, use_tqdm=False)[0].outputs[0].text
     awake = rss_bytes()
