@@ -327,8 +327,8 @@ class ModelRunner:
             slots += [block_ids[p // block_size] * block_size + p % block_size for p in span]
             seq_lens.append(end)
             query_start_loc.append(query_start_loc[-1] + num_tokens)
-        if (staged := self.graphs.stage(input_ids, positions, slots, seq_lens,
-                                        [request.block_ids for request, _ in batch], lora)) is not None:
+        if self.graphs.sizes and (staged := self.graphs.stage(
+                input_ids, positions, slots, seq_lens, [request.block_ids for request, _ in batch], lora)):
             return None, None, staged
         max_blocks = max(len(request.block_ids) for request, _ in batch)
         # one tensor from padded lists: a tensor per row costs more than the copy
