@@ -61,6 +61,27 @@ def draw_images(count: int, size: int, seed: int = 0) -> list:
     return [Image.fromarray(rng.integers(0, 256, size=(size, size, 3), dtype=np.uint8), "RGB") for _ in range(count)]
 
 
+def run_troupe(llm, question: list[int], images: list, params) -> tuple[list, float, int]:
+    """The input processor's time per image, then troupe's timed generate of one request per
+    image (after a warm-up, prefix cache emptied): (outputs, seconds, output tokens)."""
+    requests = [{"prompt_token_ids": question, "multi_modal_data": {"image": image}} for image in images]
+    start = time.perf_counter()
+    for image in images:
+        llm.inputs.process_media(question, params, multi_modal_data={"image": image})
+    per_image_ms = (time.perf_counter() - start) / len(images) * 1e3
+    print(f"input processor: {per_image_ms:.2f} ms per image (decode, image processor, placeholder expansion)")
+
+    llm.generate(requests[:2], params, use_tqdm=False)  # warm-up
+    llm.reset_prefix_cache()
+    start = time.perf_counter()
+    outputs = llm.generate(requests, params, use_tqdm=False)
+    troupe_s = time.perf_counter() - start
+    num_tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
+    print(f"troupe: {num_tokens / troupe_s:.1f} output tok/s ({len(images)} requests, "
+          f"{len(outputs[0].prompt_token_ids)} prompt tokens each, {troupe_s:.1f} s)")
+    return outputs, troupe_s, num_tokens
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--num-requests", type=int, default=64)
@@ -76,23 +97,7 @@ def main() -> None:
     llm = LLM(model_dir, kv_cache_memory="1GiB")
     question = llm.get_tokenizer().encode("USER: <image>\nWhat is in the picture? ASSISTANT:")
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
-    requests = [{"prompt_token_ids": question, "multi_modal_data": {"image": image}} for image in images]
-
-    start = time.perf_counter()
-    for image in images:
-        llm.inputs.process_media(question, params, multi_modal_data={"image": image})
-    per_image_ms = (time.perf_counter() - start) / len(images) * 1e3
-    print(f"input processor: {per_image_ms:.2f} ms per image (decode, image processor, placeholder expansion)")
-
-    llm.generate(requests[:2], params, use_tqdm=False)  # warm-up
-    llm.reset_prefix_cache()
-    start = time.perf_counter()
-    outputs = llm.generate(requests, params, use_tqdm=False)
-    troupe_s = time.perf_counter() - start
-    num_tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
-    num_prompt_tokens = len(outputs[0].prompt_token_ids)
-    print(f"troupe: {num_tokens / troupe_s:.1f} output tok/s ({args.num_requests} requests, {num_prompt_tokens} "
-          f"prompt tokens each, {troupe_s:.1f} s)")
+    outputs, troupe_s, num_tokens = run_troupe(llm, question, images, params)
     if not args.hf_batch_size:
         return
 

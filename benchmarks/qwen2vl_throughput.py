@@ -26,8 +26,9 @@ if __name__ == "__main__":  # this checkout first, and benchmarks/kernels.py mus
     sys.path = [os.path.dirname(_here)] + [path for path in sys.path
                                            if os.path.abspath(path or os.curdir) != _here]
 
-import numpy as np
 import torch
+
+from benchmarks.llava_throughput import draw_images, run_troupe  # noqa: E402
 
 IMAGE = "<|vision_start|><|image_pad|><|vision_end|>"
 
@@ -59,13 +60,6 @@ def build_model(out_dir: str) -> str:
     return out_dir
 
 
-def draw_images(count: int, size: int, seed: int = 0) -> list:
-    from PIL import Image
-
-    rng = np.random.default_rng(seed)
-    return [Image.fromarray(rng.integers(0, 256, size=(size, size, 3), dtype=np.uint8), "RGB") for _ in range(count)]
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--num-requests", type=int, default=64)
@@ -82,23 +76,7 @@ def main() -> None:
     question = llm.get_tokenizer().encode(f"<|im_start|>user\n{IMAGE}What is in the picture?<|im_end|>\n"
                                           "<|im_start|>assistant\n")
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
-    requests = [{"prompt_token_ids": question, "multi_modal_data": {"image": image}} for image in images]
-
-    start = time.perf_counter()
-    for image in images:
-        llm.inputs.process_media(question, params, multi_modal_data={"image": image})
-    per_image_ms = (time.perf_counter() - start) / len(images) * 1e3
-    print(f"input processor: {per_image_ms:.2f} ms per image (decode, image processor, placeholder expansion)")
-
-    llm.generate(requests[:2], params, use_tqdm=False)  # warm-up
-    llm.reset_prefix_cache()
-    start = time.perf_counter()
-    outputs = llm.generate(requests, params, use_tqdm=False)
-    troupe_s = time.perf_counter() - start
-    num_tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
-    num_prompt_tokens = len(outputs[0].prompt_token_ids)
-    print(f"troupe: {num_tokens / troupe_s:.1f} output tok/s ({args.num_requests} requests, {num_prompt_tokens} "
-          f"prompt tokens each, {troupe_s:.1f} s)")
+    outputs, troupe_s, num_tokens = run_troupe(llm, question, images, params)
     # the ViT's share: both engines run the same fp32 vision work per image
     vision = llm.engine.runner.vision
     probes = [llm.inputs.process_media(question, params, multi_modal_data={"image": image})[2][0]

@@ -15,7 +15,7 @@ import torch
 
 from actors.config import cache_dir
 from kernels._native import load_library
-from kernels.gguf_linear import BLOCK, Q4_0, Q4_1, Q8_0, U8X16, GGUFKernels, gguf_kernels
+from kernels.gguf_linear import BLOCK, Q4_0, Q4_1, Q8_0, U8X16, GGUFKernels, bind_linear, gguf_kernels
 
 LANES = 16  # output channels per packed block (gguf_gemm.cpp's kLanes)
 # Steps of this many rows or more run the tiles, fewer the dot products over the file's blocks.
@@ -112,10 +112,7 @@ class GGUFTiledKernels(GGUFKernels):
     def __init__(self, library: ctypes.CDLL, sgemm: int | None, gemm_library: ctypes.CDLL) -> None:
         super().__init__(library, sgemm)
         self.few_rows_address = self.linear_address
-        self._tiled = gemm_library.gguf_gemm_linear_f32
-        self._tiled.restype = _i32
-        self._tiled.argtypes = [_i32, _ptr, _i64, _i64, _ptr, _i64, _i64, _ptr, _ptr, _i64, _i64, _ptr, _i32]
-        self.linear_address = ctypes.cast(gemm_library.gguf_gemm_linear_f32, ctypes.c_void_p).value
+        self._tiled, self.linear_address = bind_linear(gemm_library.gguf_gemm_linear_f32)
         self._block_sums = gemm_library.gguf_gemm_block_sums
         self._block_sums.restype = _i32
         self._block_sums.argtypes = [_ptr, _i64, _i64, _ptr, _i64, _ptr, _i32]

@@ -27,17 +27,21 @@ DEQUANTIZE_ROWS = 8
 _i64, _i32, _ptr = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p
 
 
+def bind_linear(function) -> tuple[object, int]:
+    """A C linear of gguf_linear.cpp's signature (gguf_gemm.cpp's has the same), typed, and its address."""
+    function.restype = _i32
+    function.argtypes = [_i32, _ptr, _i64, _i64, _ptr, _i64, _i64, _ptr, _ptr, _i64, _i64, _ptr, _i32]
+    return function, ctypes.cast(function, ctypes.c_void_p).value
+
+
 class GGUFKernels:
     """gguf_linear.cpp's entry points, arguments checked here."""
 
     def __init__(self, library: ctypes.CDLL, sgemm: int | None) -> None:
         self.sgemm = sgemm  # torch's sgemm (kernels.cpu_kernels.torch_sgemm), or None: dot products only
         self.dequantize_rows = DEQUANTIZE_ROWS
-        self._linear = library.gguf_linear_f32
-        self._linear.restype = _i32
-        self._linear.argtypes = [_i32, _ptr, _i64, _i64, _ptr, _i64, _i64, _ptr, _ptr, _i64, _i64, _ptr, _i32]
-        # the same function, as an address model_step_f32 calls (DecoderShape.quant_linear)
-        self.linear_address = ctypes.cast(library.gguf_linear_f32, ctypes.c_void_p).value
+        # the function, and its address, which model_step_f32 calls (DecoderShape.quant_linear)
+        self._linear, self.linear_address = bind_linear(library.gguf_linear_f32)
         self._row_bytes = library.gguf_row_bytes
         self._row_bytes.restype = _i64
         self._row_bytes.argtypes = [_i32, _i64]
