@@ -1,7 +1,10 @@
 #!/bin/bash
 # The GPU checks of issue #20 in one call of a lent GPU machine (its python3 has torch with
 # CUDA; the packages it lacks travel as wheels in .whl, see /work/.library/device/README.md):
-#   bash benchmarks/gpu_check.sh [stage...]    stages: tests engine-tests attention decode offline serve
+#   bash benchmarks/gpu_check.sh [stage...]    stages: tests kernels-all engine-tests suite-on-cuda attention decode
+#                                              profile offline offline-8b serve serve-256 cache-save
+# A Triton cache from an earlier call (.gpu_cache/triton.tgz, carried) is unpacked first: the
+# kernels' compilation is a large share of a short call; `cache-save` writes it to $OUT.
 # Each stage runs under its own time limit, logs to $OUT/<stage>.log and prints its tail.
 set -u
 export PYTHONUNBUFFERED=1 PYTEST_DISABLE_PLUGIN_AUTOLOAD=1
@@ -12,6 +15,7 @@ if [ -d .whl ]; then
         || exit 1
     export PYTHONPATH=/tmp/site:$PWD
 fi
+if [ -f .gpu_cache/triton.tgz ]; then tar -xzf .gpu_cache/triton.tgz -C "$HOME" && echo "triton cache restored"; fi
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__)"
 PYTEST="python3 -m pytest -q -p no:cacheprovider -p pytest_asyncio.plugin -p pytest_timeout -rfE --tb=short --maxfail=40"
@@ -23,7 +27,8 @@ KERNEL_TESTS="tests/kernels/test_paged_attention.py tests/kernels/test_store_kv.
 stage() {  # name, seconds, command...
     local name=$1 limit=$2 start=$SECONDS
     shift 2
-    echo "=== $name (limit ${limit}s; GPU memory used before: $(nvidia-smi --query-gpu=memory.used --format=csv,noheader))"
+    echo "=== $name (limit ${limit}s; GPU memory used before: $(if [ -f .gpu_cache/triton.tgz ]; then tar -xzf .gpu_cache/triton.tgz -C "$HOME" && echo "triton cache restored"; fi
+nvidia-smi --query-gpu=memory.used --format=csv,noheader))"
     timeout "$limit" "$@" > "$OUT/$name.log" 2>&1
     echo "--- $name: rc=$? in $((SECONDS - start))s"
     tail -n "${TAIL:-12}" "$OUT/$name.log"
@@ -31,7 +36,9 @@ stage() {  # name, seconds, command...
 
 for part in "${@:-tests engine-tests attention decode offline}"; do for s in $part; do case $s in
     tests) stage tests "${T_TESTS:-110}" $PYTEST $KERNEL_TESTS ;;
-    engine-tests) stage engine-tests "${T_ENGINE:-150}" $PYTEST tests/gpu ;;
+    kernels-all) stage kernels-all "${T_KERNELS:-150}" $PYTEST -p xdist.plugin -n "${XDIST:-6}" tests/kernels ;;
+    engine-tests) stage engine-tests "${T_ENGINE:-150}" $PYTEST tests/gpu --ignore-glob='*diag*' ;;
+    diag) TROUPE_TEST_DEVICE=cuda TAIL=40 stage diag "${T_DIAG:-90}" $PYTEST -s tests/gpu/test_zz_structured_diag.py ;;
     attention) stage attention "${T_ATTENTION:-45}" python3 benchmarks/kernels.py ;;
     decode) stage decode "${T_DECODE:-90}" python3 benchmarks/gpu_engine.py --parts decode --repeats 3 ;;
     profile) stage profile "${T_PROFILE:-60}" python3 benchmarks/gpu_engine.py --models llama-3.1-8b --parts profile ;;
@@ -42,5 +49,9 @@ for part in "${@:-tests engine-tests attention decode offline}"; do for s in $pa
         tests/actors/test_llm_matches_hf.py tests/actors/test_llm_sampling.py tests/actors/test_logits_processors.py \
         tests/actors/test_structured_outputs.py tests/actors/test_lora.py tests/actors/test_async_client.py ;;
     serve) stage serve "${T_SERVE:-150}" python3 benchmarks/gpu_serve.py --max-concurrency 64 ;;
+    serve-256) stage serve-256 "${T_SERVE:-150}" python3 benchmarks/gpu_serve.py --max-concurrency 256 --num-prompts 1024 ;;
+    offline-8b-hf) stage offline-8b-hf "${T_OFFLINE:-120}" python3 benchmarks/gpu_engine.py --models llama-3.1-8b \
+        --parts offline --hf --hf-num-requests "${HF_REQUESTS:-32}" --hf-batch-size "${HF_REQUESTS:-32}" ;;
+    cache-save) tar -czf "$OUT/triton.tgz" -C "$HOME" .triton 2>/dev/null; ls -la "$OUT/triton.tgz" ;;
     *) echo "unknown stage $s" ;;
 esac; done; done

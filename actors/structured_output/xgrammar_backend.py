@@ -93,11 +93,21 @@ def _refuse_unenforced(schema: Any) -> None:
             _refuse_unenforced(value)
 
 
+# One JSON string character, unescaped, as a positive class: every code point from U+0020 but
+# quote, backslash and the UTF-16 surrogates (the astral range written as its characters, as
+# xgrammar's regex reads no \U escape). xgrammar 0.2.8 compiles a negated class to byte
+# sequences that are not all UTF-8 (a surrogate's or an overlong form's bytes got through,
+# each decoded to U+FFFD, so a bounded string came out longer than maxLength); a positive
+# class of ranges compiles to exactly the UTF-8 encodings of its code points.
+_STRING_CHAR = "[ !#-\\[\\]-\\ud7ff\\ue000-\\uffff\U00010000-\U0010ffff]"
+
+
 def _bounded_strings_as_patterns(schema: Any) -> Any:
     """xgrammar 0.2.8 spells a string with minLength/maxLength as any characters but quote,
     backslash, CR and LF, so control characters (invalid inside JSON strings) get through
     (the unbounded string rule excludes them). Such strings become the equivalent pattern
-    without control characters (and without escapes: a subset of what the schema allows)."""
+    of valid UTF-8 characters without control characters (and without escapes: a subset of
+    what the schema allows)."""
     if isinstance(schema, list):
         return [_bounded_strings_as_patterns(item) for item in schema]
     if not isinstance(schema, dict):
@@ -106,7 +116,7 @@ def _bounded_strings_as_patterns(schema: Any) -> Any:
     bounded = "minLength" in result or "maxLength" in result
     if result.get("type") == "string" and bounded and not {"pattern", "format", "enum", "const"} & result.keys():
         low, high = result.pop("minLength", 0), result.pop("maxLength", "")
-        result["pattern"] = "^[^\\u0000-\\u001f\"\\\\]{%s,%s}$" % (low, high)
+        result["pattern"] = "^%s{%s,%s}$" % (_STRING_CHAR, low, high)
     return result
 
 

@@ -216,3 +216,37 @@ def test_both_structural_tag_forms_are_accepted_and_a_malformed_one_refused():
     with pytest.raises(InvalidRequestError) as raised:
         check_constraint(StructuredOutputsParams(structural_tag='{"type": "structural_tag"}'))
     assert raised.value.param == "structured_outputs.structural_tag"
+
+
+def _byte_token_ids(tokenizer) -> dict[int, int]:
+    """The byte-level BPE's single-byte tokens: byte -> id (GPT-2's printable mapping)."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    others = [b for b in range(256) if b not in printable]
+    chars = {**{b: chr(b) for b in printable}, **{b: chr(256 + i) for i, b in enumerate(others)}}
+    vocab = tokenizer.get_vocab()
+    return {b: vocab[chars[b]] for b in range(256)}
+
+
+@pytest.mark.parametrize("inside, accepted", [
+    ("ab€🙂é".encode(), True),  # 1-, 2-, 3- and 4-byte characters: 5 of at most 6
+    ("abcdefg".encode(), False),  # 7 characters
+    ("🙂🙂🙂🙂🙂🙂🙂".encode(), False),  # 7 characters, 28 bytes
+    (b"a\xed\xa0\x80", False),  # a UTF-16 surrogate's bytes: not UTF-8
+    (b"a\xe0\x80\x80", False),  # an overlong form
+    (b"a\xf0\x80\x80\x80", False),
+    (b"a\xf4\x90\x80\x80", False),  # past U+10FFFF
+    (b"a\x01", False),  # a control character
+])
+def test_a_bounded_string_takes_only_utf8_characters_up_to_its_length(inside, accepted):
+    """A bounded string's characters are whole UTF-8 characters: a byte sequence that decodes to
+    U+FFFD (found on CUDA, where sampling reached one) would break maxLength once decoded."""
+    from actors.structured_output.xgrammar_backend import XGrammarBackend
+    from tests.conftest import build_tiny_tokenizer
+
+    tokenizer = build_tiny_tokenizer()
+    backend = XGrammarBackend(tokenizer, len(tokenizer), [0])
+    schema = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 6}}, "required": ["city"]}
+    matcher = backend.matcher(backend.compile(StructuredOutputsParams(json=schema, disable_any_whitespace=True)))
+    byte_ids = _byte_token_ids(tokenizer)
+    text = b'{"city": "' + inside + b'"}'
+    assert all(matcher.accept(byte_ids[b]) for b in text) == accepted
