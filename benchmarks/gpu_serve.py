@@ -13,9 +13,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import subprocess
 import sys
 import tempfile
+import time
 
 _REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if __name__ == "__main__":
@@ -23,8 +25,32 @@ if __name__ == "__main__":
     sys.path.insert(1, os.path.join(_REPO, "benchmarks"))  # (serve_vs_offline imports serve as a script does)
 
 from actors.worker.gpu_idle import ENV
+from actors.worker.host_profile import ENV as HOST_PROFILE_ENV
 from benchmarks.gpu_engine import CONFIGS, model_dir
 from benchmarks.serve_vs_offline import Server
+
+
+def cpu_seconds() -> dict[tuple[int, str], float]:
+    """(pid, name) -> CPU seconds (user + system) of the server's processes: the actors
+    (named troupe-*) and the API's process, whose command line runs actors.launch."""
+    ticks = os.sysconf("SC_CLK_TCK")
+    seconds = {}
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                stat = f.read()
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                cmdline = f.read()
+        except OSError:
+            continue
+        name = stat[stat.index("(") + 1: stat.rindex(")")]
+        if b"actors.launch" in cmdline:
+            name = "the API server"
+        elif not name.startswith("troupe-"):
+            continue
+        fields = stat[stat.rindex(")") + 2:].split()
+        seconds[(int(pid), name)] = (int(fields[11]) + int(fields[12])) / ticks
+    return seconds
 
 
 def main() -> None:
@@ -34,17 +60,32 @@ def main() -> None:
     parser.add_argument("--num-prompts", type=int, default=512)
     parser.add_argument("--output-len", type=int, default=256)
     parser.add_argument("--enforce-eager", action="store_true")
+    parser.add_argument("--host-profile", help="the worker's host profile to this file (TROUPE_WORKER_PROFILE)")
+    parser.add_argument("--server-flags", default="", help="more flags for the server, space-separated")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as root:
         path = model_dir(args.model, root)
         idle_path = os.environ[ENV] = os.path.join(root, "idle.json")  # (the server's worker writes it)
+        if args.host_profile:
+            os.environ[HOST_PROFILE_ENV] = args.host_profile
         server = Server(["--model", path, "--load-format", "dummy", "--device", "cuda", "--max-model-len", "2048",
-                         "--gpu-memory-utilization", "0.5"], ["--enforce-eager"] if args.enforce_eager else [])
+                         "--gpu-memory-utilization", "0.5"],
+                        (["--enforce-eager"] if args.enforce_eager else []) + args.server_flags.split())
         try:
             server.wait_ready()
+            before, clock, children = cpu_seconds(), time.monotonic(), resource.getrusage(resource.RUSAGE_CHILDREN)
             subprocess.run([sys.executable, os.path.join(_REPO, "benchmarks", "serve.py"), "--url", server.url,
                             "--num-prompts", str(args.num_prompts), "--max-concurrency", str(args.max_concurrency),
                             "--output-len", str(args.output_len), "--vocab-size", "30000"], check=True)
+            wall, after = time.monotonic() - clock, cpu_seconds()
+            client = resource.getrusage(resource.RUSAGE_CHILDREN)
+            busy: dict[str, float] = {}
+            for key, seconds in after.items():  # (by name: input processors share one)
+                busy[key[1]] = busy.get(key[1], 0.0) + seconds - before.get(key, 0.0)
+            busy["the benchmark's client"] = (client.ru_utime + client.ru_stime
+                                              - children.ru_utime - children.ru_stime)
+            print("CPU busy over the load, by process: " + ", ".join(
+                f"{name} {seconds / wall:.0%}" for name, seconds in sorted(busy.items(), key=lambda i: -i[1])))
         finally:
             server.stop()
         if os.path.exists(idle_path):

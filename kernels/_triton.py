@@ -86,6 +86,13 @@ def next_power_of_2(n: int) -> int:
     return 1 << max(n - 1, 0).bit_length()
 
 
+def dot_precision(dtype: torch.dtype) -> str | None:
+    """tl.dot's input_precision for operands of this dtype: "ieee" for float32, whose default on
+    a GPU is tf32 (10 mantissa bits: an fp32 model would no longer match its fp32 reference);
+    None (the default) for the 16-bit types."""
+    return "ieee" if dtype == torch.float32 else None
+
+
 def dot_in_fp32(dtype: torch.dtype, device: torch.device) -> bool:
     """Whether a kernel must upcast bf16 tl.dot operands to fp32. Only for the interpreter
     (the only way a kernel runs on a CPU tensor): numpy has no bfloat16, the interpreter

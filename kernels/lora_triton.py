@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels._triton import cdiv, dot_in_fp32, jit, next_power_of_2, tl
+from kernels._triton import cdiv, dot_in_fp32, dot_precision, jit, next_power_of_2, tl
 
 _BLOCK_M = 16  # tokens per program (tl.dot's smallest tile)
 
@@ -32,7 +32,7 @@ def _lora_shrink_kernel(
     in_features, x_stride, a_slot_stride, a_row_stride, out_stride,
     split_k, k_per_split,  # programs sharing a tile's reduction, in_features columns each (BLOCK_K multiples)
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    UPCAST: tl.constexpr, ATOMIC: tl.constexpr,
+    UPCAST: tl.constexpr, ATOMIC: tl.constexpr, INPUT_PRECISION: tl.constexpr,
 ):
     segment = tl.program_id(0)
     m_tile = tl.program_id(1) // split_k
@@ -60,7 +60,7 @@ def _lora_shrink_kernel(
                           mask=n_mask[None, :] & k_mask[:, None], other=0.0)  # [BLOCK_K, BLOCK_N]
             if UPCAST:
                 xs, a_t = xs.to(tl.float32), a_t.to(tl.float32)
-            acc += tl.dot(xs, a_t)
+            acc += tl.dot(xs, a_t, input_precision=INPUT_PRECISION)
         out = out_ptr + token[:, None] * out_stride + n[None, :]
         mask = m_mask[:, None] & n_mask[None, :]
         if ATOMIC:
@@ -75,6 +75,7 @@ def _lora_expand_kernel(
     seg_start_ptr, seg_len_ptr, seg_slot_ptr, col_offset_ptr, rank_ptr,
     out_offset, out_size, t_stride, b_slot_stride, b_row_stride, y_stride,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, UPCAST: tl.constexpr,
+    INPUT_PRECISION: tl.constexpr,
 ):
     segment = tl.program_id(0)
     m_tile = tl.program_id(1)
@@ -100,7 +101,7 @@ def _lora_expand_kernel(
                           mask=n_mask[None, :] & k_mask[:, None], other=0.0)  # [BLOCK_K, BLOCK_N]
             if UPCAST:
                 ts, b_t = ts.to(tl.float32), b_t.to(tl.float32)
-            acc += tl.dot(ts, b_t)
+            acc += tl.dot(ts, b_t, input_precision=INPUT_PRECISION)
         y = y_ptr + token[:, None] * y_stride + out_offset + n[None, :]
         mask = m_mask[:, None] & n_mask[None, :]
         # the base output and the delta are added in fp32, rounded once, as addmm_ does
@@ -132,7 +133,8 @@ def lora_shrink(x: torch.Tensor, a: torch.Tensor, t: torch.Tensor,
     k_per_split = cdiv(cdiv(in_features, split_k), block_k) * block_k
     split_k = cdiv(in_features, k_per_split)
     grid = (num_segments, cdiv(max_seg_len, _BLOCK_M) * split_k, cdiv(group_rows, block_n))
-    meta = dict(BLOCK_M=_BLOCK_M, BLOCK_N=block_n, BLOCK_K=block_k, UPCAST=dot_in_fp32(x.dtype, x.device))
+    meta = dict(BLOCK_M=_BLOCK_M, BLOCK_N=block_n, BLOCK_K=block_k, UPCAST=dot_in_fp32(x.dtype, x.device),
+                INPUT_PRECISION=dot_precision(x.dtype))
     if split_k == 1:
         _lora_shrink_kernel[grid](x, a, t, seg_start, seg_len, seg_slot, slot_rows, in_features, x.stride(0),
                                   a.stride(0), a.stride(1), t.stride(0), 1, k_per_split, ATOMIC=False, **meta)
@@ -161,4 +163,5 @@ def lora_expand(t: torch.Tensor, b: torch.Tensor, y: torch.Tensor,
     _lora_expand_kernel[grid](
         t, b, y, seg_start, seg_len, seg_slot, col_offset, rank, out_offset, out_size,
         t.stride(0), b.stride(0), b.stride(1), y.stride(0),
-        BLOCK_M=_BLOCK_M, BLOCK_N=block_n, BLOCK_K=block_k, UPCAST=dot_in_fp32(t.dtype, t.device))
+        BLOCK_M=_BLOCK_M, BLOCK_N=block_n, BLOCK_K=block_k, UPCAST=dot_in_fp32(t.dtype, t.device),
+        INPUT_PRECISION=dot_precision(t.dtype))

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels._triton import cdiv, jit, tl
+from kernels._triton import cdiv, dot_precision, jit, tl
 
 GPTQ, AWQ, PACKED = 0, 1, 2  # the integer layouts (CheckpointQuant.layout "gptq", "awq", "pack")
 _LAYOUTS = {"gptq": GPTQ, "awq": AWQ, "pack": PACKED}
@@ -28,6 +28,7 @@ def _int_group_gemm_kernel(
     x_ptr, qweight_ptr, scales_ptr, qzeros_ptr, g_idx_ptr, bias_ptr, out_ptr,
     M, N, K, num_groups, x_stride, out_stride,
     LAYOUT: tl.constexpr, BITS: tl.constexpr, HAS_BIAS: tl.constexpr, UPCAST: tl.constexpr,
+    INPUT_PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     PER_WORD: tl.constexpr = 32 // BITS
@@ -65,9 +66,9 @@ def _int_group_gemm_kernel(
         w = (q - z).to(tl.float32) * s.to(tl.float32)  # [BLOCK_K, BLOCK_N]
         xs = tl.load(x_ptr + m[:, None] * x_stride + k[None, :], mask=m_mask[:, None] & k_mask[None, :], other=0.0)
         if UPCAST:
-            acc += tl.dot(xs.to(tl.float32), w)
+            acc += tl.dot(xs.to(tl.float32), w, input_precision=INPUT_PRECISION)
         else:
-            acc += tl.dot(xs, w.to(xs.dtype))
+            acc += tl.dot(xs, w.to(xs.dtype), input_precision=INPUT_PRECISION)
     if HAS_BIAS:
         acc += tl.load(bias_ptr + n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
     tl.store(out_ptr + m[:, None] * out_stride + n[None, :], acc.to(out_ptr.dtype.element_ty),
@@ -90,6 +91,7 @@ def int_group_gemm(x: torch.Tensor, layout: str, bits: int, qweight: torch.Tenso
         x, qweight, scales, qzeros if qzeros is not None else scales, g_idx, bias if bias is not None else x, out,
         M, out_features, K, num_groups, x.stride(0), out.stride(0),
         LAYOUT=code, BITS=bits, HAS_BIAS=bias is not None, UPCAST=x.device.type == "cpu",
+        INPUT_PRECISION=dot_precision(x.dtype),
         BLOCK_M=_BLOCK_M, BLOCK_N=_BLOCK_N, BLOCK_K=_BLOCK_K)
     return out
 
@@ -97,7 +99,7 @@ def int_group_gemm(x: torch.Tensor, layout: str, bits: int, qweight: torch.Tenso
 @jit
 def _fp8_weight_gemm_kernel(
     x_ptr, w_ptr, scale_ptr, bias_ptr, out_ptr, M, N, K, x_stride, out_stride,
-    HAS_BIAS: tl.constexpr, UPCAST: tl.constexpr,
+    HAS_BIAS: tl.constexpr, UPCAST: tl.constexpr, INPUT_PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -117,9 +119,9 @@ def _fp8_weight_gemm_kernel(
         w = tl.where((bits & 128) != 0, -magnitude, magnitude)
         xs = tl.load(x_ptr + m[:, None] * x_stride + k[None, :], mask=m_mask[:, None] & k_mask[None, :], other=0.0)
         if UPCAST:
-            acc += tl.dot(xs.to(tl.float32), w)
+            acc += tl.dot(xs.to(tl.float32), w, input_precision=INPUT_PRECISION)
         else:
-            acc += tl.dot(xs, w.to(xs.dtype))
+            acc += tl.dot(xs, w.to(xs.dtype), input_precision=INPUT_PRECISION)
     acc *= tl.load(scale_ptr + n, mask=n_mask, other=0.0)[None, :]
     if HAS_BIAS:
         acc += tl.load(bias_ptr + n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
@@ -138,6 +140,7 @@ def fp8_weight_gemm(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
     _fp8_weight_gemm_kernel[grid](
         x, weight.view(torch.uint8), scale.float().contiguous(), bias if bias is not None else x, out,
         M, N, K, x.stride(0), out.stride(0), HAS_BIAS=bias is not None, UPCAST=x.device.type == "cpu",
+        INPUT_PRECISION=dot_precision(x.dtype),
         BLOCK_M=_BLOCK_M, BLOCK_N=_BLOCK_N, BLOCK_K=_BLOCK_K)
     return out
 

@@ -127,7 +127,8 @@ def slice_module(t: dict[str, torch.Tensor], quant: CheckpointQuant, dim: int, s
         return kind(weight[:, start:stop].contiguous(), scale.contiguous())
     per = _per_word(quant)
     g_idx = t.get("g_idx" if quant.layout == "gptq" else "weight_g_idx") if quant.desc_act else None
-    g_idx = group_index(in_features, quant.group_size, g_idx).to(torch.int32)
+    device = next(iter(t.values())).device  # (a group index made here goes where the weights are)
+    g_idx = group_index(in_features, quant.group_size, g_idx).to(device=device, dtype=torch.int32)
     packed_inputs = dim == 1 and quant.layout in ("gptq", "pack")  # words hold `per` input features
     packed_outputs = dim == 0 and quant.layout in ("gptq", "awq")  # zeros' words hold 8 (or 4) outputs
     if packed_inputs and (start % per or stop % per) or packed_outputs and (start % 8 or stop % 8):

@@ -14,6 +14,7 @@ from actors.actor import Actor, ActorSpec
 from messages.control import WorkerControl, WorkerControlDone
 from messages.transport import Sockets
 from actors.worker.gpu_idle import GpuIdleProfile
+from actors.worker.host_profile import HostProfile
 from actors.worker.host_kv import host_tier_info
 from messages.worker import StepPlan, WorkerInbox
 
@@ -34,6 +35,7 @@ class WorkerActor(Actor):
         self.to_scheduler = sockets.outbox(addresses["scheduler"]) if rank == output_rank else None
         self.sleep_mode = None  # a SleepMode once the engine has been asked to sleep
         self.idle_profile = GpuIdleProfile.from_env(str(getattr(runner, "device", "cpu")), rank)  # (a benchmark's)
+        self.host_profile = HostProfile.from_env(rank)  # (a benchmark's)
 
     @classmethod
     def from_spec(cls, spec: ActorSpec, sockets: Sockets) -> WorkerActor:
@@ -69,9 +71,13 @@ class WorkerActor(Actor):
         if isinstance(message, WorkerControl):
             self._control(message)
             return
+        started = self.host_profile.begin() if self.host_profile is not None else 0.0
         result = self.runner.execute(message)
         if self.idle_profile is not None and message.num_scheduled_tokens:
             self.idle_profile.step()
+        if self.host_profile is not None and message.num_scheduled_tokens:
+            decodes = all(n == 1 for n in message.num_scheduled_tokens.values())
+            self.host_profile.end(started, "decode only" if decodes else "with a prefill chunk")
         # a plan with disk loads is answered even without tokens: the scheduler waits for the loads
         if (message.num_scheduled_tokens or message.blocks_to_load) and self.to_scheduler is not None:
             self.to_scheduler.send(result)

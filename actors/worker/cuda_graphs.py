@@ -19,6 +19,7 @@ verification) runs eagerly through model.forward."""
 
 from __future__ import annotations
 
+import gc
 from dataclasses import dataclass
 
 import torch
@@ -104,14 +105,24 @@ class CudaGraphs:
                 self.graphs[size] = _RerunAsReplay(self, size)
             return
         pool = torch.cuda.graph_pool_handle()
-        for size in reversed(self.sizes):  # the largest first: the smaller ones reuse its pool
-            attention = self._metadata(size)
-            self._forward(size, attention)  # compiles this size's kernels outside the capture
-            torch.cuda.synchronize(self.model.device)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
-                self.outputs[size] = self._forward(size, attention)
-            self.graphs[size] = graph
+        # The garbage collector must not run during a capture: it would destroy graphs that
+        # earlier engines of this process left in reference cycles, and a graph's destruction
+        # is a CUDA call a capture forbids (it invalidates the capture). Collect first, then hold it.
+        gc.collect()
+        was_enabled = gc.isenabled()
+        gc.disable()
+        try:
+            for size in reversed(self.sizes):  # the largest first: the smaller ones reuse its pool
+                attention = self._metadata(size)
+                self._forward(size, attention)  # compiles this size's kernels outside the capture
+                torch.cuda.synchronize(self.model.device)
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=pool):
+                    self.outputs[size] = self._forward(size, attention)
+                self.graphs[size] = graph
+        finally:
+            if was_enabled:
+                gc.enable()
         torch.cuda.synchronize(self.model.device)
 
     def stage(self, input_ids: list[int], positions: list[int], slots: list[int], seq_lens: list[int],

@@ -6,6 +6,7 @@ the real graphs are checked end to end by tests/gpu."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from actors.config import ModelConfig
@@ -55,6 +56,7 @@ def replayed(graphs: CudaGraphs, seqs: list[tuple[list[int], int, list[int]]]) -
 
 
 @requires_triton
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU's stand-in; tests/gpu replays the real graphs")
 @torch.inference_mode()  # (as the model runner's steps run)
 def test_replayed_decodes_equal_eager_ones_with_padding_and_long_sequences():
     torch.manual_seed(0)
@@ -80,8 +82,8 @@ def test_replayed_decodes_equal_eager_ones_with_padding_and_long_sequences():
             v.copy_(v0)
 
     full = step(model, decode)  # four decodes: the graph of four, no padding (its buffers now hold them)
-    torch.testing.assert_close(replayed(graphs, decode), model.forward(*full[:2], caches, full[2]), rtol=1e-5,
-                               atol=1e-6)
+    torch.testing.assert_close(replayed(graphs, decode), model.forward(*full[:2], caches, full[2]), rtol=1e-4,
+                               atol=1e-5)
     restore()
     ids, positions, attention = step(model, decode[:3])
     eager = model.forward(ids, positions, caches, attention)
@@ -89,10 +91,20 @@ def test_replayed_decodes_equal_eager_ones_with_padding_and_long_sequences():
     restore()
     three = replayed(graphs, decode[:3])  # three decodes in the graph of four
     assert three.shape == eager.shape
-    torch.testing.assert_close(three, eager, rtol=1e-5, atol=1e-6)
-    for (k, v), (k1, v1) in zip(caches, eager_caches):  # the padding row wrote nothing (its stale slot neither)
-        assert torch.equal(k, k1) and torch.equal(v, v1)
+    # (the graph's linears run four rows, the eager step's three: a BLAS may round a row
+    # differently at another row count, as MKL does on AVX2 CPUs)
+    torch.testing.assert_close(three, eager, rtol=1e-4, atol=1e-5)
+    written = torch.zeros(caches[0][0].shape[0] * BLOCK, dtype=torch.bool)  # the three decodes' slots
+    for blocks_of, done, _ in decode[:3]:
+        written[blocks_of[done // BLOCK] * BLOCK + done % BLOCK] = True
+    for (k, v), (k1, v1), (k0, v0) in zip(caches, eager_caches, before):
+        for cache, eager_cache, old in ((k, k1, k0), (v, v1, v0)):
+            slots, eager_slots, old_slots = (c.transpose(1, 2).reshape(-1, c.shape[1], c.shape[3])
+                                             for c in (cache, eager_cache, old))
+            torch.testing.assert_close(slots[written], eager_slots[written], rtol=1e-4, atol=1e-5)
+            # the padding row wrote nothing (its stale slot neither): every other slot as before
+            assert torch.equal(slots[~written], old_slots[~written])
     # a batch of one takes the graph of one, over the same buffers
-    torch.testing.assert_close(replayed(graphs, decode[1:2]), eager[1:2], rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(replayed(graphs, decode[1:2]), eager[1:2], rtol=1e-4, atol=1e-5)
     # a prefill runs eagerly: no graph takes it
     assert graphs.stage(prompts[0], list(range(lengths[0])), [0] * lengths[0], [lengths[0]], [blocks[0]]) is None

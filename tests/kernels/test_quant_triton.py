@@ -11,7 +11,7 @@ import torch
 from actors.quantization.linear import Int8Weight, int8_linear_reference
 from kernels.int8_linear import quantize_rows_reference
 from kernels.quant_ref import dequantize_awq, dequantize_gptq, dequantize_packed
-from kernels.quant_triton import fp8_linear, fp8_weight_gemm, int8_scaled_gemm, int_group_gemm
+from kernels.quant_triton import fp8_linear, fp8_weight_gemm, int8_scaled_gemm, int_group_gemm, quantize_fp8_rows
 from tests.kernels.helpers import DEVICE, assert_close, generator, requires_cuda, requires_triton
 from tests.quant_checkpoints import _group_of, _quantize_module
 
@@ -101,5 +101,9 @@ def test_fp8_linear_on_cuda_scaled_mm_or_fallback():
     scale = (w.abs().amax(1) / 448.0).float()
     weight = (w / scale[:, None]).to(torch.float8_e4m3fn)
     x = torch.randn(33, 512, device="cuda", dtype=torch.bfloat16)
-    expected = x.float() @ (weight.float() * scale[:, None]).T
-    torch.testing.assert_close(fp8_linear(x, weight, scale).float(), expected, rtol=6e-2, atol=6e-2)
+    # the oracle quantizes the activations per token as _scaled_mm's path does (E4M3's 3 mantissa
+    # bits are the error that matters here, not the GEMM's); the Triton fallback quantizes none
+    x_fp8, x_scale = quantize_fp8_rows(x)
+    activations = x_fp8.float() * x_scale if torch.cuda.get_device_capability() >= (8, 9) else x.float()
+    expected = (activations @ (weight.float() * scale[:, None]).T).to(torch.bfloat16)
+    torch.testing.assert_close(fp8_linear(x, weight, scale), expected, rtol=2e-2, atol=2e-2)

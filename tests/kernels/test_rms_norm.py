@@ -13,13 +13,13 @@ pytestmark = pytest.mark.usefixtures("nan_filled_allocations")
 
 
 def make_inputs(num_tokens: int, hidden_size: int, dtype: torch.dtype, seed: int, weight_dtype=None,
-                row_stride: int | None = None):
+                row_stride: int | None = None, device: torch.device = DEVICE):
     """x may be a strided view (rows row_stride apart), as a slice of a wider matrix is."""
     g = generator(seed)
-    wide = torch.randn(num_tokens, row_stride or hidden_size, generator=g).to(dtype).to(DEVICE)
+    wide = torch.randn(num_tokens, row_stride or hidden_size, generator=g).to(dtype).to(device)
     x = wide[:, :hidden_size]
-    weight = (1 + 0.5 * torch.randn(hidden_size, generator=g)).to(weight_dtype or dtype).to(DEVICE)
-    residual = torch.randn(num_tokens, hidden_size, generator=g).to(dtype).to(DEVICE)
+    weight = (1 + 0.5 * torch.randn(hidden_size, generator=g)).to(weight_dtype or dtype).to(device)
+    residual = torch.randn(num_tokens, hidden_size, generator=g).to(dtype).to(device)
     return x, weight, residual
 
 
@@ -72,7 +72,7 @@ def test_cpu_path_matches_reference(dtype, weight_dtype, with_residual, path, re
     """Bit for bit on torch's ops; to fp32 rounding in C++ (fp32 only; it sums in another order)."""
     native = request.getfixturevalue("native_kernels") if path == "native" else None
     x, weight, residual = make_inputs(9, 200, dtype, seed=11 + with_residual, weight_dtype=weight_dtype,
-                                      row_stride=224)
+                                      row_stride=224, device=torch.device("cpu"))  # (the CPU's path, on a GPU too)
     residual_before = residual.clone()
     expected = rms_norm_ref(x, weight, 1e-5, residual if with_residual else None)
     result = rms_norm_cpu(x, weight, 1e-5, residual if with_residual else None, native)

@@ -12,10 +12,11 @@ LLAMA3_SCALING = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, 
                   "original_max_position_embeddings": 256}
 
 
-def make_qkv(num_tokens: int, num_heads: int, num_kv_heads: int, head_size: int, dtype: torch.dtype, seed: int):
+def make_qkv(num_tokens: int, num_heads: int, num_kv_heads: int, head_size: int, dtype: torch.dtype, seed: int,
+             device: torch.device = DEVICE):
     """q, k and v as views of one qkv matrix, as the model makes them."""
     qkv = torch.randn(num_tokens, (num_heads + 2 * num_kv_heads) * head_size, generator=generator(seed))
-    qkv = qkv.to(dtype).to(DEVICE)
+    qkv = qkv.to(dtype).to(device)
     q, k, v = qkv.split([num_heads * head_size, num_kv_heads * head_size, num_kv_heads * head_size], dim=-1)
     return (qkv, q.view(num_tokens, num_heads, head_size), k.view(num_tokens, num_kv_heads, head_size),
             v.view(num_tokens, num_kv_heads, head_size))
@@ -60,12 +61,12 @@ def test_triton_rotates_q_and_k_in_place_like_the_reference(dtype, head_size, he
 @pytest.mark.parametrize("path", ["torch", "native"])
 def test_cpu_path_rotates_in_place_bit_for_bit(dtype, neighbours, path, request):
     native = request.getfixturevalue("native_kernels") if path == "native" else None
-    qkv, q, k, v = make_qkv(11, 8, 2, 64, dtype, seed=3)
+    qkv, q, k, v = make_qkv(11, 8, 2, 64, dtype, seed=3, device=torch.device("cpu"))  # (the CPU's path, on a GPU too)
     if not neighbours:  # as after Qwen3's q and k norms: two tensors of their own
         q, k = q.clone(), k.clone()
     value_before = v.clone()
-    positions = torch.randint(0, 1024, (11,), generator=generator(4)).to(DEVICE)
-    cache = build_cos_sin_cache(64, 1024, 500000.0, LLAMA3_SCALING).to(DEVICE)
+    positions = torch.randint(0, 1024, (11,), generator=generator(4))
+    cache = build_cos_sin_cache(64, 1024, 500000.0, LLAMA3_SCALING)
     expected_q, expected_k = rotary_ref(positions, q, k, cache)
     rotated_q, rotated_k = rotary_cpu(positions, q, k, cache, native)
     assert rotated_q is q and rotated_k is k

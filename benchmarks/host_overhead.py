@@ -1,0 +1,190 @@
+"""The engine's cost without the model: host milliseconds per decode step.
+
+The real engine core (scheduler, the model runner's state updates and input preparation,
+the sampler and its bookkeeping, the scheduler's update and the detokenizer's output
+processing) runs decode steps of B sequences, with the model's forward replaced by a
+no-op that returns hidden states and logits of the right shape from preallocated buffers.
+The messages the actor engine sends around a step (the StepPlan to the worker, the
+StepResult back, the StepOutputs to the detokenizer, the RequestOutputs to the frontend)
+are encoded and decoded with the actors' codecs and timed as their own phase.
+
+The model is a tiny random Llama with a byte-level BPE tokenizer of 384 tokens
+(tests/conftest.py), so a vocabulary-wide sampling kernel, device work on a GPU, stays
+out of the figure; everything per sequence and per token is in it.
+
+    python benchmarks/host_overhead.py                      # batches 1, 64 and 256
+    python benchmarks/host_overhead.py --batch-sizes 64 --steps 200 --sampling random
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import tempfile
+import time
+from collections import defaultdict
+
+if __name__ == "__main__":
+    sys.path[0] = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the checkout, not this folder
+
+import msgspec
+import torch
+
+PHASES = ("schedule", "input preparation", "sampling", "output processing", "messages")
+
+
+class PhaseClock:
+    """Accumulates the time spent in wrapped callables, by phase, for the current step."""
+
+    def __init__(self) -> None:
+        self.step: dict[str, float] = defaultdict(float)
+        self._depth = 0
+
+    def wrap(self, owner, name: str, phase: str) -> None:
+        inner = getattr(owner, name)
+
+        def timed(*args, **kwargs):
+            if self._depth:  # nested inside another timed phase: counted there
+                return inner(*args, **kwargs)
+            self._depth += 1
+            start = time.perf_counter()
+            try:
+                return inner(*args, **kwargs)
+            finally:
+                self.step[phase] += time.perf_counter() - start
+                self._depth -= 1
+
+        setattr(owner, name, timed)
+
+    def take(self) -> dict[str, float]:
+        step, self.step = dict(self.step), defaultdict(float)
+        return step
+
+
+def stub_model(runner, max_rows: int, max_tokens: int, seed: int = 0) -> None:
+    """The model's forward and LM head as no-ops over preallocated buffers: hidden states of
+    the step's row count, and logits from one of 16 random buffers in turn (so the sampled
+    tokens vary from step to step)."""
+    hidden_size = runner.engine.model.hidden_size
+    vocab = runner.engine.model.vocab_size
+    generator = torch.Generator().manual_seed(seed)
+    hidden = torch.zeros(max_tokens, hidden_size, dtype=runner.dtype, device=runner.device)
+    logits = [torch.randn(max_rows, vocab, generator=generator).to(runner.device) for _ in range(16)]
+    turn = [0]
+
+    def forward(input_ids, positions, attention, lora=None, embeds=None):
+        rows = attention.num_tokens if hasattr(attention, "num_tokens") else len(input_ids)
+        return hidden[:rows]
+
+    def compute_logits(rows):
+        turn[0] = (turn[0] + 1) % len(logits)
+        return logits[turn[0]][: rows.shape[0]]
+
+    runner._forward = forward
+    runner.model.compute_logits = compute_logits
+
+
+def time_messages(plan, result, updates, outputs) -> None:
+    """Encodes and decodes what the actor engine sends around one step, as its actors do."""
+    from messages.detokenizer import DetokenizerInbox, StepOutputs
+    from messages.frontend import FrontendInbox, RequestOutputs
+    from messages.scheduler import SchedulerInbox
+    from messages.transport import encode
+    from messages.worker import WorkerInbox
+
+    msgspec.msgpack.decode(encode(plan), type=WorkerInbox)
+    msgspec.msgpack.decode(encode(result), type=SchedulerInbox)
+    if updates:
+        msgspec.msgpack.decode(encode(StepOutputs(step_id=plan.step_id, updates=updates)), type=DetokenizerInbox)
+    if outputs:
+        msgspec.msgpack.decode(encode(RequestOutputs(outputs)), type=FrontendInbox)
+
+
+def run(path: str, batch: int, steps: int, sampling: str, prompt_len: int) -> dict[str, list[float]]:
+    from actors import LLM, SamplingParams
+    from messages.worker import StepPlan
+
+    max_tokens = max(2048, batch * prompt_len)
+    llm = LLM(path, max_num_seqs=batch, max_num_batched_tokens=max_tokens,
+              max_model_len=prompt_len + steps + 64, kv_cache_memory="1GiB", seed=0)
+    engine = llm.engine
+    stub_model(engine.runner, max(batch, 256), max_tokens)
+    clock = PhaseClock()
+    clock.wrap(engine.scheduler, "schedule", "schedule")
+    clock.wrap(engine.runner, "update_states", "input preparation")
+    clock.wrap(engine.runner, "_order_batch", "input preparation")
+    clock.wrap(engine.runner, "_prepare_inputs", "input preparation")
+    clock.wrap(engine.runner, "_logit_rows", "input preparation")
+    clock.wrap(engine.runner.sampler, "sample", "sampling")
+    clock.wrap(engine.scheduler, "update", "output processing")
+    clock.wrap(engine.outputs, "process", "output processing")
+    seen: dict[str, object] = {}
+    for owner, name in ((engine.scheduler, "schedule"), (engine.runner, "execute"), (engine.scheduler, "update"),
+                        (engine.outputs, "process")):
+        inner = getattr(owner, name)
+
+        def keep(*args, _inner=inner, _name=name, **kwargs):
+            value = _inner(*args, **kwargs)
+            seen[_name] = value
+            return value
+
+        setattr(owner, name, keep)
+    params = SamplingParams(max_tokens=steps + 8, ignore_eos=True,
+                            **({"temperature": 0.0} if sampling == "greedy" else {"temperature": 1.0, "top_p": 0.9}))
+    prompts = [{"prompt_token_ids": [3 + (i * 7 + j) % 300 for j in range(prompt_len)]} for i in range(batch)]
+    request_ids = llm._add_requests((None, p["prompt_token_ids"], params, None, None, None) for p in prompts)
+    assert len(request_ids) == batch
+    figures: dict[str, list[float]] = defaultdict(list)
+    decode_steps = 0
+    while engine.has_unfinished() and decode_steps < steps:
+        clock.take()
+        start = time.perf_counter()
+        engine.step()
+        total = time.perf_counter() - start
+        phases = clock.take()
+        plan: StepPlan = seen["schedule"]
+        if len(plan.num_scheduled_tokens) != batch or any(n != 1 for n in plan.num_scheduled_tokens.values()):
+            continue  # prefill (or a mixed step): not what is measured
+        start = time.perf_counter()
+        time_messages(plan, seen["execute"], seen["update"], seen["process"][0])
+        phases["messages"] = time.perf_counter() - start
+        decode_steps += 1
+        for phase in PHASES:
+            figures[phase].append(1e3 * phases.get(phase, 0.0))
+        figures["the rest of the step"].append(1e3 * (total - sum(v for k, v in phases.items() if k != "messages")))
+        figures["total"].append(1e3 * (total + phases["messages"]))
+    for request_id in request_ids:
+        engine.abort_request(request_id)
+    llm.close()
+    return figures
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--batch-sizes", default="1,64,256")
+    parser.add_argument("--steps", type=int, default=100, help="decode steps measured per batch size")
+    parser.add_argument("--sampling", choices=("greedy", "random"), default="greedy")
+    parser.add_argument("--prompt-len", type=int, default=32)
+    args = parser.parse_args()
+    torch.set_num_threads(min(2, torch.get_num_threads()))
+    from tests.conftest import build_tiny_model
+
+    print("the engine's cost without the model: host ms per decode step (medians over "
+          f"{args.steps} decode steps; {args.sampling} sampling; no-op forward)", flush=True)
+    with tempfile.TemporaryDirectory() as root:
+        path = build_tiny_model(root, "llama")
+        rows = []
+        for batch in (int(b) for b in args.batch_sizes.split(",")):
+            figures = run(path, batch, args.steps, args.sampling, args.prompt_len)
+            rows.append((batch, {name: statistics.median(values) for name, values in figures.items()}))
+    names = [*PHASES, "the rest of the step", "total"]
+    print("| batch | " + " | ".join(names) + " |")
+    print("|---|" + "---|" * len(names))
+    for batch, medians in rows:
+        print(f"| {batch} | " + " | ".join(f"{medians.get(name, 0.0):.3f}" for name in names) + " |")
+
+
+if __name__ == "__main__":
+    main()
