@@ -34,6 +34,9 @@ class EngineCore:
                                         generates=engine.model.can_generate, speculative=engine.speculative,
                                         kv_tiers=make_kv_tiers(engine.cache, **host_tier_info(self.runner)))
         self.outputs = OutputProcessor(tokenizer)
+        # asynchronous scheduling: the next step launched before the last one is finished
+        self.run_ahead = engine.scheduler.async_scheduling and self.runner.can_run_ahead
+        self._launched = None  # the step launched last and not yet finished (runner_step.LaunchedStep)
         self.traces = None  # request spans, with otlp_traces_endpoint
         if engine.otlp_traces_endpoint:
             from actors.tracing import EngineRequestTraces, RequestTracer
@@ -83,6 +86,7 @@ class EngineCore:
 
         if level not in (1, 2):
             raise ValueError(f"sleep level must be 1 or 2, got {level!r}")
+        self.finish_launched()  # (a step run ahead of the last output: nothing left to return)
         preempt_all(self.scheduler)
         self.scheduler.block_pool.reset_prefix_cache()
         self.sleep_mode = self.sleep_mode or SleepMode(self.runner)
@@ -98,14 +102,17 @@ class EngineCore:
     def reset_prefix_cache(self) -> bool:
         from actors.scheduler.control import reset_prefix_cache
 
+        self.finish_launched()
         return reset_prefix_cache(self.scheduler)
 
     def close(self) -> None:
         """Sends the disk tier's last saves (the last result's blocks), lets the writes finish
         and lets the weights and KV cache go (the engine takes no more steps)."""
+        self.finish_launched()
         tiers = self.scheduler.kv_tiers
         if tiers is not None and tiers.has_orders():
             self.step()
+            self.finish_launched()
         if self.runner.host_kv is not None:
             self.runner.host_kv.close()
         # the device's memory goes now, not when the garbage collector finds the engine's
@@ -117,12 +124,37 @@ class EngineCore:
             torch.cuda.empty_cache()
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished()
+        return self.scheduler.has_unfinished() or self._launched is not None
 
     def step(self) -> list[RequestOutput | PoolingRequestOutput]:
-        """One model step; returns the requests that finished in it."""
+        """One model step; returns the requests that finished in it. With asynchronous
+        scheduling the step is launched before the one launched last is finished (the model
+        runner's runs_ahead): on a GPU the host plans and prepares a step while the device
+        computes the one before it; the outputs are the same."""
         plan = self.scheduler.schedule()
-        result = self.runner.execute(plan)
+        if not self.run_ahead:
+            return self._apply(plan, self.runner.execute(plan))
+        finished: list[RequestOutput | PoolingRequestOutput] = []
+        previous, self._launched = self._launched, None
+        if previous is not None and (not plan.num_scheduled_tokens or not self.runner.runs_ahead(plan)):
+            finished += self._apply(previous.plan, self.runner.finish(previous))
+            previous = None
+        launched = self.runner.launch(plan, previous)
+        if previous is not None:
+            finished += self._apply(previous.plan, self.runner.finish(previous))
+        if plan.num_scheduled_tokens:
+            self._launched = launched  # finished by the next step
+        else:
+            finished += self._apply(plan, self.runner.finish(launched))
+        return finished
+
+    def finish_launched(self) -> list[RequestOutput | PoolingRequestOutput]:
+        """Finishes the step launched last, if any (before the engine changes state)."""
+        launched, self._launched = self._launched, None
+        return self._apply(launched.plan, self.runner.finish(launched)) if launched is not None else []
+
+    def _apply(self, plan, result) -> list[RequestOutput | PoolingRequestOutput]:
+        """A step's result into the scheduler and the outputs: the requests that finished."""
         updates = self.scheduler.update(plan, result)
         finished: list[RequestOutput | PoolingRequestOutput] = []
         for pooled in self.scheduler.take_pooling_results():

@@ -40,6 +40,8 @@ def paged_attention_launch(
     query_start_loc: torch.Tensor,  # [num_seqs + 1] int32
     decode_partition_size: int = 512,
     host: SequenceSplit | None = None,  # the same on the host, split; else read off the device (a sync)
+    decode_seqs: torch.Tensor | None = None,  # host.decode_seqs already on the device; else copied here
+    prefill_seqs: torch.Tensor | None = None,  # host.prefill_seqs likewise
 ) -> PagedAttentionLaunch:
     assert decode_partition_size >= 16 and decode_partition_size & (decode_partition_size - 1) == 0
     if host is None:
@@ -50,7 +52,8 @@ def paged_attention_launch(
         return torch.tensor(seqs, dtype=torch.int32).to(seq_lens.device, non_blocking=True)
 
     return PagedAttentionLaunch(
-        decode_seqs=on_device(host.decode_seqs), prefill_seqs=on_device(host.prefill_seqs),
+        decode_seqs=on_device(host.decode_seqs) if decode_seqs is None else decode_seqs,
+        prefill_seqs=on_device(host.prefill_seqs) if prefill_seqs is None else prefill_seqs,
         max_query_len=max((starts[seq + 1] - starts[seq] for seq in host.prefill_seqs), default=0),
         max_decode_seq_len=max((host.seq_lens[seq] for seq in host.decode_seqs), default=0),
         decode_partition_size=decode_partition_size)

@@ -20,6 +20,9 @@ from messages.worker import StepPlan, WorkerInbox
 
 logger = logging.getLogger(__name__)
 
+# seconds between looks at a launched step's progress while no plan has come
+_POLL_S = 0.0002
+
 
 class WorkerActor(Actor):
     inbox_type = WorkerInbox
@@ -36,6 +39,10 @@ class WorkerActor(Actor):
         self.sleep_mode = None  # a SleepMode once the engine has been asked to sleep
         self.idle_profile = GpuIdleProfile.from_env(str(getattr(runner, "device", "cpu")), rank)  # (a benchmark's)
         self.host_profile = HostProfile.from_env(rank)  # (a benchmark's)
+        # asynchronous steps (the engine's async_scheduling): one step launched and not finished
+        self.run_ahead = bool(getattr(runner, "engine", None) and runner.engine.scheduler.async_scheduling
+                              and getattr(runner, "can_run_ahead", False))
+        self.launched = None  # runner_step.LaunchedStep
 
     @classmethod
     def from_spec(cls, spec: ActorSpec, sockets: Sockets) -> WorkerActor:
@@ -58,6 +65,7 @@ class WorkerActor(Actor):
         return cls(spec.name, spec.addresses, sockets, runner, num_blocks, rank)
 
     def close(self) -> None:
+        self._finish_launched()
         if hasattr(self.runner, "close"):  # a pipeline stage's (actors/worker/pipeline.py)
             self.runner.close()
         if getattr(self.runner, "host_kv", None) is not None:
@@ -69,17 +77,52 @@ class WorkerActor(Actor):
 
     def handle(self, message: StepPlan | WorkerControl) -> None:
         if isinstance(message, WorkerControl):
+            self._finish_launched()
             self._control(message)
             return
         started = self.host_profile.begin() if self.host_profile is not None else 0.0
-        result = self.runner.execute(message)
-        if self.idle_profile is not None and message.num_scheduled_tokens:
+        plan = message
+        if not self.run_ahead:
+            self._answer(plan, self.runner.execute(plan))
+        else:
+            # asynchronous steps: this plan is launched before the last one is finished, so the
+            # device computes that one while the host prepares this one (runner_step.py)
+            previous, self.launched = self.launched, None
+            if previous is not None and (not plan.num_scheduled_tokens or not self.runner.runs_ahead(plan)):
+                self._answer(previous.plan, self.runner.finish(previous))
+                previous = None
+            launched = self.runner.launch(plan, previous)
+            if previous is not None:
+                self._answer(previous.plan, self.runner.finish(previous))
+            if plan.num_scheduled_tokens:
+                self.launched = launched  # answered when finished: at the next plan, or once it is done
+            else:
+                self._answer(plan, self.runner.finish(launched))
+        if self.idle_profile is not None and plan.num_scheduled_tokens:
             self.idle_profile.step()
-        if self.host_profile is not None and message.num_scheduled_tokens:
-            decodes = all(n == 1 for n in message.num_scheduled_tokens.values())
+        if self.host_profile is not None and plan.num_scheduled_tokens:
+            decodes = all(n == 1 for n in plan.num_scheduled_tokens.values())
             self.host_profile.end(started, "decode only" if decodes else "with a prefill chunk")
+
+    def has_work(self) -> bool:
+        """A launched step whose device work is done is finished without waiting for a plan."""
+        return self.launched is not None and self.launched.done()
+
+    def step(self) -> None:
+        self._finish_launched()
+
+    def wake_after(self) -> float | None:
+        """While a launched step runs: look again shortly (the next plan usually comes first)."""
+        return _POLL_S if self.launched is not None else None
+
+    def _finish_launched(self) -> None:
+        launched, self.launched = self.launched, None
+        if launched is not None:
+            self._answer(launched.plan, self.runner.finish(launched))
+
+    def _answer(self, plan: StepPlan, result) -> None:
         # a plan with disk loads is answered even without tokens: the scheduler waits for the loads
-        if (message.num_scheduled_tokens or message.blocks_to_load) and self.to_scheduler is not None:
+        if (plan.num_scheduled_tokens or plan.blocks_to_load) and self.to_scheduler is not None:
             self.to_scheduler.send(result)
 
     def _control(self, message: WorkerControl) -> None:

@@ -108,7 +108,8 @@ class TritonBackend:
 
     def prepare(self, step: AttentionMetadata, dtype: torch.dtype) -> None:
         # the grid sizes and sequence lists, from the host numbers: no read off the device
-        step.plan = paged_attention_launch(step.seq_lens, step.query_start_loc, host=step.host)
+        step.plan = paged_attention_launch(step.seq_lens, step.query_start_loc, host=step.host,
+                                           decode_seqs=step.decode_seqs, prefill_seqs=step.prefill_seqs)
 
     def attention(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
                   value_cache: torch.Tensor, step: AttentionMetadata, scale: float) -> torch.Tensor:

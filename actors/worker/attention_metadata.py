@@ -12,12 +12,17 @@ chunks, so the decodes' tokens are the first num_decode_tokens of the flat batch
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 
 from kernels.paged_attention import PagedAttentionLaunch
 from kernels.paged_attention_cpu import CpuAttentionPlan
 from kernels.paged_attention_ref import PagedAttentionPlan, SequenceSplit
+
+if TYPE_CHECKING:
+    from actors.worker.step_inputs import DeviceInputs, StepInputs
 
 # what each backend's prepare() derives: torch's plan, the cpu backend's, Triton's launch
 BackendPlan = PagedAttentionPlan | CpuAttentionPlan | PagedAttentionLaunch
@@ -39,6 +44,10 @@ class AttentionMetadata:
     seq_lens: torch.Tensor  # [num_seqs] int32 on the device: tokens in the cache after this step
     query_start_loc: torch.Tensor  # [num_seqs + 1] int32 on the device
     plan: BackendPlan | None = None  # the backend's bookkeeping from the above, made once per step (prepare)
+    # [num_decodes] and [num_prefills] int32 on the device, when the step's inputs were staged
+    # with them (actors/worker/step_inputs.py); else the backend makes them from host
+    decode_seqs: torch.Tensor | None = None
+    prefill_seqs: torch.Tensor | None = None
 
     @staticmethod
     def build(seq_lens: list[int],  # [num_seqs]: tokens in the cache after this step
@@ -60,3 +69,19 @@ class AttentionMetadata:
             max_seq_len=max(seq_lens), block_size=block_size, host=host,
             slot_mapping=on_device(slot_mapping, torch.long), block_tables=on_device(block_tables, torch.int32),
             seq_lens=on_device(seq_lens, torch.int32), query_start_loc=on_device(query_start_loc, torch.int32))
+
+    @staticmethod
+    def staged(step: StepInputs, device: DeviceInputs, block_size: int) -> AttentionMetadata:
+        """The metadata of a step staged by step_inputs.Stager: its device tensors, and the
+        host numbers from the step's arrays."""
+        query_lens = step.query_lens
+        decodes = query_lens == 1
+        host = SequenceSplit(step.seq_lens.tolist(), step.query_start_loc.tolist(),
+                             decode_seqs=np.flatnonzero(decodes).tolist(), prefill_seqs=np.flatnonzero(~decodes).tolist())
+        num_decodes = len(host.decode_seqs)
+        return AttentionMetadata(
+            num_decodes=num_decodes, num_prefills=len(host.prefill_seqs), num_decode_tokens=num_decodes,
+            max_query_len=int(query_lens.max()) if num_decodes < len(query_lens) else 1,
+            max_seq_len=int(step.seq_lens.max()), block_size=block_size, host=host,
+            slot_mapping=device.slot_mapping, block_tables=device.block_tables, seq_lens=device.seq_lens,
+            query_start_loc=device.query_start_loc, decode_seqs=device.decode_seqs, prefill_seqs=device.prefill_seqs)

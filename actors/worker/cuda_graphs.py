@@ -25,6 +25,7 @@ from dataclasses import dataclass
 import torch
 
 from actors.worker.attention_metadata import AttentionMetadata
+from actors.worker.step_inputs import StepInputs
 from kernels.paged_attention import PagedAttentionLaunch
 from kernels.paged_attention_ref import SequenceSplit
 
@@ -64,12 +65,16 @@ class CudaGraphs:
         # The persistent inputs, sliced per size, are views of two buffers, so that a step
         # fills a host copy of each (pinned on CUDA) and sends them in two copies: token ids,
         # positions and KV slots (int64); sequence lengths, then the block table (int32).
-        self.longs = torch.zeros(3, largest, dtype=torch.long, device=device)
+        # rows 3 and 4: a step's pending tokens (where they go, where the last step sampled them)
+        self.longs = torch.zeros(5, largest, dtype=torch.long, device=device)
         self.ints = torch.zeros(largest * (1 + max_blocks), dtype=torch.int32, device=device)
+        # two host halves, alternating: a step is staged while the one before it may still run
         pinned = device.type == "cuda"
-        self.host_longs = torch.zeros(3, largest, dtype=torch.long, pin_memory=pinned)
-        self.host_ints = torch.zeros(largest * (1 + max_blocks), dtype=torch.int32, pin_memory=pinned)
-        self.input_ids, self.positions, self.slot_mapping = self.longs
+        self.host = [(torch.zeros(5, largest, dtype=torch.long, pin_memory=pinned),
+                      torch.zeros(largest * (1 + max_blocks), dtype=torch.int32, pin_memory=pinned), None)
+                     for _ in range(2)]
+        self._turn = 0
+        self.input_ids, self.positions, self.slot_mapping = self.longs[:3]
         self.seq_lens, self.block_tables = self.ints[:largest], self.ints[largest:].view(largest, max_blocks)
         self.slot_mapping.fill_(-1)  # (the captures write no KV)
         self.seq_lens.fill_(1)
@@ -125,27 +130,40 @@ class CudaGraphs:
                 gc.enable()
         torch.cuda.synchronize(self.model.device)
 
-    def stage(self, input_ids: list[int], positions: list[int], slots: list[int], seq_lens: list[int],
-              block_ids: list[list[int]]) -> StagedDecode | None:
-        """Puts a step's inputs in the buffers (one token per sequence, each sequence's
-        block ids), or None where no graph takes the step: not all decodes, or too many.
-        The host copies are reused by the next step, which starts after this one's
-        sampled tokens were read back, so after these copies ran."""
-        count = len(seq_lens)
-        if len(input_ids) != count or count > self.sizes[-1]:
+    def stage(self, step: StepInputs, previous_sampled: torch.Tensor | None) -> StagedDecode | None:
+        """Puts a step's inputs in the buffers (one token per sequence), or None where no
+        graph takes the step: not all decodes, or too many. A pending token (asynchronous
+        steps) is copied into the input ids on the device from the previous step's samples."""
+        count = step.num_seqs
+        if step.num_tokens != count or count > self.sizes[-1]:
             return None
         size = next(size for size in self.sizes if size >= count)
-        longs, ints = self.host_longs.numpy(), self.host_ints.numpy()
-        longs[0, :count], longs[1, :count], longs[2, :count] = input_ids, positions, slots
+        host_longs, host_ints, event = self.host[self._turn]
+        if event is not None:
+            event.synchronize()  # (this half's copies, two steps ago, are done)
+        longs, ints = host_longs.numpy(), host_ints.numpy()
+        longs[0, :count], longs[1, :count], longs[2, :count] = step.input_ids, step.positions, step.slot_mapping
         longs[2, count:size] = -1  # padding rows: no KV written, one cached token read
+        num_pending = len(step.pending_dst)
+        longs[3, :num_pending], longs[4, :num_pending] = step.pending_dst, step.pending_src
         largest = self.sizes[-1]
-        ints[:count], ints[count:size] = seq_lens, 1
+        ints[:count], ints[count:size] = step.seq_lens, 1
         tables = ints[largest:].reshape(largest, self.max_blocks)
-        for row, ids in enumerate(block_ids):
-            tables[row, : len(ids)] = ids
-        self.longs[:, :size].copy_(self.host_longs[:, :size], non_blocking=True)
+        tables[:count, : step.block_tables.shape[1]] = step.block_tables
+        # (whole buffers, contiguous: a strided copy would go through pageable memory)
+        self.longs.copy_(host_longs, non_blocking=True)
         end = largest + size * self.max_blocks
-        self.ints[:end].copy_(self.host_ints[:end], non_blocking=True)
+        self.ints[:end].copy_(host_ints[:end], non_blocking=True)
+        if self.longs.is_cuda:
+            event = torch.cuda.Event()
+            event.record()
+        self.host[self._turn] = (host_longs, host_ints, event)
+        self._turn ^= 1
+        if num_pending:
+            if previous_sampled is None:
+                raise RuntimeError("a step takes tokens the step before it sampled, and that step is gone")
+            self.input_ids.index_copy_(0, self.longs[3, :num_pending],
+                                       previous_sampled.index_select(0, self.longs[4, :num_pending]))
         return StagedDecode(count, size)
 
     def replay(self, step: StagedDecode) -> torch.Tensor:
@@ -197,15 +215,13 @@ class DecodeGraphs:
         """Lets the graphs, their memory and their hold on the KV cache go (sleep)."""
         self.captured = None
 
-    def stage(self, input_ids: list[int], positions: list[int], slots: list[int], seq_lens: list[int],
-              block_ids: list[list[int]], lora) -> StagedDecode | None:
+    def stage(self, step: StepInputs, lora, previous_sampled: torch.Tensor | None) -> StagedDecode | None:
         """A graph's step with these inputs staged, or None: the step runs eagerly (lora:
         the step's adapters, which no graph runs)."""
-        if not self.sizes or lora is not None or len(input_ids) != len(seq_lens):
+        if not self.sizes or lora is not None or step.num_tokens != step.num_seqs:
             return None
         self.prepare()
-        return None if self.captured is None else self.captured.stage(input_ids, positions, slots, seq_lens,
-                                                                      block_ids)
+        return None if self.captured is None else self.captured.stage(step, previous_sampled)
 
     def forward(self, attention: AttentionMetadata | StagedDecode) -> torch.Tensor | None:
         """A staged step's hidden states from its graph, or None: the step runs eagerly."""

@@ -172,6 +172,8 @@ def _bit(index: int) -> int:
 class StructuredOutputs(RequestProcessor):
     """Masks the logits of requests with structured_outputs (see the module docstring)."""
 
+    reads_output = True  # its matchers take the output on the host
+
     def __init__(self, config: GrammarConfig) -> None:
         super().__init__()
         self.config = config

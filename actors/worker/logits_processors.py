@@ -74,6 +74,9 @@ class RequestProcessor:
     def wants(self, rows: StepRows) -> bool:
         return self.count > 0 and bool(self.flags[rows.slots].any())
 
+    def concerns(self, slot: int) -> bool:
+        return slot < len(self.flags) and bool(self.flags[slot])
+
     def on_sampled(self, rows: StepRows, tokens: torch.Tensor) -> None: ...
 
 
@@ -268,6 +271,8 @@ class BadWords(RequestProcessor):
     """The last token of a bad word may not follow the rest of it. As vLLM, only the
     output counts, not the prompt; a one-token word is always banned."""
 
+    reads_output = True  # its next apply reads the request's output list on the host
+
     def __init__(self) -> None:
         super().__init__()
         self.words: dict[int, tuple[list[list[int]], list[int]]] = {}  # slot -> (words, live output)
@@ -295,6 +300,8 @@ CustomProcessor = Callable[..., torch.Tensor]
 class CustomProcessors(RequestProcessor):
     """SamplingParams.logits_processors: Python callables run row by row, in their order,
     on each of the request's steps (greedy ones too)."""
+
+    reads_output = True  # its next apply reads the request's output list on the host
 
     def __init__(self) -> None:
         super().__init__()

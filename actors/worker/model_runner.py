@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import torch
 
 from actors.config import EngineConfig
-from actors.lora.batch import LoRABatch, segments_of
+from actors.lora.batch import LoRABatch
 from actors.lora.slots import LoRASlots
 from actors.multimodal.runner import VisionRunner
 from actors.pooling.classifier import SCORE_WEIGHT, split_score_weight
@@ -30,12 +30,13 @@ from actors.worker.grammar_processor import sampling_processors
 from actors.worker.host_kv import HostKVCache
 from actors.worker.model import LlamaModel
 from actors.worker.parallel import TensorParallel
-from actors.worker.sampler import Sampler, prompt_token_logprobs
-from actors.worker.speculator import Speculator, StepDrafts
+from actors.worker.sampler import Sampler
+from actors.worker.runner_step import StepExecution
+from actors.worker.speculator import Speculator
+from actors.worker.step_inputs import BlockTables, Stager, collect
 from messages.common import SamplingParams
 from messages.lora import LoRARequest
-from messages.pooling import PooledData, PoolingParams
-from messages.scheduler import StepResult, TokenLogprobs
+from messages.pooling import PoolingParams
 from messages.worker import StepPlan
 
 
@@ -52,6 +53,11 @@ class CachedRequest:
     lora: LoRARequest | None = None  # the adapter it runs with
     pooling: PoolingParams | None = None  # a pooling request: its prompt rows are pooled, nothing is sampled
     mm_inputs: list | None = None  # its images (messages.multimodal.MultiModalInput)
+    row: int = -1  # its row in the runner's BlockTables (-1: none, as a test's stand-alone request)
+    # while its last token is still on the device (asynchronous steps): that token's row in
+    # the previous step's sampled tensor
+    sampled_row: int | None = None
+    sampled_by: object | None = None  # the launched step (runner_step.LaunchedStep) that samples it
 
 
 def build_model_runner(engine: EngineConfig, parallel: TensorParallel = TensorParallel()
@@ -73,7 +79,7 @@ def build_model_runner(engine: EngineConfig, parallel: TensorParallel = TensorPa
     return runner, num_blocks
 
 
-class ModelRunner:
+class ModelRunner(StepExecution):
     def __init__(self, engine: EngineConfig, num_blocks: int | None, attention_backend: str = "auto",
                  load_format: str = "auto", parallel: TensorParallel = TensorParallel()) -> None:
         if engine.dtype not in DTYPES:
@@ -101,6 +107,11 @@ class ModelRunner:
             self.dtype, self.device, engine.seed, self.model.lm_head if self.model is not None else None,
             engine.tokenizer_path, head=encoder_head)
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
+        # the persistent batch: each request's block table in a row; a step's inputs staged in bulk
+        self.block_tables = BlockTables(rows=max(16, engine.scheduler.max_num_seqs),
+                                        width=-(-engine.scheduler.max_model_len // self.block_size))
+        self.stager = Stager(self.device)
+        self._dropped: list[CachedRequest] = []  # dropped while the last launched step samples them
         self.sampler = Sampler(engine.model.eos_token_ids, engine.seed, sampling_processors(engine, parallel))
         self.requests: dict[str, CachedRequest] = {}
         # speculative decoding: drafts for decodes, verified in the same step (speculator.py)
@@ -173,21 +184,37 @@ class ModelRunner:
         """Bytes of weights this rank holds: the decoder's, or the encoder's."""
         return self.encoder.model.num_weight_bytes() if self.encoder is not None else self.model.num_weight_bytes()
 
+    def release_dropped(self) -> None:
+        """Lets go of the requests a plan dropped while the step before it still sampled them."""
+        for request in self._dropped:
+            self._release(request.request_id, request)
+        self._dropped = []
+
+    def _release(self, request_id: str, request: CachedRequest | None) -> None:
+        if request is not None:
+            self.block_tables.remove(request.row)
+        if self.vision is not None:
+            self.vision.remove_request(request_id)
+        if self.speculator is not None:
+            self.speculator.remove_request(request_id, request.token_ids if request is not None else None)
+        if request is not None and request.pooling is not None:
+            self.pooling.remove_request(request_id)
+        else:
+            self.sampler.remove_request(request_id)
+
     def update_states(self, plan: StepPlan) -> None:
         for request_id in plan.finished_request_ids:
             request = self.requests.pop(request_id, None)
-            if self.vision is not None:
-                self.vision.remove_request(request_id)
-            if self.speculator is not None:
-                self.speculator.remove_request(request_id, request.token_ids if request is not None else None)
-            if request is not None and request.pooling is not None:
-                self.pooling.remove_request(request_id)
-            else:
-                self.sampler.remove_request(request_id)
+            if request is not None and request.sampled_row is not None:
+                # the step launched before this one samples it still: let it go once that step is finished
+                self._dropped.append(request)
+                continue
+            self._release(request_id, request)
         for new in plan.new_requests:
             self.requests[new.request_id] = CachedRequest(
                 new.request_id, list(new.token_ids), new.num_prompt_tokens, new.params,
-                list(new.block_ids), new.num_computed_tokens, new.lora_request, new.pooling_params, new.mm_inputs)
+                list(new.block_ids), new.num_computed_tokens, new.lora_request, new.pooling_params, new.mm_inputs,
+                row=self.block_tables.add(new.block_ids))
             if new.pooling_params is not None:
                 self._pooling_runner().add_request(new.request_id, new.pooling_params)
             else:
@@ -195,105 +222,19 @@ class ModelRunner:
                                          new.token_ids[new.num_prompt_tokens:])
         for continuing in plan.continuing_requests:
             request = self.requests[continuing.request_id]
-            request.block_ids.extend(continuing.new_block_ids)
+            if continuing.new_block_ids:
+                request.block_ids.extend(continuing.new_block_ids)
+                self.block_tables.extend(request.row, continuing.new_block_ids)
             # the worker is authoritative: with accepted drafts it runs ahead of the scheduler,
             # which learns of them from the result (actors/scheduler/speculation.py)
             assert continuing.num_computed_tokens <= request.num_computed_tokens, \
                 f"{continuing.request_id}: the scheduler counts {continuing.num_computed_tokens} computed tokens, " \
                 f"the worker {request.num_computed_tokens}"
 
-    @torch.inference_mode()
-    def execute(self, plan: StepPlan) -> StepResult:
-        self.update_states(plan)
-        # the plan's copies between the KV tiers, before its forward; the host blocks whose disk load failed
-        failed_loads = self.host_kv.run(plan) if self.host_kv is not None else []
-        if not plan.num_scheduled_tokens:
-            return StepResult(step_id=plan.step_id, request_ids=[], sampled_token_ids=[], failed_loads=failed_loads)
-        scheduled = [(self.requests[request_id], num_tokens)
-                     for request_id, num_tokens in plan.num_scheduled_tokens.items()]
-        # 1. drafts: a decode granted some verifies them as a causal chunk after its token
-        #    (appended to its tokens for this step only)
-        drafts = self._propose(plan, scheduled)
-        # 2. order the batch: decodes first, then prefill chunks (each by LoRA adapter)
-        batch, lora = self._order_batch([(request, num_tokens + drafts.num_drafts(request))
-                                         for request, num_tokens in scheduled] if drafts else scheduled)
-        # 3. flat inputs and attention metadata
-        input_ids, positions, attention = self._prepare_inputs(batch, lora)
-        # 4. rows that need logits: each sampling request's last token (every scored position
-        #    of a speculated decode), prompt-logprob positions
-        sample_rows, samplers, prompt_rows = self._logit_rows(batch)
-        sample_rows, samplers, spec_rows = drafts.split_rows(sample_rows, samplers)
-        embeds, positions = self.vision.step_inputs(self.model, input_ids, positions, batch) \
-            if self.vision is not None else (None, positions)  # (Qwen2-VL: M-RoPE's positions too)
-        hidden = self._forward(input_ids, positions, attention, lora, embeds)
-        pooled = self._pool(hidden, batch)
-        rows = sample_rows + spec_rows + [row for _, rows_of_request, _ in prompt_rows for row in rows_of_request]
-        # (a collective under tensor parallelism: the logits end up on rank 0 only)
-        if rows and rows != list(range(hidden.shape[0])):  # (every row, as a decode step has: no gather)
-            hidden = hidden[torch.tensor(rows, dtype=torch.long)]
-        logits = self.model.compute_logits(hidden) if rows else None
-        # 5. sample and verify (rank 0, which then hands its tokens to the other ranks), and
-        #    advance every scheduled request
-        tokens, logprobs, prompt_logprobs, emitted = [], None, {}, []
-        if logits is not None:
-            if samplers:
-                tokens, logprobs = self.sampler.sample(logits[: len(sample_rows)], [r.request_id for r in samplers])
-            if drafts:
-                emitted = drafts.verify(logits[len(sample_rows): len(sample_rows) + len(spec_rows)])
-            prompt_logprobs = self._prompt_logprobs(logits, len(sample_rows) + len(spec_rows), prompt_rows)
-        tokens = self.parallel.broadcast_tokens(tokens, len(samplers), self.device)
-        emitted = self.parallel.broadcast_token_rows(emitted, len(drafts), drafts.width, self.device)
-        for request, num_tokens in batch:
-            if not drafts.num_drafts(request):
-                request.num_computed_tokens += num_tokens
-        for request, token in zip(samplers, tokens):
-            request.token_ids.append(token)
-        drafts.apply(emitted, self.sampler if logits is not None else None)
-        if logprobs is not None and drafts:  # a request asking for logprobs never speculates
-            logprobs = logprobs + [TokenLogprobs([], [], [])] * len(drafts)
-        return StepResult(step_id=plan.step_id, request_ids=[r.request_id for r in samplers + drafts.requests],
-                          sampled_token_ids=tokens + [t[-1] for t in emitted], logprobs=logprobs,
-                          prompt_logprobs=prompt_logprobs, pooled=pooled, **drafts.result_fields(emitted),
-                          failed_loads=failed_loads)
-
-    def _propose(self, plan: StepPlan, scheduled: list[tuple[CachedRequest, int]]) -> StepDrafts:
-        """The drafts of the decodes the plan granted some, appended to their tokens."""
-        if self.speculator is None:
-            return StepDrafts({})
-        return self.speculator.propose_step(plan.num_lookahead_tokens, scheduled)
-
     def _pooling_runner(self) -> PoolingRunner:
         if self.pooling is None:
             raise ValueError("a pooling request reached a model that generates (runner 'generate')")
         return self.pooling
-
-    def _pool(self, hidden: torch.Tensor, batch: list[tuple[CachedRequest, int]]) -> dict[str, PooledData]:
-        """The pooled outputs of the pooling requests whose prompt ends this step (rank 0,
-        which answers the scheduler, pools; every rank has the whole hidden states)."""
-        if self.pooling is None or self.parallel.rank != 0:
-            return {}
-        spans, row = [], 0
-        for request, num_tokens in batch:
-            if request.pooling is not None:
-                spans.append(self.pooling.span(request.request_id, row, request.num_computed_tokens, num_tokens,
-                                               request.num_prompt_tokens))
-            row += num_tokens
-        return self.pooling.outputs(hidden, spans) if spans else {}
-
-    def _order_batch(self, batch: list[tuple[CachedRequest, int]]
-                     ) -> tuple[list[tuple[CachedRequest, int]], LoRABatch | None]:
-        """Decodes first, then prefill chunks; with LoRA adapters in the step, each kind
-        grouped by adapter slot, and the step's LoRABatch."""
-        loras = [request.lora for request, _ in batch if request.lora is not None]
-        if not loras:
-            return sorted(batch, key=lambda item: item[1] != 1), None
-        slot_of = self.lora_slots.slots_for(loras)
-
-        def slot(request: CachedRequest) -> int:
-            return -1 if request.lora is None else slot_of[(request.lora.lora_int_id, request.lora.lora_path)]
-
-        batch = sorted(batch, key=lambda item: (item[1] != 1, slot(item[0])))
-        return batch, LoRABatch(self.lora_slots, segments_of([(slot(request), n) for request, n in batch]))
 
     def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attention: AttentionMetadata,
                  lora: LoRABatch | None = None, embeds: torch.Tensor | None = None) -> torch.Tensor:
@@ -307,67 +248,25 @@ class ModelRunner:
                                    self.kv_caches, attention, lora)
         return self.model.forward(input_ids, positions, self.kv_caches, attention, lora, embeds)
 
-    def _prepare_inputs(self, batch: list[tuple[CachedRequest, int]], lora: LoRABatch | None = None
+    def _prepare_inputs(self, batch: list[tuple[CachedRequest, int]], lora: LoRABatch | None = None,
+                        previous_sampled: torch.Tensor | None = None
                         ) -> tuple[torch.Tensor | None, torch.Tensor | None, AttentionMetadata | StagedDecode]:
         """Flat inputs, and the step's attention metadata (built once, with the backend's
         plan; every layer reads it); or, for a CUDA graph's decode step, the inputs staged
-        in its buffers. The batch is ordered decodes first."""
-        block_size = self.block_size
-        input_ids: list[int] = []
-        positions: list[int] = []
-        slots: list[int] = []
-        seq_lens: list[int] = []
-        query_start_loc = [0]
-        for request, num_tokens in batch:
-            start, end = request.num_computed_tokens, request.num_computed_tokens + num_tokens
-            input_ids += request.token_ids[start:end]
-            span = range(start, end)
-            positions += span
-            block_ids = request.block_ids
-            slots += [block_ids[p // block_size] * block_size + p % block_size for p in span]
-            seq_lens.append(end)
-            query_start_loc.append(query_start_loc[-1] + num_tokens)
-        if self.graphs.sizes and (staged := self.graphs.stage(
-                input_ids, positions, slots, seq_lens, [request.block_ids for request, _ in batch], lora)):
+        in its buffers. The batch is ordered decodes first. previous_sampled: the previous
+        step's sampled tokens on the device, where a request's last token is still there."""
+        temporary = [request for request, _ in batch if request.row < 0]  # (a test's stand-alone requests)
+        for request in temporary:
+            request.row = self.block_tables.add(request.block_ids)
+        try:
+            step = collect(batch, self.block_tables, self.block_size)
+        finally:
+            for request in temporary:
+                self.block_tables.remove(request.row)
+                request.row = -1
+        if self.graphs.sizes and (staged := self.graphs.stage(step, lora, previous_sampled)):
             return None, None, staged
-        max_blocks = max(len(request.block_ids) for request, _ in batch)
-        # one tensor from padded lists: a tensor per row costs more than the copy
-        block_tables = [request.block_ids + [0] * (max_blocks - len(request.block_ids)) for request, _ in batch]
-        attention = AttentionMetadata.build(seq_lens, query_start_loc, block_tables, slots, block_size, self.device)
+        staged = self.stager.stage(step, previous_sampled)
+        attention = AttentionMetadata.staged(step, staged, self.block_size)
         self.backend.prepare(attention, self.dtype)
-        return (torch.tensor(input_ids, dtype=torch.long, device=self.device),
-                torch.tensor(positions, dtype=torch.long, device=self.device), attention)
-
-    @staticmethod
-    def _logit_rows(batch: list[tuple[CachedRequest, int]]):
-        sample_rows: list[int] = []
-        samplers: list[CachedRequest] = []
-        prompt_rows: list[tuple[CachedRequest, list[int], list[int]]] = []  # request, rows, next tokens
-        offset = 0
-        for request, num_tokens in batch:
-            start, end = request.num_computed_tokens, request.num_computed_tokens + num_tokens
-            if request.pooling is not None:  # pooled, never sampled (_pool)
-                offset += num_tokens
-                continue
-            if end == len(request.token_ids):
-                sample_rows.append(offset + num_tokens - 1)
-                samplers.append(request)
-            if request.params.prompt_logprobs is not None and start < request.num_prompt_tokens - 1:
-                # position p predicts prompt token p + 1
-                last = min(end, request.num_prompt_tokens - 1)
-                prompt_rows.append((request, list(range(offset, offset + last - start)),
-                                    request.token_ids[start + 1: last + 1]))
-            offset += num_tokens
-        return sample_rows, samplers, prompt_rows
-
-    @staticmethod
-    def _prompt_logprobs(logits: torch.Tensor | None, first_row: int,
-                         prompt_rows: list) -> dict[str, list[TokenLogprobs]]:
-        result = {}
-        row = first_row
-        for request, rows, next_tokens in prompt_rows:
-            chunk = logits[row: row + len(rows)]
-            result[request.request_id] = prompt_token_logprobs(chunk, next_tokens,
-                                                               request.params.prompt_logprobs)
-            row += len(rows)
-        return result
+        return staged.input_ids, staged.positions, attention

@@ -16,6 +16,7 @@ on nothing else in the batch, and survive preemption and recompute unchanged."""
 from __future__ import annotations
 
 from collections.abc import Hashable, Sequence
+from dataclasses import dataclass
 from typing import Protocol
 
 import numpy as np
@@ -26,6 +27,17 @@ from actors.worker.random_sampling import sample_random
 from actors.worker.sampling_batch import SamplingBatch, StepRows
 from messages.common import SamplingParams
 from messages.scheduler import TokenLogprobs
+
+
+@dataclass
+class SampledStep:
+    """A step's tokens, chosen on the device and not yet read back (Sampler.launch)."""
+
+    rows: StepRows
+    sampled: torch.Tensor  # [rows] int64 on the logits' device
+    processors: list[LogitsProcessor]  # those that applied to the step's logits
+    raw_logprobs: torch.Tensor | None  # [rows, vocab], when a row asked for logprobs
+    num_logprobs: np.ndarray  # [rows]: top logprobs asked for; -1: none
 
 
 class SamplingState(Protocol):
@@ -89,6 +101,14 @@ class Sampler:
                keys: list[Hashable]) -> tuple[list[int], list[TokenLogprobs] | None]:
         """The next token of each request (appended to its output here), and its logprobs
         where the request asked for them."""
+        return self.finish(self.launch(logits, keys))
+
+    def launch(self, logits: torch.Tensor,  # [num_requests, vocab] fp32, a row per key
+               keys: list[Hashable]) -> SampledStep:
+        """Chooses each request's next token on the logits' device, without reading it back:
+        the requests' counts move on now (seeds and min_tokens read them), their outputs when
+        finish() reads the tokens. Processors that keep their state on the device hear of the
+        tokens now, so a step launched before finish() sees them."""
         assert logits.shape[0] == len(keys), f"{logits.shape[0]} logits rows for {len(keys)} requests"
         rows = self.batch.rows(keys, logits.device)
         num_logprobs = self.batch.num_logprobs[rows.slots]
@@ -101,14 +121,31 @@ class Sampler:
                 processor.apply(logits, rows)
         greedy = self.batch.greedy[rows.slots]
         sampled = argmax_tokens(logits) if greedy.all() else self._sample_random(logits, rows, greedy)
-        tokens = sampled.tolist()
-        self.batch.append_tokens(rows, tokens)
-        for processor in active:  # after the outputs have their new tokens
-            processor.on_sampled(rows, sampled)
-        if raw_logprobs is None:
+        self.batch.num_output[rows.slots] += 1
+        for processor in active:
+            if not getattr(processor, "reads_output", False):
+                processor.on_sampled(rows, sampled)
+        return SampledStep(rows, sampled, active, raw_logprobs, num_logprobs)
+
+    def finish(self, step: SampledStep) -> tuple[list[int], list[TokenLogprobs] | None]:
+        """The launched step's tokens, read back (a sync on a GPU) and appended to the
+        outputs; the processors that read the outputs on the host hear of them now."""
+        tokens = step.sampled.tolist()
+        self.batch.append_outputs(step.rows, tokens)
+        for processor in step.processors:  # after the outputs have their new tokens
+            if getattr(processor, "reads_output", False):
+                processor.on_sampled(step.rows, step.sampled)
+        if step.raw_logprobs is None:
             return tokens, None
-        return tokens, [_token_logprobs(raw_logprobs[i], tokens[i], max(top, 0))
-                        for i, top in enumerate(num_logprobs.tolist())]
+        return tokens, [_token_logprobs(step.raw_logprobs[i], tokens[i], max(top, 0))
+                        for i, top in enumerate(step.num_logprobs.tolist())]
+
+    def reads_output(self, key: Hashable) -> bool:
+        """Whether a processor reads this request's output on the host (then its next step
+        needs this step's token read back first)."""
+        slot = self.batch.slot_of.get(key)
+        return slot is not None and any(getattr(p, "reads_output", False) and p.concerns(slot)
+                                        for p in self.processors)
 
     def _sample_random(self, logits: torch.Tensor, rows: StepRows, greedy: np.ndarray) -> torch.Tensor:
         device = logits.device

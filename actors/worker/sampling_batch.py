@@ -93,9 +93,9 @@ class SamplingBatch:
         slots = np.fromiter((self.slot_of[key] for key in keys), np.int64, len(keys))
         return StepRows(slots, self.num_output[slots], device)
 
-    def append_tokens(self, rows: StepRows, tokens: list[int]) -> None:
-        """Each row's sampled token joins its request's output."""
-        self.num_output[rows.slots] += 1
+    def append_outputs(self, rows: StepRows, tokens: list[int]) -> None:
+        """Each row's sampled token joins its request's output list (its count has moved on
+        already: Sampler.launch)."""
         output_ids = self.output_ids
         for slot, token in zip(rows.slots.tolist(), tokens):
             output_ids[slot].append(token)

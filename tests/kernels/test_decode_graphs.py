@@ -6,6 +6,7 @@ the real graphs are checked end to end by tests/gpu."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -14,6 +15,7 @@ from actors.worker.attention import TritonBackend
 from actors.worker.attention_metadata import AttentionMetadata
 from actors.worker.cuda_graphs import CudaGraphs, graph_partition_size
 from actors.worker.model import LlamaModel
+from actors.worker.step_inputs import BlockTables, StepInputs, build
 from tests.kernels.helpers import requires_triton
 
 BLOCK = 16
@@ -47,12 +49,19 @@ def step(model: LlamaModel, seqs: list[tuple[list[int], int, list[int]]]):
     return torch.tensor(ids), torch.tensor(positions), attention
 
 
+def step_inputs(seqs: list[tuple[list[int], int, list[int]]]) -> StepInputs:
+    """The model runner's host inputs of one step: (block ids, tokens computed before, new tokens) per sequence."""
+    tables = BlockTables()
+    rows = np.array([tables.add(blocks) for blocks, _, _ in seqs], np.int64)
+    computed = np.array([done for _, done, _ in seqs], np.int64)
+    counts = np.array([len(new) for _, _, new in seqs], np.int64)
+    return build(computed, counts, rows, tables, BLOCK, [new[0] if len(new) == 1 else new for _, _, new in seqs],
+                 [], [])
+
+
 def replayed(graphs: CudaGraphs, seqs: list[tuple[list[int], int, list[int]]]) -> torch.Tensor:
     """The decode step of seqs (one new token each) through the graphs: staged, replayed."""
-    slots = [blocks[done // BLOCK] * BLOCK + done % BLOCK for blocks, done, _ in seqs]
-    staged = graphs.stage([new[0] for _, _, new in seqs], [done for _, done, _ in seqs], slots,
-                          [done + 1 for _, done, _ in seqs], [blocks for blocks, _, _ in seqs])
-    return graphs.replay(staged)
+    return graphs.replay(graphs.stage(step_inputs(seqs), None))
 
 
 @requires_triton
@@ -107,4 +116,4 @@ def test_replayed_decodes_equal_eager_ones_with_padding_and_long_sequences():
     # a batch of one takes the graph of one, over the same buffers
     torch.testing.assert_close(replayed(graphs, decode[1:2]), eager[1:2], rtol=1e-4, atol=1e-5)
     # a prefill runs eagerly: no graph takes it
-    assert graphs.stage(prompts[0], list(range(lengths[0])), [0] * lengths[0], [lengths[0]], [blocks[0]]) is None
+    assert graphs.stage(step_inputs([(blocks[0], 0, prompts[0])]), None) is None
