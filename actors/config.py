@@ -189,6 +189,7 @@ class EngineConfig:
     allowed_local_media_path: str | None = None  # image file:// URLs only under this directory; None: refused
     mm_processor_cache_gb: float | None = None  # each input processor's processed-image cache; None: 64 MiB
     cuda_graph_sizes: tuple[int, ...] = ()  # on CUDA, decode batch sizes replayed from CUDA graphs; (): eager
+    cuda_graph_mixed_sizes: tuple[int, ...] = ()  # token counts of mixed steps (prefill chunks too) replayed so
 
 
 def cache_dir() -> str:

@@ -9,6 +9,7 @@ import argparse
 from collections.abc import Sequence
 
 from actors.cli_flags import cuda_device_count
+from actors.json_flags import parse_json_object
 
 # vLLM's default capture sizes: 1, 2, 4, then every multiple of 8, up to max_num_seqs and
 # at most this many sequences (a larger decode batch runs eagerly, where a launch's cost
@@ -49,6 +50,39 @@ def capture_sizes(sizes: Sequence[int] | str | None, enforce_eager: bool, max_nu
         if limit not in sizes:
             sizes.append(limit)
     return tuple(sorted({size for size in sizes if size <= max_num_seqs}))
+
+
+# vLLM's compilation config keys troupe takes, and the cudagraph modes: FULL (and vLLM's
+# default FULL_AND_PIECEWISE, whose mixed steps troupe captures whole) replays mixed steps
+# of prefill chunks and decodes from graphs too; FULL_DECODE_ONLY only decode steps; NONE none
+COMPILATION_KEYS = ("cudagraph_mode", "max_cudagraph_capture_size", "cudagraph_capture_sizes")
+CUDAGRAPH_MODES = ("FULL_AND_PIECEWISE", "FULL", "FULL_DECODE_ONLY", "NONE")
+MIXED_SIZE_STEP = 32  # mixed steps' graphs: every multiple of this many tokens up to the largest
+
+
+def cuda_graph_sizes(args) -> dict[str, tuple[int, ...]]:
+    """EngineConfig's graph sizes from the engine arguments (cuda_graph_sizes, enforce_eager,
+    compilation_config, max_num_seqs, max_num_batched_tokens): the decode batch sizes, and
+    the token counts of the mixed steps' graphs. ValueError names a bad field."""
+    config = parse_json_object(args.compilation_config or {}, "compilation_config")
+    unknown = sorted(set(config) - set(COMPILATION_KEYS))
+    if unknown:
+        raise ValueError(f"compilation_config: {', '.join(unknown)} not supported (supported: "
+                         f"{', '.join(COMPILATION_KEYS)})")
+    mode = config.get("cudagraph_mode", "FULL_AND_PIECEWISE")
+    if mode not in CUDAGRAPH_MODES:
+        raise ValueError(f"compilation_config.cudagraph_mode must be one of {', '.join(CUDAGRAPH_MODES)}, "
+                         f"got {mode!r}")
+    largest = config.get("max_cudagraph_capture_size", MAX_DEFAULT_CAPTURE_SIZE)
+    if isinstance(largest, bool) or not isinstance(largest, int) or largest < 1:
+        raise ValueError(f"compilation_config.max_cudagraph_capture_size must be a positive integer, got {largest!r}")
+    sizes = args.cuda_graph_sizes if "cudagraph_capture_sizes" not in config else config["cudagraph_capture_sizes"]
+    eager = args.enforce_eager or mode == "NONE"
+    decode = capture_sizes(sizes, eager, min(args.max_num_seqs, largest) if sizes is None else args.max_num_seqs)
+    budget = args.max_num_batched_tokens or MAX_DEFAULT_CAPTURE_SIZE
+    mixed = () if eager or mode == "FULL_DECODE_ONLY" else tuple(
+        range(MIXED_SIZE_STEP, min(largest, budget) + 1, MIXED_SIZE_STEP))
+    return {"cuda_graph_sizes": decode, "cuda_graph_mixed_sizes": mixed}
 
 
 def check_gpu_memory_utilization(device: str, fraction: float | None) -> None:

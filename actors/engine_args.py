@@ -25,7 +25,7 @@ from actors.cli_flags import CLI_GROUPS, add_flag, check_int, parse_size_flag
 from actors.cli_flags import cli_arg as _arg  # short: every field below is one
 from actors.config import (CacheConfig, EngineConfig, LoRAConfig, ParallelConfig, SchedulerConfig,
                            check_tensor_parallel_size, parse_size)
-from actors.cuda_args import (DEFAULT_GPU_MEMORY_UTILIZATION, capture_sizes, check_gpu_memory_utilization,
+from actors.cuda_args import (DEFAULT_GPU_MEMORY_UTILIZATION, check_gpu_memory_utilization, cuda_graph_sizes,
                                on_cuda, parse_capture_sizes_flag)
 from actors.kv_offload_args import check_kv_offload_dir, host_kv_bytes
 from actors.distributed_args import EXECUTOR_BACKENDS, check_distributed, check_distributed_flags
@@ -142,8 +142,9 @@ class EngineArgs:
     cuda_graph_sizes: str | list | None = _arg(
         None, "on CUDA, the decode batch sizes replayed from CUDA graphs, e.g. 1,2,4,8 (default: 1, 2, 4 and every "
               "multiple of 8 up to max_num_seqs, at most 512)", metavar="N,N,...", parse=parse_capture_sizes_flag)
-    # two plans in flight (the actor engine; LLM with one device runs one step at a time)
-    async_scheduling: bool = _arg(True, "build the next step's plan while the workers run the current one")
+    compilation_config: str | dict | None = _arg(None, "vLLM's JSON: cudagraph_mode (FULL_AND_PIECEWISE, FULL: mixed "
+                                                 "steps too; FULL_DECODE_ONLY; NONE), max_cudagraph_capture_size")
+    async_scheduling: bool = _arg(True, "plan and launch each step while the one before it runs")
     scheduling_policy: str = _arg(
         "fcfs", "'fcfs': first come, first served; 'priority': by each request's priority (lower first), then "
                 "arrival, preempting less urgent requests", choices=SCHEDULING_POLICIES)
@@ -271,7 +272,7 @@ class EngineArgs:
             raise ValueError(f"gpu_memory_utilization must be a fraction in (0, 1], got {fraction!r}")
         if self.kv_cache_memory is not None:
             parse_size(self.kv_cache_memory)
-        capture_sizes(self.cuda_graph_sizes, self.enforce_eager, self.max_num_seqs)
+        cuda_graph_sizes(self)
         check_kv_offload_dir(self.kv_offload_dir, host_kv_bytes(self.swap_space, self.kv_offload_size,
                                                                 self.preemption_mode),
                              self.enable_prefix_caching, self.tensor_parallel_size)
@@ -357,7 +358,7 @@ class EngineArgs:
             limit_mm_per_prompt=parse_limit_mm_per_prompt(args.limit_mm_per_prompt),
             allowed_local_media_path=resolve_allowed_media_path(args.allowed_local_media_path),
             mm_processor_cache_gb=args.mm_processor_cache_gb,
-            cuda_graph_sizes=capture_sizes(args.cuda_graph_sizes, args.enforce_eager, args.max_num_seqs))
+            **cuda_graph_sizes(args))
 
     def _lora_config(self) -> LoRAConfig | None:
         if not self.enable_lora:

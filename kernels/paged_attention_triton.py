@@ -158,6 +158,8 @@ def _paged_decode_reduce_kernel(
     head = tl.program_id(1)
     seq = tl.load(decode_seqs_ptr + decode)
     num_splits = (tl.load(seq_lens_ptr + seq) + PARTITION_SIZE - 1) // PARTITION_SIZE
+    if num_splits == 0:  # a CUDA graph's dummy sequence: nothing to write
+        return
     splits = tl.arange(0, BLOCK_S)
     dims = tl.arange(0, BLOCK_D)
     split_mask = splits < num_splits

@@ -22,7 +22,7 @@ from actors.worker.attention import make_backend
 from actors.worker.attention_metadata import AttentionMetadata
 from actors.worker.cpu_model_step import CpuModelStep
 from actors.worker.cpu_tuning import MAX_FEW_ROWS, tune_allocator, tune_few_rows
-from actors.worker.cuda_graphs import DecodeGraphs, StagedDecode
+from actors.worker.cuda_graphs import DecodeGraphs, StagedStep
 from actors.worker.device_config import DTYPES, kv_block_bytes, num_kv_blocks
 from actors.worker.draft_model import DraftModel
 from actors.worker.gpu_memory import MemorySnapshot, check_free_at_start, profile_num_kv_blocks
@@ -250,7 +250,7 @@ class ModelRunner(StepExecution):
 
     def _prepare_inputs(self, batch: list[tuple[CachedRequest, int]], lora: LoRABatch | None = None,
                         previous_sampled: torch.Tensor | None = None
-                        ) -> tuple[torch.Tensor | None, torch.Tensor | None, AttentionMetadata | StagedDecode]:
+                        ) -> tuple[torch.Tensor | None, torch.Tensor | None, AttentionMetadata | StagedStep]:
         """Flat inputs, and the step's attention metadata (built once, with the backend's
         plan; every layer reads it); or, for a CUDA graph's decode step, the inputs staged
         in its buffers. The batch is ordered decodes first. previous_sampled: the previous
@@ -264,7 +264,7 @@ class ModelRunner(StepExecution):
             for request in temporary:
                 self.block_tables.remove(request.row)
                 request.row = -1
-        if self.graphs.sizes and (staged := self.graphs.stage(step, lora, previous_sampled)):
+        if self.graphs.enabled and (staged := self.graphs.stage(step, lora, previous_sampled)):
             return None, None, staged
         staged = self.stager.stage(step, previous_sampled)
         attention = AttentionMetadata.staged(step, staged, self.block_size)

@@ -127,15 +127,16 @@ def test_beams_share_the_prompt_blocks_and_run_as_one_batch(tiny_llama_dir):
     prompt = make_prompts(llm.config.model.vocab_size, [200], seed=5)[0]
     num_prompt_blocks = -(-len(prompt) // 16)  # 13
     held, batch_sizes, max_ref_counts = [], [], []
-    pool, execute = llm.scheduler.block_pool, llm.engine.runner.execute
+    pool, launch = llm.scheduler.block_pool, llm.engine.runner.launch
 
-    def watched_execute(plan):  # between schedule() and update(): the step's blocks are held
-        held.append(llm.scheduler.stats()["num_held_blocks"])
-        batch_sizes.append(len(plan.num_scheduled_tokens))
-        max_ref_counts.append(max(pool.ref_count(b) for b in range(pool.num_blocks)))
-        return execute(plan)
+    def watched_launch(plan, previous=None):  # between schedule() and update(): the step's blocks are held
+        if plan.num_scheduled_tokens:  # (a model step; not a plan that only drops state)
+            held.append(llm.scheduler.stats()["num_held_blocks"])
+            batch_sizes.append(len(plan.num_scheduled_tokens))
+            max_ref_counts.append(max(pool.ref_count(b) for b in range(pool.num_blocks)))
+        return launch(plan, previous)
 
-    llm.engine.runner.execute = watched_execute
+    llm.engine.runner.launch = watched_launch  # (every step is launched, with or without asynchronous steps)
     beam_width = 4
     llm.beam_search([prompt], BeamSearchParams(beam_width=beam_width, max_tokens=5, ignore_eos=True))
     # step 1 is the prompt alone; each later step runs its 4 beams in one model step

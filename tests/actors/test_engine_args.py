@@ -54,6 +54,19 @@ def test_cuda_graph_flags_and_the_kv_cache_default():
     assert EngineArgs.from_cli_args(parse_args(["--enforce-eager"])).build().cuda_graph_sizes == ()
     with pytest.raises(ValueError, match="cuda_graph_sizes must be a list of positive integers"):
         EngineArgs(cuda_graph_sizes=[2, -1]).build()
+    # mixed steps (prefill chunks and decodes) get graphs too, every 32 tokens up to 512 or the step budget
+    assert EngineArgs(max_num_batched_tokens=256).build().cuda_graph_mixed_sizes == tuple(range(32, 257, 32))
+    assert EngineArgs().build().cuda_graph_mixed_sizes[-1] == 512
+    decode_only = EngineArgs.from_cli_args(parse_args(["--compilation-config", '{"cudagraph_mode": "FULL_DECODE_ONLY"}']))
+    assert (decode_only.build().cuda_graph_mixed_sizes, decode_only.build().cuda_graph_sizes[-1]) == ((), 256)
+    small = EngineArgs(compilation_config={"max_cudagraph_capture_size": 64}).build()
+    assert (small.cuda_graph_sizes[-1], small.cuda_graph_mixed_sizes) == (64, (32, 64))
+    none = EngineArgs(compilation_config={"cudagraph_mode": "NONE"}).build()
+    assert (none.cuda_graph_sizes, none.cuda_graph_mixed_sizes) == ((), ())
+    for bad, field in (({"level": 3}, "level not supported"), ({"cudagraph_mode": "PIECEWISE"}, "cudagraph_mode"),
+                       ({"max_cudagraph_capture_size": 0}, "max_cudagraph_capture_size"), ("{", "not valid JSON")):
+        with pytest.raises(ValueError, match=field):
+            EngineArgs(compilation_config=bad).build()
     # on the CPU the KV cache keeps its 2 GiB; on CUDA the GPU's share (tests/gpu)
     cpu = EngineArgs(device="cpu").build().cache
     assert (cpu.kv_cache_memory, cpu.gpu_memory_utilization) == (parse_size("2GiB"), None)

@@ -117,3 +117,43 @@ def test_replayed_decodes_equal_eager_ones_with_padding_and_long_sequences():
     torch.testing.assert_close(replayed(graphs, decode[1:2]), eager[1:2], rtol=1e-4, atol=1e-5)
     # a prefill runs eagerly: no graph takes it
     assert graphs.stage(step_inputs([(blocks[0], 0, prompts[0])]), None) is None
+
+
+@requires_triton
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU's stand-in; tests/gpu replays the real graphs")
+@torch.inference_mode()
+def test_a_mixed_step_of_prefill_chunks_and_decodes_replays_as_it_runs_eagerly():
+    """A mixed graph: decodes and prefill chunks (one fresh, one after cached tokens) padded to
+    the graph's token count, its decode and prefill lists padded with the dummy sequence."""
+    torch.manual_seed(1)
+    model = tiny_model()
+    caches = [(torch.zeros(120, 2, BLOCK, 16), torch.zeros(120, 2, BLOCK, 16)) for _ in range(2)]
+    cached = [5, 600, 40, 0, 20]  # three decodes, then a fresh prompt and a chunk after 20 cached tokens
+    new = [1, 1, 1, 11, 7]
+    blocks, first = [], 0
+    for done, count in zip(cached, new):
+        num_blocks = -(-(done + count) // BLOCK)
+        blocks.append(list(range(first + 1, first + 1 + num_blocks)))
+        first += num_blocks
+    histories = [torch.randint(3, 300, (done,)).tolist() for done in cached]
+    ids, positions, attention = step(model, [(b, 0, h) for b, h in zip(blocks, histories) if h])
+    model.forward(ids, positions, caches, attention)  # the cached tokens' keys and values
+    graphs = CudaGraphs(model, caches, (1, 2, 4), MAX_MODEL_LEN, BLOCK, mixed_sizes=(32, 64), max_num_seqs=6)
+    seqs = [(b, done, torch.randint(3, 300, (count,)).tolist()) for b, done, count in zip(blocks, cached, new)]
+    before = [(k.clone(), v.clone()) for k, v in caches]
+    eager = model.forward(*step(model, seqs)[:2], caches, step(model, seqs)[2])
+    eager_caches = [(k.clone(), v.clone()) for k, v in caches]
+    for (k, v), (k0, v0) in zip(caches, before):
+        k.copy_(k0)
+        v.copy_(v0)
+    inputs = step_inputs(seqs)
+    staged = graphs.stage(inputs, None)
+    assert staged.key == ("mixed", 32) and staged.num_tokens == 21
+    torch.testing.assert_close(graphs.replay(staged), eager, rtol=1e-4, atol=1e-5)
+    for (k, v), (k1, v1) in zip(caches, eager_caches):  # the padding rows wrote nothing
+        torch.testing.assert_close(k, k1, rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(v, v1, rtol=1e-4, atol=1e-5)
+    # a step too large for the largest mixed graph, or with more prefill chunks than a graph takes, runs eagerly
+    assert graphs.stage(step_inputs([(list(range(1, 6)), 0, list(range(3, 73)))]), None) is None
+    many = [(list(range(1 + 2 * i, 3 + 2 * i)), 0, [5, 6]) for i in range(9)]
+    assert graphs.stage(step_inputs(many), None) is None
