@@ -102,13 +102,15 @@ def time_messages(plan, result, updates, outputs) -> None:
         msgspec.msgpack.decode(encode(RequestOutputs(outputs)), type=FrontendInbox)
 
 
-def run(path: str, batch: int, steps: int, sampling: str, prompt_len: int) -> dict[str, list[float]]:
+def run(path: str, batch: int, steps: int, sampling: str, prompt_len: int,
+        async_scheduling: bool = True) -> dict[str, list[float]]:
     from actors import LLM, SamplingParams
     from messages.worker import StepPlan
 
     max_tokens = max(2048, batch * prompt_len)
     llm = LLM(path, max_num_seqs=batch, max_num_batched_tokens=max_tokens,
-              max_model_len=prompt_len + steps + 64, kv_cache_memory="1GiB", seed=0)
+              max_model_len=prompt_len + steps + 64, kv_cache_memory="1GiB", seed=0,
+              async_scheduling=async_scheduling)
     engine = llm.engine
     stub_model(engine.runner, max(batch, 256), max_tokens)
     clock = PhaseClock()
@@ -117,11 +119,12 @@ def run(path: str, batch: int, steps: int, sampling: str, prompt_len: int) -> di
     clock.wrap(engine.runner, "_order_batch", "input preparation")
     clock.wrap(engine.runner, "_prepare_inputs", "input preparation")
     clock.wrap(engine.runner, "_logit_rows", "input preparation")
-    clock.wrap(engine.runner.sampler, "sample", "sampling")
+    clock.wrap(engine.runner.sampler, "launch", "sampling")
+    clock.wrap(engine.runner.sampler, "finish", "sampling")
     clock.wrap(engine.scheduler, "update", "output processing")
     clock.wrap(engine.outputs, "process", "output processing")
     seen: dict[str, object] = {}
-    for owner, name in ((engine.scheduler, "schedule"), (engine.runner, "execute"), (engine.scheduler, "update"),
+    for owner, name in ((engine.scheduler, "schedule"), (engine.runner, "finish"), (engine.scheduler, "update"),
                         (engine.outputs, "process")):
         inner = getattr(owner, name)
 
@@ -148,7 +151,7 @@ def run(path: str, batch: int, steps: int, sampling: str, prompt_len: int) -> di
         if len(plan.num_scheduled_tokens) != batch or any(n != 1 for n in plan.num_scheduled_tokens.values()):
             continue  # prefill (or a mixed step): not what is measured
         start = time.perf_counter()
-        time_messages(plan, seen["execute"], seen["update"], seen["process"][0])
+        time_messages(plan, seen["finish"], seen["update"], seen["process"][0])
         phases["messages"] = time.perf_counter() - start
         decode_steps += 1
         for phase in PHASES:
@@ -167,17 +170,20 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=100, help="decode steps measured per batch size")
     parser.add_argument("--sampling", choices=("greedy", "random"), default="greedy")
     parser.add_argument("--prompt-len", type=int, default=32)
+    parser.add_argument("--no-async-scheduling", dest="async_scheduling", action="store_false",
+                        help="finish each step before the next (default: the next launched first)")
     args = parser.parse_args()
     torch.set_num_threads(min(2, torch.get_num_threads()))
     from tests.conftest import build_tiny_model
 
     print("the engine's cost without the model: host ms per decode step (medians over "
-          f"{args.steps} decode steps; {args.sampling} sampling; no-op forward)", flush=True)
+          f"{args.steps} decode steps; {args.sampling} sampling; no-op forward; "
+          f"{'asynchronous' if args.async_scheduling else 'synchronous'} steps)", flush=True)
     with tempfile.TemporaryDirectory() as root:
         path = build_tiny_model(root, "llama")
         rows = []
         for batch in (int(b) for b in args.batch_sizes.split(",")):
-            figures = run(path, batch, args.steps, args.sampling, args.prompt_len)
+            figures = run(path, batch, args.steps, args.sampling, args.prompt_len, args.async_scheduling)
             rows.append((batch, {name: statistics.median(values) for name, values in figures.items()}))
     names = [*PHASES, "the rest of the step", "total"]
     print("| batch | " + " | ".join(names) + " |")

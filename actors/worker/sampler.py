@@ -36,8 +36,11 @@ class SampledStep:
     rows: StepRows
     sampled: torch.Tensor  # [rows] int64 on the logits' device
     processors: list[LogitsProcessor]  # those that applied to the step's logits
-    raw_logprobs: torch.Tensor | None  # [rows, vocab], when a row asked for logprobs
     num_logprobs: np.ndarray  # [rows]: top logprobs asked for; -1: none
+    host_tokens: torch.Tensor | None = None  # sampled, on the host (pinned; whole once event is done)
+    # when a row asked for logprobs: per row [chosen, top...] values, and [rank, top ids...]
+    host_logprobs: tuple[torch.Tensor, torch.Tensor] | None = None
+    event: torch.cuda.Event | None = None  # recorded after the copies to the host (CUDA)
 
 
 class SamplingState(Protocol):
@@ -125,20 +128,36 @@ class Sampler:
         for processor in active:
             if not getattr(processor, "reads_output", False):
                 processor.on_sampled(rows, sampled)
-        return SampledStep(rows, sampled, active, raw_logprobs, num_logprobs)
+        step = SampledStep(rows, sampled, active, num_logprobs)
+        # what finish() reads, computed and sent to the host now: a read-back at finish would
+        # wait for every step launched since, not for this one alone
+        step.host_tokens = _to_host(sampled)
+        if raw_logprobs is not None:
+            step.host_logprobs = tuple(_to_host(t) for t in _logprob_tensors(raw_logprobs, sampled, num_logprobs))
+        if sampled.is_cuda:
+            step.event = torch.cuda.Event()
+            step.event.record()
+        return step
 
     def finish(self, step: SampledStep) -> tuple[list[int], list[TokenLogprobs] | None]:
-        """The launched step's tokens, read back (a sync on a GPU) and appended to the
-        outputs; the processors that read the outputs on the host hear of them now."""
-        tokens = step.sampled.tolist()
+        """The launched step's tokens, read back (a wait for that step on a GPU) and appended
+        to the outputs; the processors that read the outputs on the host hear of them now."""
+        if step.event is not None:
+            step.event.synchronize()
+        tokens = step.host_tokens.tolist()
         self.batch.append_outputs(step.rows, tokens)
         for processor in step.processors:  # after the outputs have their new tokens
             if getattr(processor, "reads_output", False):
                 processor.on_sampled(step.rows, step.sampled)
-        if step.raw_logprobs is None:
+        if step.host_logprobs is None:
             return tokens, None
-        return tokens, [_token_logprobs(step.raw_logprobs[i], tokens[i], max(top, 0))
-                        for i, top in enumerate(step.num_logprobs.tolist())]
+        values, ids = (t.tolist() for t in step.host_logprobs)
+        logprobs = []
+        for i, top in enumerate(step.num_logprobs.tolist()):
+            top = min(max(top, 0), len(values[i]) - 1)
+            logprobs.append(TokenLogprobs(token_ids=[tokens[i]] + ids[i][1: 1 + top],
+                                          logprobs=values[i][: 1 + top], ranks=[ids[i][0]] + list(range(1, top + 1))))
+        return tokens, logprobs
 
     def reads_output(self, key: Hashable) -> bool:
         """Whether a processor reads this request's output on the host (then its next step
@@ -186,25 +205,39 @@ def argmax_tokens(logits: torch.Tensor) -> torch.Tensor:  # [num_requests, vocab
     return logits.argmax(-1)
 
 
-def _token_logprobs(logprobs: torch.Tensor, token: int, top: int) -> TokenLogprobs:
-    """The chosen token's logprob and rank, then the top `top` tokens."""
-    chosen = logprobs[token]
-    rank = int((logprobs > chosen).sum()) + 1
-    ids, values, ranks = [token], [float(chosen)], [rank]
-    top = min(top, logprobs.shape[-1])  # max_logprobs may exceed a small vocabulary
-    if top:
-        top_values, top_ids = logprobs.topk(top)
-        ids += top_ids.tolist()
-        values += top_values.tolist()
-        ranks += list(range(1, top + 1))
-    return TokenLogprobs(token_ids=ids, logprobs=values, ranks=ranks)
+def _logprob_tensors(logprobs: torch.Tensor,  # [rows, vocab]
+                     sampled: torch.Tensor,  # [rows] int64
+                     num_logprobs: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per row, [the chosen token's logprob, the top k's] and [its rank, the top k's ids], k
+    the most any row asked for (each row keeps its own share)."""
+    top = min(max(int(num_logprobs.max()), 0), logprobs.shape[-1])
+    chosen = logprobs.gather(1, sampled.unsqueeze(1))
+    ranks = (logprobs > chosen).sum(-1, keepdim=True) + 1
+    if not top:
+        return chosen, ranks
+    top_values, top_ids = logprobs.topk(top, dim=-1)
+    return torch.cat([chosen, top_values], 1), torch.cat([ranks, top_ids], 1)
+
+
+def _to_host(tensor: torch.Tensor) -> torch.Tensor:
+    """A copy on the host: queued (into pinned memory) for a CUDA tensor, the tensor itself otherwise."""
+    if not tensor.is_cuda:
+        return tensor
+    host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+    host.copy_(tensor, non_blocking=True)
+    return host
 
 
 def prompt_token_logprobs(logits: torch.Tensor,  # [num_positions, vocab] fp32
                           next_token_ids: list[int], top: int) -> list[TokenLogprobs]:
     """Logprob of each prompt token given the ones before it (row i predicts token i)."""
-    logprobs = logits.log_softmax(-1)
-    return [_token_logprobs(logprobs[i], token, top) for i, token in enumerate(next_token_ids)]
+    if not next_token_ids:
+        return []
+    tokens = torch.tensor(next_token_ids, dtype=torch.long).to(logits.device)
+    values, ids = (t.tolist() for t in _logprob_tensors(logits.log_softmax(-1), tokens, np.array([top])))
+    return [TokenLogprobs(token_ids=[token] + row_ids[1:], logprobs=row_values,
+                          ranks=[row_ids[0]] + list(range(1, len(row_ids))))
+            for token, row_values, row_ids in zip(next_token_ids, values, ids)]
 
 
 def position_seed(seed: int, step: int) -> int:
