@@ -3,7 +3,7 @@
 # CUDA; the packages it lacks travel as wheels in .whl, see /work/.library/device/README.md):
 #   bash benchmarks/gpu_check.sh [stage...]    stages: tests kernels-all engine-tests suite-on-cuda attention decode
 #                                              profile offline offline-8b serve serve-256 cache-save launch
-#                                              structured kernels-some (KERNEL_FILES)
+#                                              structured async kernels-some (KERNEL_FILES)
 # A Triton cache from an earlier call (.gpu_cache/triton.tgz, carried) is unpacked first: the
 # kernels' compilation is a large share of a short call; `cache-save` writes it to $OUT.
 # Each stage runs under its own time limit, logs to $OUT/<stage>.log and prints its tail.
@@ -48,11 +48,13 @@ for part in "${@:-tests engine-tests attention decode offline}"; do for s in $pa
     offline-8b) stage offline-8b "${T_OFFLINE:-90}" python3 benchmarks/gpu_engine.py --models llama-3.1-8b --parts offline ;;
     suite-on-cuda) TROUPE_TEST_DEVICE=cuda stage suite-on-cuda "${T_SUITE:-120}" $PYTEST --maxfail=30 \
         tests/actors/test_llm_matches_hf.py tests/actors/test_llm_sampling.py tests/actors/test_logits_processors.py \
-        tests/actors/test_structured_outputs.py tests/actors/test_lora.py tests/actors/test_async_client.py ;;
+        tests/actors/test_structured_outputs.py tests/actors/test_lora.py tests/actors/test_async_client.py \
+        tests/actors/test_async_steps.py ;;
     serve) stage serve "${T_SERVE:-150}" python3 benchmarks/gpu_serve.py --max-concurrency 64 \
         ${HOST_PROFILE:+--host-profile "$OUT/worker_profile.txt"} ${SERVER_FLAGS:+--server-flags "$SERVER_FLAGS"} ;;
     launch) stage launch "${T_LAUNCH:-60}" python3 benchmarks/launch_overhead.py ;;
     structured) TROUPE_TEST_DEVICE=cuda stage structured "${T_STRUCTURED:-60}" $PYTEST tests/actors/test_structured_outputs.py ;;
+    async) TROUPE_TEST_DEVICE=cuda stage async "${T_ASYNC:-60}" $PYTEST tests/actors/test_async_steps.py ;;
     kernels-some) stage kernels-some "${T_KERNELS:-90}" $PYTEST -p xdist.plugin -n "${XDIST:-6}" $KERNEL_FILES ;;
     serve-256) stage serve-256 "${T_SERVE:-150}" python3 benchmarks/gpu_serve.py --max-concurrency 256 --num-prompts 1024 ;;
     offline-8b-hf) stage offline-8b-hf "${T_OFFLINE:-120}" python3 benchmarks/gpu_engine.py --models llama-3.1-8b \

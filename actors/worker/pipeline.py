@@ -128,6 +128,8 @@ class StageRunner(ModelRunner):
     runs ModelRunner.execute with its forward starting from the received hidden states; the
     others run their layers, pass the hidden states on and return an empty result."""
 
+    can_run_ahead = False  # (a stage's step waits on its neighbours' hidden states and tokens)
+
     def __init__(self, engine: EngineConfig, num_blocks: int, stage: PipelineStage,
                  parallel: TensorParallel) -> None:
         self.stage = stage
