@@ -11,11 +11,24 @@ back to sorting its whole row. Both give each token the probability softmax(logi
 restricted and renormalised as top-k, top-p and min-p say.
 
 Order of the filters (as before, and as vLLM): temperature, top-k, top-p (on the top-k
-renormalised distribution), then min-p (relative to the most likely token)."""
+renormalised distribution), then min-p (relative to the most likely token).
+
+On a GPU nothing here waits for the device (a step launched ahead would stall behind it):
+the per-row parameters go up from pinned memory, top-k / top-p rows are sorted whole
+(deciding which rows need it would read a flag back), and a row whose choice rounded onto a
+token of probability 0 is fixed without asking whether any did."""
 
 from __future__ import annotations
 
 import torch
+
+def on_device(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """values as a tensor on device; on a GPU through pinned memory, so the copy is queued
+    behind the device's work instead of waiting for it (as a copy from pageable memory may)."""
+    if device.type != "cuda":
+        return torch.tensor(values, dtype=dtype, device=device)
+    return torch.tensor(values, dtype=dtype, device="cpu", pin_memory=True).to(device, non_blocking=True)
+
 
 # Top-p rows look for their nucleus among this many most likely tokens first.
 _TOP_P_CANDIDATES = 1024
@@ -28,7 +41,7 @@ def sample_random(logits: torch.Tensor,  # [rows, vocab] float, temperature not 
     device, vocab = logits.device, logits.shape[-1]
     scaled = logits.float()
     if any(t != 1.0 for t in temperature):
-        scaled = scaled / torch.tensor(temperature, dtype=torch.float32, device=device).unsqueeze(1)
+        scaled = scaled / on_device(temperature, torch.float32, device).unsqueeze(1)
     ks = [k if 0 < k < vocab else vocab for k in top_k]
     truncated = [k < vocab or p < 1.0 for k, p in zip(ks, top_p)]
     uniforms = uniforms.to(device)
@@ -37,12 +50,18 @@ def sample_random(logits: torch.Tensor,  # [rows, vocab] float, temperature not 
     result = torch.empty(len(ks), dtype=torch.long, device=device)
     whole = [i for i, t in enumerate(truncated) if not t]
     if whole:
-        index = torch.tensor(whole, device=device)
+        index = on_device(whole, torch.long, device)
         result[index] = _inverse_cdf(scaled.index_select(0, index), [min_p[i] for i in whole], uniforms[index])
     rows = [i for i, t in enumerate(truncated) if t]
     width = min(vocab, max(ks[i] if ks[i] < vocab else _TOP_P_CANDIDATES for i in rows))
-    index = torch.tensor(rows, device=device)
+    index = on_device(rows, torch.long, device)
     subset = scaled if len(rows) == len(ks) else scaled.index_select(0, index)
+    if device.type == "cuda":  # whole rows sorted: no read-back of which rows need it
+        values, token_ids = subset.sort(-1, descending=True)
+        keep = _top_k_top_p_mask(values, subset, [ks[i] for i in rows], [top_p[i] for i in rows])
+        choice = _inverse_cdf(values.masked_fill(~keep, float("-inf")), [min_p[i] for i in rows], uniforms[index])
+        result[index] = token_ids.gather(1, choice.unsqueeze(1)).squeeze(1)
+        return result
     values, token_ids = subset.topk(width, dim=-1)  # sorted, largest first
     keep = _top_k_top_p_mask(values, subset, [ks[i] for i in rows], [top_p[i] for i in rows])
     complete = _nucleus_found(keep, [ks[i] for i in rows], [top_p[i] for i in rows], width, vocab)
@@ -51,7 +70,7 @@ def sample_random(logits: torch.Tensor,  # [rows, vocab] float, temperature not 
     result[index] = token_ids.gather(1, choice.unsqueeze(1)).squeeze(1)
     short = [rows[j] for j, ok in enumerate(complete) if not ok]
     if short:  # the nucleus reaches past the candidates: sort those rows whole
-        short_index = torch.tensor(short, device=device)
+        short_index = on_device(short, torch.long, device)
         values, token_ids = scaled.index_select(0, short_index).sort(-1, descending=True)
         keep = _top_k_top_p_mask(values, values, [ks[i] for i in short], [top_p[i] for i in short])
         choice = _inverse_cdf(values.masked_fill(~keep, float("-inf")), [min_p[i] for i in short],
@@ -68,16 +87,16 @@ def _top_k_top_p_mask(values: torch.Tensor,  # [rows, width] sorted, largest fir
     rows, width = values.shape
     device = values.device
     position = torch.arange(width, device=device).unsqueeze(0)
-    keep = position < torch.tensor(ks, device=device).unsqueeze(1)
+    keep = position < on_device(ks, torch.long, device).unsqueeze(1)
     if any(p < 1.0 for p in top_p):
         # the top-k mass: the whole row's where k is the vocabulary, else the first k's
-        k_limited = torch.tensor([k < full_rows.shape[-1] for k in ks], device=device).unsqueeze(1)
+        k_limited = on_device([k < full_rows.shape[-1] for k in ks], torch.bool, device).unsqueeze(1)
         row_max = values[:, :1]
         total = torch.where(k_limited, values.masked_fill(~keep, float("-inf")).sub(row_max).exp().sum(-1, True),
                             (full_rows - row_max).exp().sum(-1, True))
         probs = (values - row_max).exp() / total
         mass_before = probs.cumsum(-1) - probs
-        keep &= mass_before < torch.tensor(top_p, device=device).unsqueeze(1)
+        keep &= mass_before < on_device(top_p, values.dtype, device).unsqueeze(1)
     return keep
 
 
@@ -96,14 +115,14 @@ def _inverse_cdf(logits: torch.Tensor,  # [rows, n]; -inf where a token may not 
     most an ulp of the running total (~6e-8), and a token of probability 0 is never chosen."""
     probs = logits.softmax(-1)
     if any(p > 0.0 for p in min_p):
-        threshold = torch.tensor(min_p, dtype=probs.dtype, device=probs.device).unsqueeze(1)
+        threshold = on_device(min_p, probs.dtype, probs.device).unsqueeze(1)
         probs = probs.masked_fill(probs < threshold * probs.amax(-1, keepdim=True), 0.0)
     cdf = probs.cumsum(-1)
     target = (uniforms.unsqueeze(1) * cdf[:, -1:].double()).to(cdf.dtype)
     choice = torch.searchsorted(cdf, target, right=True).squeeze(1).clamp_(max=logits.shape[-1] - 1)
     # rounding can put the target at the total itself: never return a token of probability 0
     zero = probs.gather(1, choice.unsqueeze(1)).squeeze(1) <= 0
-    if bool(zero.any()):
+    if choice.is_cuda or bool(zero.any()):  # (on a GPU without asking: a read-back would wait)
         choice = torch.where(zero, probs.argmax(-1), choice)
     return choice
 
@@ -115,13 +134,13 @@ def filtered_probs(logits: torch.Tensor,  # [rows, vocab] float, temperature not
     applies them (the target distribution that speculative decoding's rejection sampling
     keeps). Sorts whole rows: it serves the few rows of speculated decodes."""
     device, vocab = logits.device, logits.shape[-1]
-    scaled = logits.float() / torch.tensor(temperature, dtype=torch.float32, device=device).unsqueeze(1)
+    scaled = logits.float() / on_device(temperature, torch.float32, device).unsqueeze(1)
     ks = [k if 0 < k < vocab else vocab for k in top_k]
     values, token_ids = scaled.sort(-1, descending=True)
     keep = _top_k_top_p_mask(values, values, ks, top_p)
     probs = values.masked_fill(~keep, float("-inf")).softmax(-1)
     if any(p > 0.0 for p in min_p):
-        threshold = torch.tensor(min_p, dtype=probs.dtype, device=device).unsqueeze(1)
+        threshold = on_device(min_p, probs.dtype, device).unsqueeze(1)
         probs = probs.masked_fill(probs < threshold * probs.amax(-1, keepdim=True), 0.0)
         probs = probs / probs.sum(-1, keepdim=True)
     return torch.zeros_like(probs).scatter_(1, token_ids, probs)

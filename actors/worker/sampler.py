@@ -23,7 +23,7 @@ import numpy as np
 import torch
 
 from actors.worker.logits_processors import LogitsProcessor, default_processors
-from actors.worker.random_sampling import sample_random
+from actors.worker.random_sampling import on_device, sample_random
 from actors.worker.sampling_batch import SamplingBatch, StepRows
 from messages.common import SamplingParams
 from messages.scheduler import TokenLogprobs
@@ -179,9 +179,9 @@ class Sampler:
                                 dtype=torch.float64, device=device)
                      for seed, position in zip(batch.seed[slots[seeded]].tolist(),
                                                rows.num_output[random_rows[seeded]].tolist())]
-            uniforms.index_copy_(0, torch.tensor(seeded, dtype=torch.long, device=device), torch.cat(draws))
+            uniforms.index_copy_(0, on_device(seeded.tolist(), torch.long, device), torch.cat(draws))
         every_row = len(random_rows) == len(greedy)
-        index = None if every_row else torch.tensor(random_rows, dtype=torch.long, device=device)
+        index = None if every_row else on_device(random_rows.tolist(), torch.long, device)
         chosen = sample_random(logits if every_row else logits.index_select(0, index),
                                batch.temperature[slots].tolist(), batch.top_k[slots].tolist(),
                                batch.top_p[slots].tolist(), batch.min_p[slots].tolist(), uniforms)
@@ -233,7 +233,7 @@ def prompt_token_logprobs(logits: torch.Tensor,  # [num_positions, vocab] fp32
     """Logprob of each prompt token given the ones before it (row i predicts token i)."""
     if not next_token_ids:
         return []
-    tokens = torch.tensor(next_token_ids, dtype=torch.long).to(logits.device)
+    tokens = on_device(next_token_ids, torch.long, logits.device)
     values, ids = (t.tolist() for t in _logprob_tensors(logits.log_softmax(-1), tokens, np.array([top])))
     return [TokenLogprobs(token_ids=[token] + row_ids[1:], logprobs=row_values,
                           ranks=[row_ids[0]] + list(range(1, len(row_ids))))

@@ -93,6 +93,11 @@ class SamplingBatch:
         slots = np.fromiter((self.slot_of[key] for key in keys), np.int64, len(keys))
         return StepRows(slots, self.num_output[slots], device)
 
+    def append_tokens(self, rows: StepRows, tokens: list[int]) -> None:
+        """Each row's sampled token joins its request's output, and its count moves on."""
+        self.num_output[rows.slots] += 1
+        self.append_outputs(rows, tokens)
+
     def append_outputs(self, rows: StepRows, tokens: list[int]) -> None:
         """Each row's sampled token joins its request's output list (its count has moved on
         already: Sampler.launch)."""

@@ -6,7 +6,9 @@ no GPU needed to check it:
 - the whole sampler runs on CPU logits with `meta` as the default device, and every
   tensor made meanwhile must be on the CPU (one made without naming the logits' device,
   which on a GPU would land on the CPU, shows up as `meta`);
-- on CUDA (marked gpu), temperature 1.0 and everything else, every tensor on CUDA."""
+- on CUDA (marked gpu), temperature 1.0 and everything else, every tensor on CUDA but the
+  pinned host buffers that carry values to and from it (a copy from pageable memory could
+  wait for the device)."""
 
 from __future__ import annotations
 
@@ -31,7 +33,7 @@ class TensorDevices(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
         result = func(*args, **(kwargs or {}))
         for value in result if isinstance(result, (tuple, list)) else (result,):
-            if isinstance(value, torch.Tensor):
+            if isinstance(value, torch.Tensor) and not (value.device.type == "cpu" and value.is_pinned()):
                 self.made.setdefault(value.device, getattr(func, "__name__", repr(func)))
         return result
 
