@@ -14,9 +14,9 @@ from __future__ import annotations
 import torch
 
 from kernels._triton import jit, next_power_of_2, tl
-from kernels.rms_norm import rms_norm_ref
-from kernels.rotary import rotary_ref
-from kernels.store_kv import store_kv_ref
+from kernels.rms_norm import rms_norm, rms_norm_ref
+from kernels.rotary import rotary, rotary_ref
+from kernels.store_kv import store_kv, store_kv_ref
 
 
 def rotary_store_kv_ref(
@@ -182,4 +182,20 @@ def rotary_store_kv(
             BLOCK_HK=next_power_of_2(num_kv_heads), BLOCK_HALF=next_power_of_2(head_size // 2),
             BLOCK_D=next_power_of_2(head_size),
         )
+    return query, key
+
+
+def rotary_store_kv_unfused(
+    positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+    cos_sin_cache: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, slot_mapping: torch.Tensor,
+    q_norm: torch.Tensor | None = None, k_norm: torch.Tensor | None = None, eps: float = 0.0,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The Triton kernels rotary_store_kv replaces, one launch each (as the Triton backend ran
+    them before it): the norms (over copies of q and k where several tokens make their heads
+    strided), rotary, store_kv. The baseline of its tests and of benchmarks/kernels.py."""
+    if q_norm is not None:
+        query = rms_norm(query.reshape(-1, query.shape[-1]), q_norm, eps).view_as(query)
+        key = rms_norm(key.reshape(-1, key.shape[-1]), k_norm, eps).view_as(key)
+    query, key = rotary(positions, query, key, cos_sin_cache)
+    store_kv(key, value, key_cache, value_cache, slot_mapping)
     return query, key

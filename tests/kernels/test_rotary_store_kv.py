@@ -7,10 +7,8 @@ import pytest
 import torch
 
 from actors.worker.attention import CpuBackend, TorchBackend, TritonBackend
-from kernels.rms_norm import rms_norm
-from kernels.rotary import build_cos_sin_cache, rotary
-from kernels.rotary_store_kv import rotary_store_kv, rotary_store_kv_ref
-from kernels.store_kv import store_kv
+from kernels.rotary import build_cos_sin_cache
+from kernels.rotary_store_kv import rotary_store_kv, rotary_store_kv_ref, rotary_store_kv_unfused
 from tests.kernels.helpers import DEVICE, assert_close, caches_past_two_to_the_31, generator, requires_triton
 from tests.kernels.test_rotary import LLAMA3_SCALING, make_qkv
 
@@ -38,16 +36,6 @@ def poisoned_caches(num_kv_heads: int, head_size: int, dtype: torch.dtype,
     # NaN everywhere: a slot written that should not be, or not written, fails
     return (torch.full(shape, float("nan"), dtype=dtype, device=device),
             torch.full(shape, float("nan"), dtype=dtype, device=device))
-
-
-def unfused_triton(positions, q, k, v, cos_sin_cache, key_cache, value_cache, slots, q_norm, k_norm, eps):
-    """What the Triton backend ran before: two norms (over copies of q and k), rotary, store_kv."""
-    if q_norm is not None:
-        q = rms_norm(q.reshape(-1, q.shape[-1]), q_norm, eps).view_as(q)
-        k = rms_norm(k.reshape(-1, k.shape[-1]), k_norm, eps).view_as(k)
-    q, k = rotary(positions, q, k, cos_sin_cache)
-    store_kv(k, v, key_cache, value_cache, slots)
-    return q, k
 
 
 def test_reference_leaves_its_inputs_and_skips_padding_slots():
@@ -95,8 +83,8 @@ def test_triton_equals_the_unfused_kernels(norms, dtype):
     qkv, q, k, v, positions, slots, cache, (q_norm, k_norm) = make_step(11, 8, 2, 128, dtype, seed=7, norms=norms)
     uq, uk, uv = (t.view(11, -1, 128) for t in qkv.clone().split([1024, 256, 256], dim=-1))
     unfused_caches, caches = poisoned_caches(2, 128, dtype), poisoned_caches(2, 128, dtype)
-    expected_q, expected_k = unfused_triton(positions, uq, uk, uv, cache, *unfused_caches, slots, q_norm, k_norm,
-                                            1e-6)
+    expected_q, expected_k = rotary_store_kv_unfused(positions, uq, uk, uv, cache, *unfused_caches, slots, q_norm,
+                                                     k_norm, 1e-6)
     rotary_store_kv(positions, q, k, v, cache, *caches, slots, q_norm, k_norm, 1e-6)
     exact = not (norms and DEVICE.type == "cuda")
     for actual, expected in zip((q, k, *caches), (expected_q, expected_k, *unfused_caches)):
