@@ -171,6 +171,7 @@ def rotary_store_kv(
         assert q_norm.shape == k_norm.shape == (head_size,) and q_norm.is_contiguous() and k_norm.is_contiguous()
         assert q_norm.dtype == k_norm.dtype == query.dtype
     if num_tokens:
+        block_hq, block_d = next_power_of_2(num_heads), next_power_of_2(head_size)
         _rotary_store_kv_kernel[(num_tokens,)](
             positions, query, key, value, cos_sin_cache,
             q_norm if has_norm else query, k_norm if has_norm else key,  # (any pointer where there is none)
@@ -178,9 +179,11 @@ def rotary_store_kv(
             query.stride(0), query.stride(1), key.stride(0), key.stride(1), value.stride(0), value.stride(1),
             cos_sin_cache.stride(0), key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
             num_heads, num_kv_heads, head_size, eps,
-            HAS_NORM=has_norm, BLOCK_SIZE=key_cache.shape[2], BLOCK_HQ=next_power_of_2(num_heads),
-            BLOCK_HK=next_power_of_2(num_kv_heads), BLOCK_HALF=next_power_of_2(head_size // 2),
-            BLOCK_D=next_power_of_2(head_size),
+            HAS_NORM=has_norm, BLOCK_SIZE=key_cache.shape[2], BLOCK_HQ=block_hq,
+            BLOCK_HK=next_power_of_2(num_kv_heads), BLOCK_HALF=next_power_of_2(head_size // 2), BLOCK_D=block_d,
+            # a token's query heads are held at once (the norm's whole rows and both halves): more
+            # threads for more heads, so that 32 or 64 heads of 128 do not spill registers on sm_90
+            num_warps=max(4, min(16, block_hq * block_d // 512)),
         )
     return query, key
 
