@@ -1,19 +1,29 @@
-"""Paged decode attention on CUDA: the Triton kernel against torch's scaled_dot_product_attention
-on contiguous K/V, and against the memory roofline.
+"""The Triton kernels on CUDA, in four parts (--parts, all by default):
 
-Decode attention reads every cached key and value once and does little arithmetic on
-them, so its floor is bytes(K) + bytes(V) / memory bandwidth. The bandwidth is measured
-here, with a large device-to-device copy, not taken from a data sheet. For each batch
-size and context length the table shows:
-- triton: paged_attention over a cache of shuffled 16-token blocks (as a server's cache
-  is after a while), launch sizes computed once outside the timing, as a model step does;
-- sdpa: F.scaled_dot_product_attention over the same K/V laid out contiguously
-  ([batch, kv_heads, context, head], enable_gqa), what a non-paged engine would run;
-- roofline: the K/V bytes over the measured bandwidth, and how close triton comes to it.
-Every configuration also checks the kernel's output against SDPA's.
+- attention: paged decode attention against torch's scaled_dot_product_attention on
+  contiguous K/V, and against the memory roofline. Decode attention reads every cached key
+  and value once and does little arithmetic on them, so its floor is bytes(K) + bytes(V) /
+  memory bandwidth, measured here with a large device-to-device copy. For each batch size
+  and context length: triton (paged_attention over a cache of shuffled 16-token blocks, as a
+  server's cache is after a while, launch sizes computed once outside the timing, as a model
+  step does), sdpa (the same K/V laid out contiguously, [batch, kv_heads, context, head],
+  enable_gqa: what a non-paged engine would run), roofline (the K/V bytes over the measured
+  bandwidth, and how close triton comes to it). Every configuration also checks the
+  kernel's output against SDPA's.
+- fused: rotary_store_kv (q/k norms, rotary and the KV store in one kernel) against the
+  kernels it replaced (rotary_store_kv_unfused), at Qwen3-0.6B's shapes (with the norms) and
+  Llama-3.1-8B's (without): kernels launched (counted by torch.profiler), GPU time
+  (do_bench), host time a call (launches only, no sync), and a CUDA graph's replay.
+- splits: decode attention launched as an eager step launches it (splits for the longest
+  decode) and as a CUDA graph of max_model_len does (its splits, mostly past the sequences'
+  ends): what the empty splits and the reduction launch cost short sequences.
+- layer: the CUDA kernels of one decoder layer in an eager decode step (a two-layer minus a
+  one-layer forward, counted by torch.profiler), Qwen3 and Llama, one and eight decodes,
+  contexts of one split and of two.
 
-    python benchmarks/kernels.py                              # batch 64 and 256, contexts 512..8192
-    python benchmarks/kernels.py --batch-sizes 64 --context-lens 1024,4096 --head-size 64
+    python benchmarks/kernels.py                              # every part
+    python benchmarks/kernels.py --parts attention --batch-sizes 64 --context-lens 1024,4096 --head-size 64
+    python benchmarks/kernels.py --parts fused,splits,layer
 
 Without a CUDA device it says so and exits 0 (tests/kernels checks the kernels on the
 CPU, under triton's interpreter).
@@ -27,14 +37,15 @@ import sys
 
 if __name__ == "__main__":
     # Run as a script, this file's folder comes first on sys.path, where "kernels" would
-    # name this file rather than the kernels package.
+    # name this file rather than the kernels package: the checkout takes its place.
     _here = os.path.dirname(os.path.abspath(__file__))
-    sys.path = [path for path in sys.path if os.path.abspath(path or os.curdir) != _here]
+    sys.path = [os.path.dirname(_here)] + [path for path in sys.path if os.path.abspath(path or os.curdir) != _here]
 
 import torch
 import torch.nn.functional as F
 
 _DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+PARTS = ("attention", "fused", "splits", "layer")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -42,6 +53,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         return [int(part) for part in text.split(",") if part]
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--parts", type=lambda text: [part for part in text.split(",") if part],
+                        default=list(PARTS), help=f"comma-separated, of {','.join(PARTS)}")
     parser.add_argument("--batch-sizes", type=int_list, default=[64, 256], help="comma-separated")
     parser.add_argument("--context-lens", type=int_list, default=[512, 1024, 2048, 4096, 8192],
                         help="comma-separated; every sequence of a batch has this many cached tokens")
@@ -52,9 +65,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--dtype", choices=sorted(_DTYPES), default="bfloat16")
     parser.add_argument("--warmup-ms", type=int, default=25, help="triton.testing.do_bench warm-up")
     parser.add_argument("--rep-ms", type=int, default=100, help="triton.testing.do_bench measuring time")
+    parser.add_argument("--fused-tokens", type=int_list, default=[1, 64, 256],
+                        help="comma-separated: tokens of a step in the fused part")
     args = parser.parse_args(argv)
     if args.num_heads % args.num_kv_heads:
         parser.error("--num-heads must be a multiple of --num-kv-heads")
+    if unknown := set(args.parts) - set(PARTS):
+        parser.error(f"unknown parts {sorted(unknown)}: choose from {', '.join(PARTS)}")
     return args
 
 
@@ -122,13 +139,7 @@ def bench_one(args: argparse.Namespace, batch_size: int, context_len: int, bandw
             "of_roofline": roofline_ms / triton_ms}
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
-    if not torch.cuda.is_available():
-        print("benchmarks/kernels.py needs a CUDA device, and this machine has none: nothing to time. "
-              "(tests/kernels checks the kernels on the CPU under triton's interpreter.)")
-        return 0
-    device = torch.device("cuda")
+def attention_table(args: argparse.Namespace, device: torch.device) -> None:
     bandwidth = measure_bandwidth(device)
     print(f"{torch.cuda.get_device_name(device)}: copy bandwidth {bandwidth / 1e9:.0f} GB/s; "
           f"decode, {args.dtype}, {args.num_heads} q heads / {args.num_kv_heads} kv heads, "
@@ -143,6 +154,21 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{row['batch']:>6} {row['context']:>8} {row['triton_us']:>10.1f} {row['sdpa_us']:>10.1f} "
                   f"{row['roofline_us']:>12.1f} {row['triton_gbps']:>12.0f} {100 * row['of_roofline']:>10.0f}% "
                   f"{row['sdpa_us'] / row['triton_us']:>7.2f}x")
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if not torch.cuda.is_available():
+        print("benchmarks/kernels.py needs a CUDA device, and this machine has none: nothing to time. "
+              "(tests/kernels checks the kernels on the CPU under triton's interpreter.)")
+        return 0
+    from benchmarks.kernels_fused import fused_table, layer_table, splits_table
+
+    device = torch.device("cuda")
+    parts = {"attention": attention_table, "fused": fused_table, "splits": splits_table, "layer": layer_table}
+    for part in args.parts:
+        print(f"\n== {part}")
+        parts[part](args, device)
     return 0
 
 

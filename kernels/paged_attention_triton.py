@@ -7,7 +7,9 @@ Two kernels, each launched over its own kind of sequence:
   split of PARTITION_SIZE keys) and all the query heads that share the kv head, so each
   key is read once per group; a second pass (_paged_decode_reduce_kernel) combines the
   splits' softmaxes. A long context thus spreads over many programs even when the batch
-  is small.
+  is small. A sequence that fits one split is done by its one program, which writes the
+  output itself (no partial results, no work in the reduction): the launcher sizes the
+  grid from the step's longest decode, a CUDA graph from max_model_len.
 - prefill chunks: a program takes BLOCK_M queries of one head of one chunk and walks the
   keys through the block table up to its last query's position (flash attention with a
   causal mask on positions, so a chunk that starts mid-sequence sees its whole prefix).
@@ -127,8 +129,12 @@ def _paged_decode_kernel(
         row_max, row_sum, acc = _online_softmax_update(q, k, v, token_mask[None, :], row_max, row_sum, acc,
                                                        scale_log2, INPUT_PRECISION)
 
+    out = out_ptr + token * out_stride_token + heads[:, None] * out_stride_head + dims[None, :]
     if NUM_SPLITS == 1:
-        out = out_ptr + token * out_stride_token + heads[:, None] * out_stride_head + dims[None, :]
+        tl.store(out, (acc / row_sum[:, None]).to(out_ptr.dtype.element_ty), mask=head_mask)
+    elif seq_len <= PARTITION_SIZE:
+        # the sequence's only split: its output is final, and the reduction skips it (a CUDA
+        # graph launches max_model_len's splits, yet a short sequence costs one program)
         tl.store(out, (acc / row_sum[:, None]).to(out_ptr.dtype.element_ty), mask=head_mask)
     else:
         rows = (decode.to(tl.int64) * num_heads + heads) * NUM_SPLITS + split  # [BLOCK_G]
@@ -158,7 +164,9 @@ def _paged_decode_reduce_kernel(
     head = tl.program_id(1)
     seq = tl.load(decode_seqs_ptr + decode)
     num_splits = (tl.load(seq_lens_ptr + seq) + PARTITION_SIZE - 1) // PARTITION_SIZE
-    if num_splits == 0:  # a CUDA graph's dummy sequence: nothing to write
+    # one split: the decode kernel wrote this sequence's output itself; none: a CUDA graph's
+    # dummy sequence (actors/worker/graph_inputs.py), nothing to write
+    if num_splits <= 1:
         return
     splits = tl.arange(0, BLOCK_S)
     dims = tl.arange(0, BLOCK_D)
@@ -166,8 +174,7 @@ def _paged_decode_reduce_kernel(
     rows = (decode.to(tl.int64) * num_heads + head) * NUM_SPLITS + splits
     maxes = tl.load(partial_max_ptr + rows, mask=split_mask, other=float("-inf"))
     weights = tl.load(partial_sum_ptr + rows, mask=split_mask, other=0.0) * tl.exp2(maxes - tl.max(maxes, 0))
-    # normalised first, so that one split's weight is exactly 1 and a decode whose keys fit one
-    # split gets the unsplit kernel's output bit for bit (a CUDA graph always launches splits)
+    # normalised first, so that the weights sum to 1 as exactly as they can
     weights = weights / tl.sum(weights, 0)
     partial = tl.load(partial_out_ptr + rows[:, None] * head_size + dims[None, :],
                       mask=split_mask[:, None] & (dims < head_size)[None, :], other=0.0)

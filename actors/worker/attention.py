@@ -1,7 +1,8 @@
 """Which kernels a model step runs.
 
 Three backends, one interface (prepare derives the backend's bookkeeping from the step's
-AttentionMetadata once per step; attention stores the step's keys and values, then attends):
+AttentionMetadata once per step; rotary_store_kv norms (Qwen3) and rotates q and k and
+stores the step's keys and values; attention then attends over the cache):
 - torch: each kernel's plain-torch reference, the oracle of the other two; the paged
   attention bookkeeping is planned once per step and reused by every layer.
 - cpu (the CPU's default): the references' results from faster CPU paths: decode and
@@ -10,7 +11,9 @@ AttentionMetadata once per step; attention stores the step's keys and values, th
   is found, torch's ops. (Where the model allows, the model runner runs each whole step
   of this backend in one C++ call instead: actors/worker/cpu_model_step.py.)
 - triton: the Triton kernels, compiled on CUDA, or under triton's interpreter on the CPU
-  (TRITON_INTERPRET=1; slow, for tests)."""
+  (TRITON_INTERPRET=1; slow, for tests). rotary_store_kv is one fused kernel there
+  (kernels/rotary_store_kv.py): on a GPU each launch costs tens of microseconds of host
+  time; the other two backends compose their own norm, rotary and store ops."""
 
 from __future__ import annotations
 
@@ -27,8 +30,8 @@ from kernels.paged_attention_cpu import paged_attention_cpu, plan_paged_attentio
 from kernels.paged_attention_ref import paged_attention_planned, plan_paged_attention
 from kernels.rms_norm import rms_norm, rms_norm_cpu, rms_norm_ref
 from kernels.rotary import rotary, rotary_cpu, rotary_ref
+from kernels.rotary_store_kv import rotary_store_kv, rotary_store_kv_ref
 from kernels.silu_mul import silu_mul, silu_mul_cpu, silu_mul_ref
-from kernels.store_kv import store_kv, store_kv_ref
 
 
 class TorchBackend:
@@ -39,6 +42,7 @@ class TorchBackend:
     rms_norm = staticmethod(rms_norm_ref)
     rotary = staticmethod(rotary_ref)
     silu_mul = staticmethod(silu_mul_ref)
+    rotary_store_kv = staticmethod(rotary_store_kv_ref)
 
     def prepare(self, step: AttentionMetadata, dtype: torch.dtype) -> None:
         step.plan = plan_paged_attention(step.block_tables, step.seq_lens, step.query_start_loc, step.block_size,
@@ -46,7 +50,6 @@ class TorchBackend:
 
     def attention(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
                   value_cache: torch.Tensor, step: AttentionMetadata, scale: float) -> torch.Tensor:
-        store_kv_ref(key, value, key_cache, value_cache, step.slot_mapping)
         return paged_attention_planned(query, key_cache, value_cache, step.plan, scale)
 
 
@@ -86,25 +89,38 @@ class CpuBackend:
                cos_sin_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return rotary_cpu(positions, query, key, cos_sin_cache, self.native)
 
+    def rotary_store_kv(self, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                        cos_sin_cache: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                        slot_mapping: torch.Tensor, q_norm: torch.Tensor | None = None,
+                        k_norm: torch.Tensor | None = None, eps: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
+        """rotary_store_kv_ref's results from this backend's ops, one after the other (as
+        cpu_model_step.py's C++ step runs them)."""
+        if q_norm is not None:
+            query = self.rms_norm(query.reshape(-1, query.shape[-1]), q_norm, eps).view_as(query)
+            key = self.rms_norm(key.reshape(-1, key.shape[-1]), k_norm, eps).view_as(key)
+        query, key = self.rotary(positions, query, key, cos_sin_cache)
+        store_kv_cpu(key, value, key_cache, value_cache, slot_mapping, self.native)
+        return query, key
+
     def prepare(self, step: AttentionMetadata, dtype: torch.dtype) -> None:
         step.plan = plan_paged_attention_cpu(step.block_tables, step.seq_lens, step.query_start_loc,
                                              step.block_size, step.host)
 
     def attention(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
                   value_cache: torch.Tensor, step: AttentionMetadata, scale: float) -> torch.Tensor:
-        store_kv_cpu(key, value, key_cache, value_cache, step.slot_mapping, self.native)
         return paged_attention_cpu(query, key, value, key_cache, value_cache, step.plan, scale, self.native)
 
 
 class TritonBackend:
-    """The Triton kernels. rotary rotates q and k in place (and returns them), which the
-    model allows: q and k are fresh slices of this layer's qkv matrix."""
+    """The Triton kernels. rotary and rotary_store_kv overwrite q and k (and return them),
+    which the model allows: q and k are fresh slices of this layer's qkv matrix."""
 
     name = "triton"
     linear = staticmethod(F.linear)
     rms_norm = staticmethod(rms_norm)
     rotary = staticmethod(rotary)
     silu_mul = staticmethod(silu_mul)
+    rotary_store_kv = staticmethod(rotary_store_kv)
 
     def prepare(self, step: AttentionMetadata, dtype: torch.dtype) -> None:
         # the grid sizes and sequence lists, from the host numbers: no read off the device
@@ -113,7 +129,6 @@ class TritonBackend:
 
     def attention(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
                   value_cache: torch.Tensor, step: AttentionMetadata, scale: float) -> torch.Tensor:
-        store_kv(key, value, key_cache, value_cache, step.slot_mapping)
         return paged_attention(query, key_cache, value_cache, step.block_tables, step.seq_lens,
                                step.query_start_loc, scale, launch=step.plan)
 

@@ -1,5 +1,5 @@
 """Steps replayed from CUDA graphs: on CUDA a step of a small model, or of a small batch,
-costs more in kernel launches (a dozen per layer, 20 to 60 µs of Python each) than the GPU
+costs more in kernel launches (nine or ten per layer, 20 to 60 µs of Python each) than the GPU
 takes to compute it, so the model's forward is captured once per shape and replayed
 (vLLM's FULL cudagraph mode; research/design-review.md: the graph runner is the model
 runner's seam, beside the CPU's one-call C++ step).

@@ -187,7 +187,8 @@ class LlamaModel:
         eps = self.config.rms_norm_eps
         num_tokens = hidden.shape[0]
         for index, (layer, (key_cache, value_cache)) in enumerate(zip(self.layers, kv_caches)):
-            # 1. attention block: norm (fused with the residual add), qkv, rotary, paged attention
+            # 1. attention block: norm (fused with the residual add), qkv, q/k norms (Qwen3) with
+            # rotary and the KV store (one kernel on the Triton backend), paged attention
             if residual is None:
                 residual = hidden
                 x = ops.rms_norm(hidden, layer.input_norm, eps)
@@ -200,10 +201,8 @@ class LlamaModel:
             q = q.view(num_tokens, self.num_heads, self.head_dim)
             k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
             v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
-            if layer.q_norm is not None:
-                q = ops.rms_norm(q.reshape(-1, self.head_dim), layer.q_norm, eps).view_as(q)
-                k = ops.rms_norm(k.reshape(-1, self.head_dim), layer.k_norm, eps).view_as(k)
-            q, k = ops.rotary(positions, q, k, self.cos_sin_cache)
+            q, k = ops.rotary_store_kv(positions, q, k, v, self.cos_sin_cache, key_cache, value_cache,
+                                       attention.slot_mapping, layer.q_norm, layer.k_norm, eps)
             attn = ops.attention(q, k, v, key_cache, value_cache, attention, self.scale)
             attn = attn.view(num_tokens, self.q_size)
             hidden = ops.linear(attn, layer.o_proj)

@@ -35,3 +35,18 @@ def poisoned(*shape: int, dtype: torch.dtype) -> torch.Tensor:
 def generator(seed: int) -> torch.Generator:
     """A CPU generator: every case draws its own fresh inputs, reproducibly."""
     return torch.Generator().manual_seed(seed)
+
+
+def caches_past_two_to_the_31(block_size: int, head_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A bf16 key and value cache of one kv head and more than 2**31 elements each, so that
+    block_id * block_stride overflows int32 in the last blocks (an int32 regression reads or
+    writes out of bounds: a segfault under the interpreter, whose traceback names the test).
+    Allocated but never filled: only the pages of the few blocks a test uses become memory.
+    Skips the test where two 4 GiB reservations fail (no overcommit, or a small GPU)."""
+    num_blocks = 2**31 // (block_size * head_size) + 8
+    try:
+        shape = (num_blocks, 1, block_size, head_size)
+        return (torch.empty(shape, dtype=torch.bfloat16, device=DEVICE),
+                torch.empty(shape, dtype=torch.bfloat16, device=DEVICE))
+    except (RuntimeError, MemoryError) as error:
+        pytest.skip(f"cannot reserve two 4 GiB caches: {error}")

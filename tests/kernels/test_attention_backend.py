@@ -11,6 +11,7 @@ import torch
 
 from actors import LLM, SamplingParams
 from actors.worker.attention import CpuBackend, TorchBackend, TritonBackend, make_backend
+from tests.actors.test_llm_matches_hf import GREEDY, PROMPT_LENGTHS, hf_greedy, make_prompts
 from tests.kernels.helpers import requires_triton
 
 
@@ -75,3 +76,21 @@ def test_greedy_tokens_on_cpu_match_torch_with_chunked_prefill_and_prefix_hits(m
 def test_greedy_tokens_on_triton_match_torch_with_chunked_prefill_and_prefix_hits(model, request):
     model_dir = request.getfixturevalue(model)
     assert greedy_tokens(model_dir, "triton") == greedy_tokens(model_dir, "torch")
+
+
+@requires_triton
+@pytest.mark.skipif(torch.cuda.is_available(),
+                    reason="LLM runs on the CPU, where the kernels need the interpreter, which a CUDA session "
+                           "does not use (tests/gpu checks the CUDA engine against Hugging Face)")
+# (plain Llama's kernels are those of Llama-3 less its rope scaling: the test above has it on triton)
+@pytest.mark.parametrize("fixture", ["tiny_llama3_dir", "tiny_qwen2_dir", "tiny_qwen3_dir"])
+def test_greedy_batch_on_triton_matches_hf_token_for_token(fixture, request):
+    """tests/actors/test_llm_matches_hf.py's batch on the Triton backend (fp32, under the
+    interpreter): its fused kernels (Qwen3's q/k norms with rotary and the KV store; Llama-3's
+    scaled rope) give Hugging Face's greedy tokens."""
+    model_dir = request.getfixturevalue(fixture)
+    llm = LLM(model_dir, kv_cache_memory="64MiB", attention_backend="triton")
+    prompts = make_prompts(llm.config.model.vocab_size, PROMPT_LENGTHS)
+    expected, _ = hf_greedy(model_dir, prompts, GREEDY.max_tokens)
+    outputs = llm.generate(prompts, GREEDY, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outputs] == expected

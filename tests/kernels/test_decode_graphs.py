@@ -22,12 +22,13 @@ BLOCK = 16
 MAX_MODEL_LEN = 2048  # four splits of 512 keys in the graphs, fewer in the eager steps
 
 
-def tiny_model() -> LlamaModel:
-    config = ModelConfig(model_path="", architecture="LlamaForCausalLM", vocab_size=300, hidden_size=64,
-                         intermediate_size=96, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                         head_dim=16, rms_norm_eps=1e-6, rope_theta=10000.0, rope_scaling=None,
-                         max_position_embeddings=4096, tie_word_embeddings=False, attention_bias=False,
-                         qk_norm=False, eos_token_ids=(0,))
+def tiny_model(qk_norm: bool = False) -> LlamaModel:
+    """A tiny fp32 Llama, or with qk_norm a Qwen3 (its q/k norms run in the fused rotary_store_kv)."""
+    config = ModelConfig(model_path="", architecture="Qwen3ForCausalLM" if qk_norm else "LlamaForCausalLM",
+                         vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=16, rms_norm_eps=1e-6,
+                         rope_theta=10000.0, rope_scaling=None, max_position_embeddings=4096,
+                         tie_word_embeddings=False, attention_bias=False, qk_norm=qk_norm, eos_token_ids=(0,))
     model = LlamaModel(config, torch.float32, torch.device("cpu"), TritonBackend())
     model.init_dummy_weights(seed=3)
     return model
@@ -66,10 +67,11 @@ def replayed(graphs: CudaGraphs, seqs: list[tuple[list[int], int, list[int]]]) -
 
 @requires_triton
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU's stand-in; tests/gpu replays the real graphs")
+@pytest.mark.parametrize("qk_norm", [False, True], ids=["llama", "qwen3"])
 @torch.inference_mode()  # (as the model runner's steps run)
-def test_replayed_decodes_equal_eager_ones_with_padding_and_long_sequences():
+def test_replayed_decodes_equal_eager_ones_with_padding_and_long_sequences(qk_norm):
     torch.manual_seed(0)
-    model = tiny_model()
+    model = tiny_model(qk_norm)
     caches = [(torch.zeros(120, 2, BLOCK, 16), torch.zeros(120, 2, BLOCK, 16)) for _ in range(2)]
     lengths = [5, 600, 40, 20]  # 600: two splits eagerly, four in the graphs
     blocks, first = [], 0

@@ -10,10 +10,11 @@ import random
 import pytest
 import torch
 
-from kernels.paged_attention import paged_attention, paged_attention_launch
+from kernels.paged_attention import PagedAttentionLaunch, paged_attention, paged_attention_launch
 from kernels.paged_attention_ref import paged_attention_ref
 from kernels.store_kv import store_kv, store_kv_ref
-from tests.kernels.helpers import DEVICE, assert_close, generator, poisoned, requires_cuda, requires_triton
+from tests.kernels.helpers import (DEVICE, assert_close, caches_past_two_to_the_31, generator, poisoned, requires_cuda,
+                                   requires_triton)
 from tests.kernels.naive import make_paged_batch, naive_paged_attention
 
 # outputs the launchers allocate start as NaN (see conftest.py)
@@ -124,6 +125,34 @@ def test_triton_matches_reference_on_random_batches(seed):
 
 
 @requires_triton
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_decode_that_fits_one_split_gets_the_unsplit_output_under_any_split_count(dtype):
+    """A CUDA graph launches max_model_len's splits and the reduction whatever the step; an
+    eager step, its longest decode's. A decode that fits one split is written by its one
+    program, bit for bit as in a launch of one split, and the reduction leaves it alone
+    (its partial results are never written: the launcher's buffers start as NaN)."""
+    batch = [(600, 1), (40, 1), (512, 1), (1, 1)]  # 600: two splits of 512; the others one
+    inputs = make_batch(batch, 8, 2, 64, 16, dtype, seed=11)
+    query, _, _, _, seq_lens, query_start_loc = inputs
+    device_seqs = torch.tensor([0, 1, 2, 3], dtype=torch.int32, device=DEVICE)
+    no_prefills = torch.zeros(0, dtype=torch.int32, device=DEVICE)
+
+    def launched(decode_seqs: torch.Tensor, max_decode_seq_len: int) -> torch.Tensor:
+        out = poisoned(*query.shape, dtype=dtype)
+        launch = PagedAttentionLaunch(decode_seqs, no_prefills, 0, max_decode_seq_len, 512)
+        return paged_attention(*inputs, scale=0.125, out=out, launch=launch)
+
+    one_split = launched(device_seqs[1:], 512)  # the short ones alone, one split: no reduction launched
+    eager = launched(device_seqs, 600)  # two splits
+    graph = launched(device_seqs, 4096)  # eight splits, as a graph of max_model_len 4096
+    for out in (eager, graph):
+        assert torch.equal(out[1:], one_split[1:])
+    assert one_split[0].isnan().all()  # (not in that launch)
+    assert_close(eager, paged_attention_ref(*inputs, scale=0.125))
+    assert_close(graph[0], eager[0])
+
+
+@requires_triton
 def test_triton_computes_its_own_launch_sizes_without_one():
     query, key_cache, value_cache, block_tables, seq_lens, query_start_loc = make_batch(
         MIXED_BATCH, 4, 2, 16, 16, torch.float32, seed=5)
@@ -134,18 +163,10 @@ def test_triton_computes_its_own_launch_sizes_without_one():
 
 @requires_triton
 def test_cache_offsets_past_two_to_the_31_elements():
-    """Blocks at the end of a cache of more than 2**31 elements, so block_id * block_stride
-    overflows int32 (an int32 regression reads out of bounds: a segfault under the
-    interpreter, whose traceback names this test). The caches are allocated but never
-    filled, so only the pages of the few blocks used become memory."""
+    """Blocks at the end of a cache of more than 2**31 elements (helpers.caches_past_two_to_the_31)."""
     num_kv_heads, block_size, head_size = 1, 16, 16
-    num_blocks = 2**31 // (num_kv_heads * block_size * head_size) + 8
-    try:
-        shape = (num_blocks, num_kv_heads, block_size, head_size)
-        key_cache = torch.empty(shape, dtype=torch.bfloat16, device=DEVICE)
-        value_cache = torch.empty(shape, dtype=torch.bfloat16, device=DEVICE)
-    except (RuntimeError, MemoryError) as error:  # no overcommit, or a small GPU
-        pytest.skip(f"cannot reserve two 4 GiB caches: {error}")
+    key_cache, value_cache = caches_past_two_to_the_31(block_size, head_size)
+    num_blocks = key_cache.shape[0]
     g = generator(31)
     # one prefill chunk of 30 tokens after a 10-token prefix, and a decode, in the last blocks
     seq_lens = torch.tensor([40, 20], dtype=torch.int32, device=DEVICE)
