@@ -13,6 +13,7 @@ import stat
 
 from actors.config import runtime_lora_updating_allowed
 from api.lora_models import LoRAModulePath
+from api.serving import DEFAULT_H11_MAX_INCOMPLETE_EVENT_SIZE, DEFAULT_MAX_HEADER_COUNT
 from api.tool_parsers import TOOL_PARSERS
 
 # CORS: any origin, method and header, as vLLM's defaults
@@ -53,6 +54,14 @@ def add_openai_server_flags(server: argparse._ArgumentGroup) -> None:
                         help="count the generation requests in flight, served by GET /load")
     server.add_argument("--enable-tokenizer-info-endpoint", action="store_true",
                         help="serve GET /tokenizer_info: the tokenizer's configuration, chat template included")
+    server.add_argument("--allow-unauthenticated-metrics", action="store_true",
+                        help="with --api-key, let GET /metrics answer without the key (for a Prometheus scraper "
+                             "that sends none); /health and /ping always do")
+    server.add_argument("--h11-max-incomplete-event-size", type=int, default=DEFAULT_H11_MAX_INCOMPLETE_EVENT_SIZE,
+                        metavar="BYTES", help="the most bytes of request line and headers; past them, 431 or 400 "
+                                              "(default: %(default)s)")
+    server.add_argument("--h11-max-header-count", type=int, default=DEFAULT_MAX_HEADER_COUNT, metavar="N",
+                        help="requests with more headers get 431 (default: %(default)s)")
 
 
 def add_openai_api_flags(api: argparse._ArgumentGroup) -> None:
@@ -134,6 +143,9 @@ def check_openai_server_flags(parser: argparse.ArgumentParser, args: argparse.Na
     root_path = args.root_path
     if root_path and (not root_path.startswith("/") or root_path.endswith("/")):
         parser.error(f"--root-path must start with '/' and not end with one (e.g. /llm), got {root_path!r}")
+    for name in ("h11_max_incomplete_event_size", "h11_max_header_count"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
     if args.uds is not None and not args.uds:
         parser.error("--uds needs a socket path")
     if args.tool_call_parser is not None and args.tool_call_parser not in TOOL_PARSERS:
@@ -159,7 +171,9 @@ def _check_lora_flags(parser: argparse.ArgumentParser, args: argparse.Namespace)
 
 def openai_server_settings(args: argparse.Namespace) -> dict:
     """The ServerSettings fields these flags set."""
-    return dict(log_requests=not args.disable_log_requests,
+    return dict(log_requests=not args.disable_log_requests, root_path=args.root_path,
+                allow_unauthenticated_metrics=args.allow_unauthenticated_metrics,
+                max_header_count=args.h11_max_header_count, max_header_bytes=args.h11_max_incomplete_event_size,
                 enable_request_id_headers=args.enable_request_id_headers,
                 enable_server_load_tracking=args.enable_server_load_tracking,
                 enable_tokenizer_info_endpoint=args.enable_tokenizer_info_endpoint,

@@ -40,14 +40,22 @@ T = TypeVar("T")
 
 DEFAULT_MAX_BODY_BYTES = 16 * 2**20
 DEFAULT_MAX_WAITING_REQUESTS = 1024
+# HTTP header limits, vLLM's flags: the header block's bytes (h11 refuses past it; vLLM's
+# default is 4 MiB, troupe's 64 KiB, four times h11's own) and the number of headers (vLLM's 256)
+DEFAULT_H11_MAX_INCOMPLETE_EVENT_SIZE = 64 * 2**10
+DEFAULT_MAX_HEADER_COUNT = 256
 
 
 @dataclass
 class ServerSettings:
     served_model_names: list[str]  # the first is the name responses carry
-    api_key: str | None = None  # when set, /v1 routes need "Authorization: Bearer <api_key>"
+    api_key: str | None = None  # when set, every route but /health and /ping needs "Authorization: Bearer <api_key>"
+    allow_unauthenticated_metrics: bool = False  # with api_key: /metrics answers without it too
     max_waiting_requests: int = DEFAULT_MAX_WAITING_REQUESTS  # past max_num_seqs running, then 503
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES  # larger request bodies get 413
+    max_header_count: int = DEFAULT_MAX_HEADER_COUNT  # requests with more headers get 431
+    max_header_bytes: int = DEFAULT_H11_MAX_INCOMPLETE_EVENT_SIZE  # and with more bytes of them
+    root_path: str = ""  # --root-path: routes answer with and without it in front
     model_root: str = ""  # the model's directory, for /v1/models
     chat_template: str | None = None  # --chat-template: used when a chat request sends none
     response_role: str = "assistant"  # --response-role: the role of generated chat messages

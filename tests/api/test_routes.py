@@ -174,7 +174,7 @@ def flag_server(long_context_llama_dir, tmp_path_factory, socket_dir):
         "--allowed-origins", f'["{APP_ORIGIN}"]', "--allowed-methods", '["GET", "POST"]',
         "--allowed-headers", '["authorization", "content-type"]', "--allow-credentials",
         "--enable-request-id-headers", "--enable-server-load-tracking", "--enable-tokenizer-info-endpoint",
-        "--disable-log-requests", "--log-level", "info")
+        "--allow-unauthenticated-metrics", "--disable-log-requests", "--log-level", "info")
     try:
         yield process
     finally:
@@ -207,6 +207,35 @@ def test_root_path_prefixes_urls_and_the_api_key_still_guards_v1(uds_http):
                         code="invalid_api_key")
     # metrics label requests by route, below the prefix
     assert 'route="/v1/models",status="401"' in uds_http.get("/metrics").text
+
+
+@pytest.mark.parametrize("prefix", ["", ROOT_PATH])
+@pytest.mark.parametrize("api_key", [API_KEY, "wrong"])
+def test_root_path_serves_v1_with_and_without_the_prefix(flag_server, socket_dir, prefix, api_key):
+    """vLLM's test_root_path: under --root-path /llm, /llm/v1 answers as /v1 does, the API key
+    guarding both."""
+    transport = httpx.HTTPTransport(uds=os.path.join(socket_dir, "troupe.sock"))
+    with httpx.Client(transport=transport, timeout=60.0) as http_client, \
+            openai.OpenAI(base_url=f"http://troupe{prefix}/v1", api_key=api_key, http_client=http_client,
+                          max_retries=0) as client:
+        create = lambda: client.chat.completions.create(  # noqa: E731
+            model=MODEL_NAME, max_tokens=4, messages=[{"role": "user", "content": "tell me a saying"},
+                                                      {"role": "assistant", "content": "An apple a day"}],
+            extra_body={"continue_final_message": True, "add_generation_prompt": False})
+        if api_key != API_KEY:
+            with pytest.raises(openai.AuthenticationError):
+                create()
+            return
+        reply = create()
+        assert reply.choices[0].message.role == "assistant" and reply.choices[0].finish_reason in ("stop", "length")
+
+
+def test_metrics_open_without_the_key_only_with_the_flag(flag_server, socket_dir, server):
+    transport = httpx.HTTPTransport(uds=os.path.join(socket_dir, "troupe.sock"))
+    with httpx.Client(transport=transport, base_url="http://troupe", timeout=60.0) as no_key:
+        assert no_key.get("/metrics").status_code == 200  # --allow-unauthenticated-metrics
+        assert no_key.get("/load").status_code == 401 and no_key.get("/version").status_code == 401
+    assert_openai_error(httpx.get(f"{server.url}/metrics"), 401, code="invalid_api_key")  # without the flag
 
 
 def test_request_id_header_is_echoed_or_made(uds_http):
