@@ -205,3 +205,13 @@ def runtime_lora_updating_allowed() -> bool:
 def image_fetch_timeout() -> float:
     """vLLM's VLLM_IMAGE_FETCH_TIMEOUT: seconds an http(s) image_url may take to download (default 5)."""
     return float(os.environ.get("VLLM_IMAGE_FETCH_TIMEOUT", "5"))
+
+
+# OpenAI's bound on a request's n; vLLM's default for VLLM_MAX_N_SEQUENCES is 16384
+DEFAULT_MAX_N_SEQUENCES = 128
+
+
+def max_n_sequences() -> int:
+    """vLLM's VLLM_MAX_N_SEQUENCES: the largest n an HTTP request may ask for (default 128)."""
+    value = os.environ.get("VLLM_MAX_N_SEQUENCES", "").strip()
+    return int(value) if value.isdigit() and int(value) > 0 else DEFAULT_MAX_N_SEQUENCES

@@ -175,11 +175,11 @@ class ServingContext:
         start(request_id, index) returns the request's AsyncClient stream. headers: the HTTP
         request's, where a traceparent makes the requests' spans children of the caller's."""
         self.check_health()
-        self.gate.admit(len(request_ids))
+        num_sequences = self.admit(len(request_ids), params.n)
         try:
             streams = [start(request_id, index) for index, request_id in enumerate(request_ids)]
         except BaseException:
-            self.gate.release(len(request_ids))
+            self.gate.release(num_sequences)
             raise
         tracing = None if self.tracer is None else (
             self.tracer, self.model_name, params, trace_headers_of(headers) if headers is not None else None)
@@ -189,9 +189,23 @@ class ServingContext:
         self.open_requests.add(requests)
         return requests
 
+    def admit(self, num_requests: int, n: int) -> int:
+        """Admits num_requests engine requests of n sequences each through the back-pressure
+        gate, counting sequences (what the engine runs: n multiplies every cost); returns the
+        count to release. 503 past the waiting limit; 400 naming n (or the prompts) for a
+        request larger than the whole limit, which waiting could never admit."""
+        num_sequences = num_requests * n
+        if num_sequences > self.gate.limit:
+            param = "n" if n > 1 else "prompt"
+            raise bad_request(f"this request asks for {num_sequences} sequences ({num_requests} prompts x n={n}); "
+                              f"this server runs at most {self.gate.limit} at once (max_num_seqs + "
+                              "max_waiting_requests)", param=param)
+        self.gate.admit(num_sequences)
+        return num_sequences
+
     def _closed(self, requests: EngineRequests) -> None:
         self.open_requests.discard(requests)
-        self.gate.release(requests.num_requests)
+        self.gate.release(requests.num_requests * requests.n)
 
     async def abort_all(self) -> None:
         """Ends every running request with finish_reason "abort" (the server is stopping):

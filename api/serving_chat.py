@@ -104,6 +104,7 @@ async def create_chat_completion(ctx: ServingContext, request: Request) -> Respo
     ctx.require_generation("/v1/chat/completions")
     body = await read_json(request, ChatCompletionRequest, ctx.settings.max_body_bytes)
     model, lora_request = ctx.resolve_model(body.model_name)
+    body.check_limits(ctx.client.config.model.vocab_size)
     settings = ctx.settings
     tool_choice = check_tools(body.tools, body.tool_choice,
                               settings.enable_auto_tool_choice and settings.tool_call_parser is not None)
@@ -141,7 +142,7 @@ async def create_chat_completion(ctx: ServingContext, request: Request) -> Respo
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         beam_params = body.beam_search_params(max_tokens, ctx.max_model_len)
         outputs = await run_beam_searches(ctx, request, [
-            lambda: ctx.client.beam_search_chat(messages, beam_params, **chat_kwargs)])
+            lambda: ctx.client.beam_search_chat(messages, beam_params, **chat_kwargs)], beam_params.beam_width)
         whole = whole_response(outputs, beam_usage(outputs))
         # streamed, each finished beam is one chunk with the whole message
         chunks = [ChatCompletionChunk(id=response_id, model=model, created=whole.created,

@@ -23,6 +23,7 @@ async def create_completion(ctx: ServingContext, request: Request) -> Response:
     ctx.require_generation("/v1/completions")
     body = await read_json(request, CompletionRequest, ctx.settings.max_body_bytes)
     model, lora_request = ctx.resolve_model(body.model_name)
+    body.check_limits(ctx.client.config.model.vocab_size)
     params = None if body.use_beam_search else body.to_sampling_params()
     prompts = body.prompts()
     ctx.check_prompt_tokens(prompts)
@@ -43,7 +44,7 @@ async def create_completion(ctx: ServingContext, request: Request) -> Response:
         beam_params = body.beam_search_params(body.max_tokens, ctx.max_model_len)
         outputs = await run_beam_searches(ctx, request, [
             lambda prompt=prompt: ctx.client.beam_search(prompt, beam_params, lora_request=lora_request)
-            for prompt in prompts])
+            for prompt in prompts], beam_params.beam_width)
         whole = whole_response(outputs, beam_usage(outputs))
         # streamed, each finished beam is a chunk (the choices are whole already)
         chunks = [CompletionResponse(id=response_id, model=model, created=whole.created, choices=[choice],

@@ -20,6 +20,7 @@ from typing import Any
 import jsonschema
 
 from actors.errors import InvalidRequestError
+from api.request_limits import check_tools_size
 from api.responses import ToolCall
 from api.tool_parsers.base import ExtractedToolCalls, PartialCall, ToolParser, make_tool_call
 from api.tool_parsers.json_scan import scan_call_object
@@ -35,6 +36,7 @@ def check_tools(tools: list | None, tool_choice: str | dict | None, auto_tools_e
     choice that names no sent tool, or "auto" on a server without a tool parser."""
     if tools is not None:
         _check_tool_list(tools)
+        check_tools_size(tools)
     if tool_choice is None:
         if not tools:
             return "none"
