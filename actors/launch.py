@@ -224,7 +224,7 @@ class Launcher:
         names = args.served_model_name or [args.model or DEFAULT_MODEL_NAME]
         settings = ServerSettings(served_model_names=names, api_key=args.api_key,
                                   max_waiting_requests=args.max_waiting_requests,
-                                  max_body_bytes=args.max_request_size, model_root=client.config.model.model_path,
+                                  max_body_bytes=args.max_request_size,
                                   **openai_server_settings(args))
         # every adapter given is served before the app exists, so no route ever sees a half-loaded list
         models = ServedModels(names, client)

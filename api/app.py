@@ -110,7 +110,9 @@ def _invocation_endpoint(ctx: ServingContext, kind: _InvocationKind) -> Callable
 async def invocations(ctx: ServingContext, request: Request) -> Response:
     """SageMaker's POST /invocations: the endpoint the body's fields ask for."""
     body = await read_body(request, ctx.settings.max_body_bytes)
-    endpoint = _invocation_endpoint(ctx, decode_json(body, _InvocationKind))
+    # decoded for its kind only: the endpoint decodes (and checks, and logs unknown fields of) the
+    # whole body as its own request type, so the fields this one leaves out are no "unknown" fields
+    endpoint = _invocation_endpoint(ctx, decode_json(body, _InvocationKind, check_extra=False))
     return await endpoint(ctx, Request(request.scope, _replay(body, request.receive)))
 
 

@@ -56,7 +56,6 @@ class ServerSettings:
     max_header_count: int = DEFAULT_MAX_HEADER_COUNT  # requests with more headers get 431
     max_header_bytes: int = DEFAULT_H11_MAX_INCOMPLETE_EVENT_SIZE  # and with more bytes of them
     root_path: str = ""  # --root-path: routes answer with and without it in front
-    model_root: str = ""  # the model's directory, for /v1/models
     chat_template: str | None = None  # --chat-template: used when a chat request sends none
     response_role: str = "assistant"  # --response-role: the role of generated chat messages
     return_tokens_as_token_ids: bool = False  # --return-tokens-as-token-ids: the default of the field
@@ -221,13 +220,15 @@ async def read_json(request: Request, body_type: type[T], max_bytes: int) -> T:
     return decode_json(await read_body(request, max_bytes), body_type)
 
 
-def decode_json(body: bytes, body_type: type[T]) -> T:
-    """body decoded as body_type; 400 for anything that is not JSON of the right shape."""
+def decode_json(body: bytes, body_type: type[T], check_extra: bool = True) -> T:
+    """body decoded as body_type; 400 for anything that is not JSON of the right shape.
+    check_extra: refuse the fields troupe does not implement, log unknown ones (fields.py)."""
     try:
         decoded = msgspec.json.decode(body, type=body_type)
     except msgspec.DecodeError as error:
         raise from_decode_error(error) from error
-    check_extra_fields(body, body_type)
+    if check_extra:
+        check_extra_fields(body, body_type)
     return decoded
 
 

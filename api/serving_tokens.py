@@ -67,12 +67,23 @@ async def tokenizer_info(ctx: ServingContext, request: Request) -> Response:
     tokenizer = await ctx.client.get_tokenizer()
     config = {key: value for key, value in (getattr(tokenizer, "init_kwargs", None) or {}).items()
               if key not in _FILE_FIELDS}
+    added_tokens = config.pop("added_tokens_decoder", None)
     config = _plain(config)
+    if added_tokens is not None:  # objects, as tokenizer_config.json holds them and vLLM serves them
+        config["added_tokens_decoder"] = {str(token_id): _added_token(token) for token_id, token in added_tokens.items()}
     config["tokenizer_class"] = type(tokenizer).__name__
     if getattr(tokenizer, "chat_template", None) is not None:
         config["chat_template"] = tokenizer.chat_template
     # the standard json module: model_max_length is often a huge "no limit" integer past 64 bits
     return Response(json.dumps(config, default=str), media_type="application/json")
+
+
+def _added_token(token: Any) -> dict[str, Any]:
+    """An added token (tokenizers' AddedToken) as tokenizer_config.json writes it."""
+    if isinstance(token, dict):
+        return token
+    return {"content": token.content, "lstrip": token.lstrip, "normalized": token.normalized,
+            "rstrip": token.rstrip, "single_word": token.single_word, "special": token.special}
 
 
 def _plain(value: Any) -> Any:

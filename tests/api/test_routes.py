@@ -115,6 +115,14 @@ def test_invocations_serves_a_completion_or_a_chat_by_the_body(http, openai_clie
     assert "".join(event["choices"][0]["delta"].get("content", "") for event in streamed) == expected
 
 
+def test_invocations_logs_no_field_of_its_endpoints_as_unknown(http, server):
+    body = {"prompt": "x", "max_tokens": 2, "temperature": 0.5, "top_p": 0.9, "an_invented_field": 1}
+    assert http.post("/invocations", json=body).status_code == 200
+    log = server.log()
+    assert "'temperature'" not in log and "'top_p'" not in log and "'max_tokens'" not in log, log
+    assert "ignoring the unknown request field 'an_invented_field'" in log  # the endpoint's own check still runs
+
+
 def test_invocations_refuses_a_body_that_is_neither(http):
     assert_openai_error(http.post("/invocations", json={"max_tokens": 3}), 400)
     assert_openai_error(http.post("/invocations", content=b"{not json"), 400, code="invalid_json")
@@ -276,6 +284,10 @@ def test_tokenizer_info_gives_the_tokenizers_config(uds_http, tokenizer):
     assert info["chat_template"] == tokenizer.chat_template
     assert info["eos_token"] == "<|endoftext|>" and info["model_max_length"] == tokenizer.model_max_length
     assert "vocab_file" not in info and "merges_file" not in info  # its files are the server's own business
+    # added tokens are objects, as tokenizer_config.json holds them and vLLM serves them
+    assert info["added_tokens_decoder"]["0"] == {"content": "<|endoftext|>", "lstrip": False, "normalized": False,
+                                                 "rstrip": False, "single_word": False, "special": True}
+    assert len(info["added_tokens_decoder"]) == len(tokenizer.added_tokens_decoder)
 
 def test_lm_evals_remote_tokenizer_probe_works_with_the_flag(uds_http):
     """lm-eval's tokenizer_backend "auto" reads /tokenizer_info for eos_token, then takes
