@@ -70,6 +70,9 @@ def add_openai_api_flags(api: argparse._ArgumentGroup) -> None:
     api.add_argument("--chat-template", metavar="FILE_OR_TEMPLATE",
                      help="a Jinja chat template (a file, or the template itself) for chat requests that send "
                           "none; default: the tokenizer's")
+    api.add_argument("--trust-request-chat-template", action="store_true",
+                     help="render a request's own chat_template (Jinja code the server runs, within "
+                          "--chat-template-timeout); without it such a request gets 400")
     api.add_argument("--response-role", default="assistant", metavar="ROLE",
                      help="the role of generated chat messages (default: %(default)s)")
     api.add_argument("--return-tokens-as-token-ids", action="store_true",
@@ -180,6 +183,7 @@ def openai_server_settings(args: argparse.Namespace) -> dict:
                 allowed_origins=args.allowed_origins, allowed_methods=args.allowed_methods,
                 allowed_headers=args.allowed_headers, allow_credentials=args.allow_credentials,
                 chat_template=args.chat_template, response_role=args.response_role,
+                trust_request_chat_template=args.trust_request_chat_template,
                 return_tokens_as_token_ids=args.return_tokens_as_token_ids,
                 enable_prompt_tokens_details=args.enable_prompt_tokens_details,
                 enable_auto_tool_choice=args.enable_auto_tool_choice, tool_call_parser=args.tool_call_parser,

@@ -57,6 +57,7 @@ class ServerSettings:
     max_header_bytes: int = DEFAULT_H11_MAX_INCOMPLETE_EVENT_SIZE  # and with more bytes of them
     root_path: str = ""  # --root-path: routes answer with and without it in front
     chat_template: str | None = None  # --chat-template: used when a chat request sends none
+    trust_request_chat_template: bool = False  # a request's own chat_template is rendered (else a 400)
     response_role: str = "assistant"  # --response-role: the role of generated chat messages
     return_tokens_as_token_ids: bool = False  # --return-tokens-as-token-ids: the default of the field
     enable_prompt_tokens_details: bool = False  # usage.prompt_tokens_details.cached_tokens
@@ -136,6 +137,15 @@ class ServingContext:
         response_id = f"{prefix}-{base or uuid.uuid4().hex}"
         suffix = f"-{uuid.uuid4().hex[:8]}" if base else ""
         return response_id, [f"{response_id}-{index}{suffix}" for index in range(num_requests)]
+
+    def check_chat_template(self, chat_template: str | None) -> None:
+        """400 naming chat_template for a request that sends its own template to a server
+        without --trust-request-chat-template (vLLM's flag): a template is code the input
+        processor runs for every request, and Jinja's sandbox bounds what it touches, not
+        what it costs."""
+        if chat_template is not None and not self.settings.trust_request_chat_template:
+            raise bad_request("chat_template: this server renders only its own chat template; a request's own needs "
+                              "the server started with --trust-request-chat-template", param="chat_template")
 
     def tokens_as_ids(self, requested: bool | None) -> bool:
         """Whether logprobs name tokens as "token_id:<id>": the request's choice, else the server's."""

@@ -105,6 +105,7 @@ async def create_chat_completion(ctx: ServingContext, request: Request) -> Respo
     body = await read_json(request, ChatCompletionRequest, ctx.settings.max_body_bytes)
     model, lora_request = ctx.resolve_model(body.model_name)
     body.check_limits(ctx.client.config.model.vocab_size)
+    ctx.check_chat_template(body.chat_template)
     settings = ctx.settings
     tool_choice = check_tools(body.tools, body.tool_choice,
                               settings.enable_auto_tool_choice and settings.tool_call_parser is not None)

@@ -238,6 +238,18 @@ def test_root_path_serves_v1_with_and_without_the_prefix(flag_server, socket_dir
         assert reply.choices[0].message.role == "assistant" and reply.choices[0].finish_reason in ("stop", "length")
 
 
+def test_a_requests_own_chat_template_needs_the_trust_flag(uds_http):
+    """vLLM's --trust-request-chat-template: without it (this server) a request's own template
+    is refused by name, on every route that renders one; the server's own still renders."""
+    messages = [{"role": "user", "content": "Hi"}]
+    template = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    for route in ("/v1/chat/completions", "/tokenize"):
+        error = assert_openai_error(uds_http.post(route, json={"messages": messages, "chat_template": template,
+                                                               "max_tokens": 2}), 400, "chat_template")
+        assert "--trust-request-chat-template" in error["message"]
+        assert uds_http.post(route, json={"messages": messages, "max_tokens": 2}).status_code == 200
+
+
 def test_metrics_open_without_the_key_only_with_the_flag(flag_server, socket_dir, server):
     transport = httpx.HTTPTransport(uds=os.path.join(socket_dir, "troupe.sock"))
     with httpx.Client(transport=transport, base_url="http://troupe", timeout=60.0) as no_key:
