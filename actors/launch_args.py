@@ -12,7 +12,9 @@ import socket
 import stat
 
 from actors.config import runtime_lora_updating_allowed
+from actors.cli_flags import parse_size_flag
 from api.lora_models import LoRAModulePath
+from api.response_store import DEFAULT_STORE_BYTES
 from api.serving import DEFAULT_H11_MAX_INCOMPLETE_EVENT_SIZE, DEFAULT_MAX_HEADER_COUNT
 from api.tool_parsers import TOOL_PARSERS
 
@@ -84,6 +86,9 @@ def add_openai_api_flags(api: argparse._ArgumentGroup) -> None:
                           "--tool-call-parser")
     api.add_argument("--tool-call-parser", metavar="NAME",
                      help=f"how the model writes tool calls: {', '.join(TOOL_PARSERS)}")
+    api.add_argument("--responses-store-size", type=parse_size_flag, default=DEFAULT_STORE_BYTES, metavar="SIZE",
+                     help="memory for the /v1/responses kept for previous_response_id, measured as their JSON; "
+                          "the least recently used are forgotten past it (default: 64MiB)")
     api.add_argument("--exclude-tools-when-tool-choice-none", action="store_true",
                      help="with tool_choice 'none', leave the tools out of the prompt")
 
@@ -184,6 +189,7 @@ def openai_server_settings(args: argparse.Namespace) -> dict:
                 allowed_headers=args.allowed_headers, allow_credentials=args.allow_credentials,
                 chat_template=args.chat_template, response_role=args.response_role,
                 trust_request_chat_template=args.trust_request_chat_template,
+                responses_store_bytes=args.responses_store_size,
                 return_tokens_as_token_ids=args.return_tokens_as_token_ids,
                 enable_prompt_tokens_details=args.enable_prompt_tokens_details,
                 enable_auto_tool_choice=args.enable_auto_tool_choice, tool_call_parser=args.tool_call_parser,

@@ -32,6 +32,7 @@ from api.fields import check_extra_fields
 from api.lora_models import ServedModels
 from api.errors import APIError, bad_request, engine_unavailable, from_decode_error, from_exception
 from api.metrics import ServerMetrics
+from api.response_store import DEFAULT_STORE_BYTES, ResponseStore
 from api.responses import PromptTokensDetails, Usage
 from messages.common import RequestOutput, SamplingParams
 from messages.lora import LoRARequest
@@ -77,6 +78,7 @@ class ServerSettings:
     allow_credentials: bool = False
     # POST /v1/load_lora_adapter and /v1/unload_lora_adapter exist (the engine needs enable_lora)
     allow_runtime_lora_updating: bool = False
+    responses_store_bytes: int = DEFAULT_STORE_BYTES  # /v1/responses kept for previous_response_id, by JSON size
 
 
 class ClientGone(Exception):
@@ -115,6 +117,7 @@ class ServingContext:
         client.records_spans = False
         # generation requests in flight, for GET /load; counted only with enable_server_load_tracking
         self.server_load = 0
+        self.responses = ResponseStore(settings.responses_store_bytes)  # for previous_response_id
 
     def resolve_model(self, name: str | None) -> tuple[str, LoRARequest | None]:
         """The model name a response carries and the LoRA adapter the request runs with
