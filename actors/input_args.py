@@ -21,7 +21,7 @@ def _domains(text: str) -> str:
     return text.strip().lower().rstrip(".")
 
 
-@dataclass
+@dataclass(kw_only=True)  # keyword-only: EngineArgs(model) keeps model its first positional field
 class InputArgs:
     """The fields of EngineArgs that InputConfig holds."""
 
