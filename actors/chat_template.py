@@ -6,7 +6,8 @@ for a template that loops over them), the `developer` role is the `system` role,
 kept for templates that read it.
 
 Used by the input processor (every generation request) and by /tokenize, so the two
-render a conversation the same way."""
+render a conversation the same way. Rendering runs under a time limit (--chat-template-timeout):
+Jinja's sandbox bounds what a template may touch, not how long its loops run."""
 
 from __future__ import annotations
 
@@ -15,6 +16,8 @@ from typing import Any
 
 from jinja2 import TemplateError
 
+from actors.config import DEFAULT_CHAT_TEMPLATE_TIMEOUT_S
+from actors.time_limit import TimeLimitExceeded, call_with_time_limit
 from messages.common import InvalidRequestError
 from messages.input_processor import ChatOptions
 
@@ -27,8 +30,10 @@ _RESERVED_KWARGS = frozenset({"conversation", "messages", "tools", "documents", 
 _LOOPS_OVER_PARTS = re.compile(r"for\s+\w+\s+in\s+message\s*(?:\[\s*['\"]content['\"]\s*\]|\.content)")
 
 
-def render_chat_text(tokenizer, messages: list[dict], options: ChatOptions) -> str:
-    """The prompt text of a conversation; InvalidRequestError naming the field at fault."""
+def render_chat_text(tokenizer, messages: list[dict], options: ChatOptions,
+                     timeout: float = DEFAULT_CHAT_TEMPLATE_TIMEOUT_S) -> str:
+    """The prompt text of a conversation; InvalidRequestError naming the field at fault, or
+    naming chat_template when rendering takes longer than timeout seconds."""
     if not isinstance(messages, list) or not messages or not all(isinstance(m, dict) for m in messages):
         raise InvalidRequestError("messages must be a non-empty list of {'role': ..., 'content': ...} objects",
                                   param="messages")
@@ -50,10 +55,13 @@ def render_chat_text(tokenizer, messages: list[dict], options: ChatOptions) -> s
         raise InvalidRequestError(f"chat_template_kwargs may not set {', '.join(reserved)}",
                                   param="chat_template_kwargs")
     try:
-        return tokenizer.apply_chat_template(
+        return call_with_time_limit(lambda: tokenizer.apply_chat_template(
             conversation, tokenize=False, chat_template=template, documents=options.documents, tools=options.tools,
             add_generation_prompt=options.add_generation_prompt,
-            continue_final_message=options.continue_final_message, **kwargs)
+            continue_final_message=options.continue_final_message, **kwargs), timeout)
+    except TimeLimitExceeded:
+        raise InvalidRequestError(f"the chat template took more than {timeout:g} s to render the messages "
+                                  "(--chat-template-timeout)", param="chat_template") from None
     except (TemplateError, ValueError, TypeError, KeyError) as error:
         # a template that insists roles alternate, or a continued message it does not contain
         raise InvalidRequestError(f"the chat template rejected the messages: {error}", param="messages") from error

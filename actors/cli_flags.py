@@ -19,6 +19,8 @@ CLI_GROUPS = {
     "engine": ("engine", None),
     "lora": ("LoRA adapters", "Serve fine-tunes of the model (PEFT adapters) beside it: a request names one "
                               "(the API's model field, LLM.generate's lora_request)."),
+    "inputs": ("images and chat templates", "What the input processor takes from a request's images and chat "
+                                            "template before it refuses them (docs/security.md)."),
     "pooling": ("pooling models", "Run the model for embeddings or classification scores (LLM.embed, "
                                   "LLM.classify, LLM.score, /v1/embeddings...) instead of generating text."),
     "nodes": ("several machines",
@@ -38,6 +40,7 @@ class CliFlag:
     choices: tuple[str, ...] | None = None
     parse: Callable[[str], Any] | None = None  # str -> value; None: the type of the default (str if None)
     hidden_negations: tuple[str, ...] = ()  # older spellings of --no-field-name, kept working, not shown
+    nargs: str | None = None  # "+": one or more values, as a list
 
 
 def cli_arg(default: Any, help: str, **flag: Any) -> Any:
@@ -73,7 +76,7 @@ def add_flag(group: argparse._ArgumentGroup, spec: dataclasses.Field) -> None:
         help_text += " (default: %(default)s)"
     parse = flag.parse or (str if spec.default is None else type(spec.default))
     group.add_argument(name, default=spec.default, type=parse, choices=flag.choices, metavar=flag.metavar,
-                       help=help_text)
+                       help=help_text, nargs=flag.nargs)
 
 
 def cuda_device_count() -> int:

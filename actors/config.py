@@ -160,6 +160,26 @@ class LoRAConfig:
     max_cpu_loras: int = 1  # adapters kept loaded in host memory (least recently used evicted), >= max_loras
 
 
+# What a request's images and chat template may cost the input processor (InputConfig)
+DEFAULT_MAX_IMAGE_PIXELS = 4096 * 4096  # one image: 48 MiB decoded as RGB
+DEFAULT_MAX_TOTAL_IMAGE_PIXELS = 2 * DEFAULT_MAX_IMAGE_PIXELS  # all of one request's images
+DEFAULT_CHAT_TEMPLATE_TIMEOUT_S = 5.0
+
+
+@dataclass(frozen=True)
+class InputConfig:
+    """What the input processor takes from a request (actors/input_args.py makes it)."""
+
+    limit_mm_per_prompt: dict[str, int] = field(default_factory=dict)  # modality -> most items a prompt carries
+    allowed_local_media_path: str | None = None  # image file:// URLs only under this directory; None: refused
+    allowed_media_domains: tuple[str, ...] | None = None  # http(s) image URLs only from these hosts; None: any
+    allow_private_media_addresses: bool = False  # image URLs may reach loopback, link-local and private addresses
+    max_image_pixels: int = DEFAULT_MAX_IMAGE_PIXELS  # one image's width x height, read from its header
+    max_total_image_pixels: int = DEFAULT_MAX_TOTAL_IMAGE_PIXELS  # the sum over one request's images
+    mm_processor_cache_gb: float | None = None  # each input processor's processed-image cache; None: 64 MiB
+    chat_template_timeout: float = DEFAULT_CHAT_TEMPLATE_TIMEOUT_S  # seconds a chat template may take to render
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     model: ModelConfig
@@ -181,13 +201,11 @@ class EngineConfig:
     speculative: SpeculativeConfig | None = None  # speculative decoding (--speculative-config); None: off
     otlp_traces_endpoint: str | None = None  # OTLP collector of request spans (actors/tracing.py); None: off
     collect_detailed_traces: str | None = None  # "model" | "worker" | "all": prefill and decode times too
-    limit_mm_per_prompt: dict[str, int] = field(default_factory=dict)  # modality -> most items a prompt carries
+    inputs: InputConfig = field(default_factory=InputConfig)  # what requests' images and templates may cost
     extra: dict = field(default_factory=dict)
     # speculative method draft_model: the draft's config, resolved and checked at start-up (spec_decode/draft_config.py)
     draft_model: ModelConfig | None = None
     gguf_file: str | None = None  # quantization "gguf": the .gguf whose blocks the worker runs (actors/quantization)
-    allowed_local_media_path: str | None = None  # image file:// URLs only under this directory; None: refused
-    mm_processor_cache_gb: float | None = None  # each input processor's processed-image cache; None: 64 MiB
     cuda_graph_sizes: tuple[int, ...] = ()  # on CUDA, decode batch sizes replayed from CUDA graphs; (): eager
     cuda_graph_mixed_sizes: tuple[int, ...] = ()  # token counts of mixed steps (prefill chunks too) replayed so
 
@@ -206,3 +224,19 @@ def runtime_lora_updating_allowed() -> bool:
 def image_fetch_timeout() -> float:
     """vLLM's VLLM_IMAGE_FETCH_TIMEOUT: seconds an http(s) image_url may take to download (default 5)."""
     return float(os.environ.get("VLLM_IMAGE_FETCH_TIMEOUT", "5"))
+
+
+def media_redirects_allowed() -> bool:
+    """vLLM's VLLM_MEDIA_URL_ALLOW_REDIRECTS: an image URL's redirects are followed ("1", the
+    default; each hop checked like the URL itself) or refused ("0")."""
+    return os.environ.get("VLLM_MEDIA_URL_ALLOW_REDIRECTS", "1").strip().lower() not in ("0", "false")
+
+
+# OpenAI's bound on a request's n; vLLM's default for VLLM_MAX_N_SEQUENCES is 16384
+DEFAULT_MAX_N_SEQUENCES = 128
+
+
+def max_n_sequences() -> int:
+    """vLLM's VLLM_MAX_N_SEQUENCES: the largest n an HTTP request may ask for (default 128)."""
+    value = os.environ.get("VLLM_MAX_N_SEQUENCES", "").strip()
+    return int(value) if value.isdigit() and int(value) > 0 else DEFAULT_MAX_N_SEQUENCES

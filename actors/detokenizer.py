@@ -18,6 +18,7 @@ import msgspec
 
 from actors.actor import Actor, ActorSpec
 from actors.incremental_decode import IncrementalDecoder
+from actors.stop_strings import StopStrings
 from messages.common import CompletionOutput, Logprob, RequestMetrics, RequestOutput, SamplingParams
 from messages.detokenizer import DetokenizerInbox, NewTokens, StepOutputs, TrackRequest
 from messages.frontend import RequestOutputs
@@ -59,6 +60,8 @@ class CompletionDecoder:
         self.params = params
         self.decoder = IncrementalDecoder(backend, params.skip_special_tokens)
         self.text = ""  # what may be shown: stable decoded text, cut at a stop string
+        # the stop strings' progress through text, advanced by what each token adds (stop_strings.py)
+        self.stop_strings = StopStrings(params.stop_strings) if params.stop_strings else None
         self.token_ids: list[int] = []
         self.logprobs: list[dict[int, Logprob]] | None = [] if params.logprobs is not None else None
         self.cumulative_logprob: float | None = 0.0 if params.logprobs is not None else None
@@ -97,6 +100,8 @@ class CompletionDecoder:
         self.decoder.add(update.new_token_ids[:-1] if hidden_last else update.new_token_ids)
         # once the sequence has ended, nothing more can complete a split character
         self.text = self.decoder.text if update.finish_reason is not None else self.decoder.stable_text
+        if self.stop_strings is not None:  # (text only grows: the decoder's stable text is a prefix of the whole)
+            self.stop_strings.feed(self.text[old_len:])
         if self.logprobs is not None and update.new_logprobs:
             for entry in update.new_logprobs:
                 self.logprobs.append(token_texts.logprob_dict(entry))
@@ -104,8 +109,12 @@ class CompletionDecoder:
         return self._match_stop(old_len)
 
     def _match_stop(self, old_len: int) -> str | None:
-        for stop in self.params.stop_strings:
-            # only a match that ends in the new text is new
+        if self.stop_strings is None or not self.stop_strings.completed:
+            return None
+        for index, stop in enumerate(self.params.stop_strings):
+            if index not in self.stop_strings.completed:
+                continue
+            # only a match that ends in the new text is new (the first stop string listed wins, as before)
             position = self.text.find(stop, max(0, old_len - len(stop) + 1))
             if position != -1:
                 end = position + len(stop) if self.params.include_stop_str_in_output else position
@@ -118,13 +127,7 @@ class CompletionDecoder:
 
     def _held_back_chars(self) -> int:
         """How many trailing characters could still grow into a stop string."""
-        held = 0
-        for stop in self.params.stop_strings:
-            for length in range(min(len(stop) - 1, len(self.text)), held, -1):
-                if self.text.endswith(stop[:length]):
-                    held = length
-                    break
-        return held
+        return 0 if self.stop_strings is None else self.stop_strings.held_back()
 
     def take_delta(self) -> CompletionOutput:
         """What is new since the last delta (all of it once finished)."""

@@ -34,8 +34,8 @@ from actors.pooling.engine import (CONVERTS, RUNNERS, TASKS, check_pooling_args,
                                   parse_hf_overrides, pooler_for)
 from actors.quantization import QUANTIZATION_METHODS
 from actors.quantization.resolve import resolve_quantization
-from actors.multimodal.config import check_vision_engine, parse_limit_mm_per_prompt
-from actors.multimodal.local_media import check_media_args, resolve_allowed_media_path
+from actors.input_args import InputArgs
+from actors.multimodal.config import check_vision_engine
 from actors.spec_decode.config import check_engine_fit, parse_speculative_config
 from actors.spec_decode.draft_config import load_draft_model_config
 from actors.tracing import DETAILED_TRACES, check_tracing_available
@@ -69,8 +69,9 @@ PYTHON_DEVICE = "cpu"
 SERVER_DEVICE = "auto"
 
 @dataclass
-class EngineArgs:
-    """What an engine is started with; build() checks it and makes the EngineConfig."""
+class EngineArgs(InputArgs):
+    """What an engine is started with; build() checks it and makes the EngineConfig. The
+    input processor's fields (images, chat templates) come from InputArgs."""
 
     model: str | None = _arg(
         None, "a local Hugging Face model directory or .gguf file (default: the embedded SmolLM2-135M-Instruct)",
@@ -154,15 +155,6 @@ class EngineArgs:
         None, "speculative decoding, vLLM's JSON: '{\"method\": \"ngram\", \"num_speculative_tokens\": 5}' "
               "(method ngram or suffix; prompt_lookup_min/max, suffix_decoding_*, disable_by_batch_size)",
         metavar="JSON")
-    limit_mm_per_prompt: str | dict | None = _arg(
-        None, "a vision model: the most images one prompt may carry, vLLM's JSON: '{\"image\": 4}' (default 999)",
-        metavar="JSON")
-    allowed_local_media_path: str | None = _arg(
-        None, "a vision model: image_url file:// URLs may name files under this directory (default: refused)",
-        metavar="DIR")
-    mm_processor_cache_gb: float | None = _arg(
-        None, "a vision model: each input processor's cache of processed images, in GiB (default 0.0625, 0: off)",
-        metavar="GIB", parse=float)
     max_num_encoder_input_tokens: int | None = _arg(
         None, "a vision model: the most image tokens whose encoding one step may start (default: no limit)",
         metavar="TOKENS", parse=int)
@@ -287,8 +279,9 @@ class EngineArgs:
         parse_hf_overrides(self.hf_overrides)
         parse_speculative_config(self.speculative_config)
         check_distributed_flags(self)
-        parse_limit_mm_per_prompt(self.limit_mm_per_prompt)
-        check_media_args(self.allowed_local_media_path, self.max_num_encoder_input_tokens, self.mm_processor_cache_gb)
+        self.check_inputs()
+        if self.max_num_encoder_input_tokens is not None:
+            check_int("max_num_encoder_input_tokens", self.max_num_encoder_input_tokens, minimum=1)
 
     def build(self) -> EngineConfig:
         """Resolves the model and checks every argument (ValueError naming the field). The
@@ -355,10 +348,7 @@ class EngineArgs:
             otlp_traces_endpoint=args.otlp_traces_endpoint or None, collect_detailed_traces=args.collect_detailed_traces,
             lora=args._lora_config(),
             pooler=pooler, speculative=speculative, draft_model=draft_model, gguf_file=gguf_file,
-            limit_mm_per_prompt=parse_limit_mm_per_prompt(args.limit_mm_per_prompt),
-            allowed_local_media_path=resolve_allowed_media_path(args.allowed_local_media_path),
-            mm_processor_cache_gb=args.mm_processor_cache_gb,
-            **cuda_graph_sizes(args))
+            inputs=args.input_config(), **cuda_graph_sizes(args))
 
     def _lora_config(self) -> LoRAConfig | None:
         if not self.enable_lora:

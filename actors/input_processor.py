@@ -10,13 +10,14 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from concurrent.futures import ThreadPoolExecutor
 
 import msgspec
 
 from actors.actor import Actor, ActorSpec
 from actors.chat_template import render_chat_text
+from actors.config import DEFAULT_CHAT_TEMPLATE_TIMEOUT_S
 from actors.lora.checker import LoRAChecker
-from actors.multimodal.config import DEFAULT_LIMIT_PER_PROMPT
 from actors.multimodal.fetch import fetch_message_images, has_http_images
 from actors.multimodal.inputs import ImageInputs, images_of, split_image_parts
 from actors.multimodal.prompt_images import fetch_prompt_images, has_http_prompt_images, multi_modal_data_of
@@ -50,8 +51,10 @@ class InputProcessor:
     def __init__(self, tokenizer, vocab_size: int, max_model_len: int, max_logprobs: int = MAX_LOGPROBS,
                  structured_outputs_backend: str = "auto", lora: LoRAChecker | None = None,
                  pooler: PoolerConfig | None = None, hidden_size: int | None = None, generates: bool = True,
-                 priority_scheduling: bool = False, images: ImageInputs | None = None) -> None:
+                 priority_scheduling: bool = False, images: ImageInputs | None = None,
+                 chat_template_timeout: float = DEFAULT_CHAT_TEMPLATE_TIMEOUT_S) -> None:
         self.tokenizer = tokenizer
+        self.chat_template_timeout = chat_template_timeout  # seconds a template may take to render
         self.images = images  # a vision model's image processing; None: a text-only model
         self.pooler = pooler  # a pooling model's pooler: it takes pooling requests only
         self.hidden_size = hidden_size
@@ -226,7 +229,7 @@ class InputProcessor:
     def render_chat(self, messages: list[dict], options: ChatOptions, add_special_tokens: bool = False) -> list[int]:
         """The conversation rendered with the chat template (the request's own, else the
         tokenizer's) and tokenized; add_special_tokens adds BOS on top of the template's."""
-        text = render_chat_text(self.tokenizer, messages, options)
+        text = render_chat_text(self.tokenizer, messages, options, self.chat_template_timeout)
         return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
 
     def render_chat_prompt(self, messages: list[dict], options: ChatOptions) -> list[int] | dict:
@@ -270,9 +273,7 @@ def image_inputs(engine, tokenizer) -> ImageInputs | None:
     directory), or None for a text-only model."""
     if engine.model.vision is None:
         return None
-    limit = engine.limit_mm_per_prompt.get("image", DEFAULT_LIMIT_PER_PROMPT)
-    return ImageInputs.build(engine.model.model_path, engine.model.vision, tokenizer, limit,
-                             engine.allowed_local_media_path, engine.mm_processor_cache_gb)
+    return ImageInputs.build(engine.model.model_path, engine.model.vision, tokenizer, engine.inputs)
 
 
 def check_reasoning_markers(tokenizer, reasoning_parser: str | None) -> None:
@@ -283,7 +284,12 @@ def check_reasoning_markers(tokenizer, reasoning_parser: str | None) -> None:
 
 class InputProcessorActor(Actor):
     """Receives AddRequest; sends TokenizedRequest to the scheduler or RequestRejected to
-    the frontend. Owns a tokenizer."""
+    the frontend. Owns a tokenizer.
+
+    The work of a request (its chat template, tokenization, image decoding) runs on one
+    thread beside the actor's loop, so the loop keeps answering pings and taking messages
+    while a template renders (within --chat-template-timeout) or an image decodes (within
+    the pixel limits); one thread keeps the requests in their order to the scheduler."""
 
     inbox_type = InputProcessorInbox
 
@@ -293,7 +299,8 @@ class InputProcessorActor(Actor):
         self.inbox.socket.connect(addresses["input_processor"])
         self.to_scheduler = sockets.outbox(addresses["scheduler"])
         self.processor = processor
-        self._fetches: set[asyncio.Task] = set()  # requests waiting for their http(s) images
+        self._work = ThreadPoolExecutor(max_workers=1, thread_name_prefix="troupe-input-processing")
+        self._tasks: set[asyncio.Task] = set()  # requests being fetched or processed
 
     @classmethod
     def from_spec(cls, spec: ActorSpec, sockets: Sockets) -> InputProcessorActor:
@@ -306,36 +313,29 @@ class InputProcessorActor(Actor):
                                    engine.max_logprobs, engine.structured_outputs_backend,
                                    LoRAChecker(engine.model, engine.lora), engine.pooler, engine.model.hidden_size,
                                    engine.model.can_generate, engine.scheduler.scheduling_policy == "priority",
-                                   image_inputs(engine, tokenizer))
+                                   image_inputs(engine, tokenizer), engine.inputs.chat_template_timeout)
         return cls(spec.name, spec.addresses, sockets, processor)
 
     def handle(self, message: AddRequest) -> None:
-        if self.processor.images is not None and (has_http_images(message.messages)
-                                                  or has_http_prompt_images(message.images)):
-            # downloads run on threads; the request is processed when they are done
-            task = asyncio.get_running_loop().create_task(self._fetch_then_process(message))
-            self._fetches.add(task)
-            task.add_done_callback(self._fetches.discard)
-            return
-        self._process(message)
+        task = asyncio.get_running_loop().create_task(self._process(message))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
 
-    async def _fetch_then_process(self, message: AddRequest) -> None:
-        try:
-            if message.images:  # a prompt dict's
-                self.processor.images.check_count(len(message.images), "multi_modal_data")
-                message = msgspec.structs.replace(message, images=await fetch_prompt_images(message.images))
-            else:
-                _, images = split_image_parts(message.messages, self.processor.images.placeholder)
-                self.processor.images.check_count(len(images), "messages")  # before anything is downloaded
-                message = msgspec.structs.replace(message, messages=await fetch_message_images(message.messages))
-        except Exception as error:  # noqa: BLE001 - one bad request must not end the actor
-            self._reject_error(message.request_id, error, "fetching images")
-            return
-        self._process(message)
+    def close(self) -> None:
+        self._work.shutdown(wait=False, cancel_futures=True)
 
-    def _process(self, message: AddRequest) -> None:
+    async def _process(self, message: AddRequest) -> None:
+        images = self.processor.images
+        if images is not None and (has_http_images(message.messages) or has_http_prompt_images(message.images)):
+            # downloads run on threads of their own; the request is processed when they are done
+            try:
+                message = await self._fetch(message, images)
+            except Exception as error:  # noqa: BLE001 - one bad request must not end the actor
+                self._reject_error(message.request_id, error, "fetching images")
+                return
         try:
-            _, token_ids, mm_inputs = self._tokenize(message)
+            _, token_ids, mm_inputs = await asyncio.get_running_loop().run_in_executor(
+                self._work, self._tokenize, message)
         except Exception as error:  # noqa: BLE001 - one bad request must not end the actor
             self._reject_error(message.request_id, error, "input processing")
             return
@@ -344,6 +344,18 @@ class InputProcessorActor(Actor):
                                                 cache_salt=message.cache_salt, priority=message.priority,
                                                 lora_request=message.lora_request,
                                                 pooling_params=message.pooling_params, mm_inputs=mm_inputs or None))
+
+    @staticmethod
+    async def _fetch(message: AddRequest, images: ImageInputs) -> AddRequest:
+        """The request with its http(s) images downloaded (as bytes), after their count is checked."""
+        if message.images:  # a prompt dict's
+            images.check_count(len(message.images), "multi_modal_data")
+            return msgspec.structs.replace(message, images=await fetch_prompt_images(message.images,
+                                                                                     images.fetch_policy))
+        _, parts = split_image_parts(message.messages, images.placeholder)
+        images.check_count(len(parts), "messages")  # before anything is downloaded
+        return msgspec.structs.replace(message, messages=await fetch_message_images(message.messages,
+                                                                                   images.fetch_policy))
 
     def _tokenize(self, message: AddRequest) -> tuple[str | None, list[int], list[MultiModalInput]]:
         if message.prompt is None and message.messages is None:
@@ -360,7 +372,8 @@ class InputProcessorActor(Actor):
             self._reject(request_id, str(error), "invalid_request", error.param)
         else:
             logger.error("request %s: %s failed", request_id, what, exc_info=error)
-            self._reject(request_id, f"{what} failed: {error}", "internal_error", None)
+            # the reason is in the log: an exception's text may hold a repr, a path, a memory address
+            self._reject(request_id, f"{what} failed (the server log has the details)", "internal_error", None)
 
     def _reject(self, request_id: str, text: str, error_type: str, param: str | None) -> None:
         self.to_frontend.send(RequestRejected(request_id=request_id, message=text, error_type=error_type,

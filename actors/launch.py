@@ -70,7 +70,8 @@ def build_parser() -> argparse.ArgumentParser:
     server.add_argument("--port", type=int, default=8000, help="the port to listen on; 0 picks a free one "
                                                                "(default: %(default)s)")
     server.add_argument("--api-key", metavar="KEY",
-                        help="require 'Authorization: Bearer KEY' on the /v1 routes")
+                        help="require 'Authorization: Bearer KEY' on every route but /health and /ping "
+                             "(docs/security.md)")
     server.add_argument("--max-waiting-requests", type=int, default=DEFAULT_MAX_WAITING_REQUESTS, metavar="N",
                         help="requests allowed to wait beyond the --max-num-seqs running ones; past that, new "
                              "requests get 503 with Retry-After (default: %(default)s)")
@@ -223,7 +224,7 @@ class Launcher:
         names = args.served_model_name or [args.model or DEFAULT_MODEL_NAME]
         settings = ServerSettings(served_model_names=names, api_key=args.api_key,
                                   max_waiting_requests=args.max_waiting_requests,
-                                  max_body_bytes=args.max_request_size, model_root=client.config.model.model_path,
+                                  max_body_bytes=args.max_request_size,
                                   **openai_server_settings(args))
         # every adapter given is served before the app exists, so no route ever sees a half-loaded list
         models = ServedModels(names, client)
@@ -232,8 +233,10 @@ class Launcher:
         app = build_app(client, settings, models)
         self.serving = app.state.serving
         # a backstop: by then abort_all() has ended every response (uvicorn would cancel them)
+        # h11, named: its bound on the header block is the one --h11-max-incomplete-event-size sets
         config = uvicorn.Config(app, lifespan="off", log_config=None, access_log=False, root_path=args.root_path,
-                                timeout_graceful_shutdown=args.shutdown_timeout + _ABORT_GRACE_S)
+                                timeout_graceful_shutdown=args.shutdown_timeout + _ABORT_GRACE_S, http="h11",
+                                h11_max_incomplete_event_size=args.h11_max_incomplete_event_size)
         self.server = _Server(config)
         serve_task = asyncio.ensure_future(self.server.serve(sockets=[self.sock]))
         dying = asyncio.ensure_future(client.wait_until_dead())

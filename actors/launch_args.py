@@ -12,7 +12,10 @@ import socket
 import stat
 
 from actors.config import runtime_lora_updating_allowed
+from actors.cli_flags import parse_size_flag
 from api.lora_models import LoRAModulePath
+from api.response_store import DEFAULT_STORE_BYTES
+from api.serving import DEFAULT_H11_MAX_INCOMPLETE_EVENT_SIZE, DEFAULT_MAX_HEADER_COUNT
 from api.tool_parsers import TOOL_PARSERS
 
 # CORS: any origin, method and header, as vLLM's defaults
@@ -53,6 +56,14 @@ def add_openai_server_flags(server: argparse._ArgumentGroup) -> None:
                         help="count the generation requests in flight, served by GET /load")
     server.add_argument("--enable-tokenizer-info-endpoint", action="store_true",
                         help="serve GET /tokenizer_info: the tokenizer's configuration, chat template included")
+    server.add_argument("--allow-unauthenticated-metrics", action="store_true",
+                        help="with --api-key, let GET /metrics answer without the key (for a Prometheus scraper "
+                             "that sends none); /health and /ping always do")
+    server.add_argument("--h11-max-incomplete-event-size", type=int, default=DEFAULT_H11_MAX_INCOMPLETE_EVENT_SIZE,
+                        metavar="BYTES", help="the most bytes of request line and headers; past them, 431 or 400 "
+                                              "(default: %(default)s)")
+    server.add_argument("--h11-max-header-count", type=int, default=DEFAULT_MAX_HEADER_COUNT, metavar="N",
+                        help="requests with more headers get 431 (default: %(default)s)")
 
 
 def add_openai_api_flags(api: argparse._ArgumentGroup) -> None:
@@ -61,6 +72,9 @@ def add_openai_api_flags(api: argparse._ArgumentGroup) -> None:
     api.add_argument("--chat-template", metavar="FILE_OR_TEMPLATE",
                      help="a Jinja chat template (a file, or the template itself) for chat requests that send "
                           "none; default: the tokenizer's")
+    api.add_argument("--trust-request-chat-template", action="store_true",
+                     help="render a request's own chat_template (Jinja code the server runs, within "
+                          "--chat-template-timeout); without it such a request gets 400")
     api.add_argument("--response-role", default="assistant", metavar="ROLE",
                      help="the role of generated chat messages (default: %(default)s)")
     api.add_argument("--return-tokens-as-token-ids", action="store_true",
@@ -72,6 +86,9 @@ def add_openai_api_flags(api: argparse._ArgumentGroup) -> None:
                           "--tool-call-parser")
     api.add_argument("--tool-call-parser", metavar="NAME",
                      help=f"how the model writes tool calls: {', '.join(TOOL_PARSERS)}")
+    api.add_argument("--responses-store-size", type=parse_size_flag, default=DEFAULT_STORE_BYTES, metavar="SIZE",
+                     help="memory for the /v1/responses kept for previous_response_id, measured as their JSON; "
+                          "the least recently used are forgotten past it (default: 64MiB)")
     api.add_argument("--exclude-tools-when-tool-choice-none", action="store_true",
                      help="with tool_choice 'none', leave the tools out of the prompt")
 
@@ -134,6 +151,9 @@ def check_openai_server_flags(parser: argparse.ArgumentParser, args: argparse.Na
     root_path = args.root_path
     if root_path and (not root_path.startswith("/") or root_path.endswith("/")):
         parser.error(f"--root-path must start with '/' and not end with one (e.g. /llm), got {root_path!r}")
+    for name in ("h11_max_incomplete_event_size", "h11_max_header_count"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
     if args.uds is not None and not args.uds:
         parser.error("--uds needs a socket path")
     if args.tool_call_parser is not None and args.tool_call_parser not in TOOL_PARSERS:
@@ -159,13 +179,17 @@ def _check_lora_flags(parser: argparse.ArgumentParser, args: argparse.Namespace)
 
 def openai_server_settings(args: argparse.Namespace) -> dict:
     """The ServerSettings fields these flags set."""
-    return dict(log_requests=not args.disable_log_requests,
+    return dict(log_requests=not args.disable_log_requests, root_path=args.root_path,
+                allow_unauthenticated_metrics=args.allow_unauthenticated_metrics,
+                max_header_count=args.h11_max_header_count, max_header_bytes=args.h11_max_incomplete_event_size,
                 enable_request_id_headers=args.enable_request_id_headers,
                 enable_server_load_tracking=args.enable_server_load_tracking,
                 enable_tokenizer_info_endpoint=args.enable_tokenizer_info_endpoint,
                 allowed_origins=args.allowed_origins, allowed_methods=args.allowed_methods,
                 allowed_headers=args.allowed_headers, allow_credentials=args.allow_credentials,
                 chat_template=args.chat_template, response_role=args.response_role,
+                trust_request_chat_template=args.trust_request_chat_template,
+                responses_store_bytes=args.responses_store_size,
                 return_tokens_as_token_ids=args.return_tokens_as_token_ids,
                 enable_prompt_tokens_details=args.enable_prompt_tokens_details,
                 enable_auto_tool_choice=args.enable_auto_tool_choice, tool_call_parser=args.tool_call_parser,

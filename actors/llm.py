@@ -53,7 +53,8 @@ class LLM(LLMPoolingMixin):
                                      LoRAChecker(self.config.model, self.config.lora), self.config.pooler,
                                      self.config.model.hidden_size, self.config.model.can_generate,
                                      self.config.scheduler.scheduling_policy == "priority",
-                                     image_inputs(self.config, self.tokenizer))
+                                     image_inputs(self.config, self.tokenizer),
+                                     self.config.inputs.chat_template_timeout)
         self._request_counter = itertools.count()
 
     def get_tokenizer(self):

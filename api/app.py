@@ -32,7 +32,8 @@ from actors.frontend import AsyncClient
 from api.errors import APIError, bad_request, handle_api_error, handle_http_exception, internal_error
 from api.lora_models import ServedModels
 from api.metrics import CONTENT_TYPE
-from api.middleware import APIKeyMiddleware, RequestLogMiddleware, ServerLoadMiddleware, XRequestIdMiddleware
+from api.middleware import (APIKeyMiddleware, HeaderLimitsMiddleware, RequestLogMiddleware, RootPathMiddleware,
+                            ServerLoadMiddleware, XRequestIdMiddleware)
 from api.responses import VersionResponse
 from api.serving import ClientGone, ServerSettings, ServingContext, decode_json, json_response, read_body
 from api.serving_chat import create_chat_completion
@@ -109,7 +110,9 @@ def _invocation_endpoint(ctx: ServingContext, kind: _InvocationKind) -> Callable
 async def invocations(ctx: ServingContext, request: Request) -> Response:
     """SageMaker's POST /invocations: the endpoint the body's fields ask for."""
     body = await read_body(request, ctx.settings.max_body_bytes)
-    endpoint = _invocation_endpoint(ctx, decode_json(body, _InvocationKind))
+    # decoded for its kind only: the endpoint decodes (and checks, and logs unknown fields of) the
+    # whole body as its own request type, so the fields this one leaves out are no "unknown" fields
+    endpoint = _invocation_endpoint(ctx, decode_json(body, _InvocationKind, check_extra=False))
     return await endpoint(ctx, Request(request.scope, _replay(body, request.receive)))
 
 
@@ -194,16 +197,21 @@ def build_app(client: AsyncClient, settings: ServerSettings, models: ServedModel
         # as vLLM: the routes exist only when allowed, so an open server cannot be given new weights
         routes.append(Route("/v1/load_lora_adapter", _with_context(load_lora_adapter), methods=["POST"]))
         routes.append(Route("/v1/unload_lora_adapter", _with_context(unload_lora_adapter), methods=["POST"]))
-    # outermost first: CORS answers preflights and adds its headers to every response, errors too
-    middleware = [Middleware(CORSMiddleware, allow_origins=settings.allowed_origins,
-                             allow_methods=settings.allowed_methods, allow_headers=settings.allowed_headers,
-                             allow_credentials=settings.allow_credentials)]
+    # outermost first: the path as the routes see it, then CORS, which answers preflights and adds
+    # its headers to every response, errors too
+    middleware = [Middleware(RootPathMiddleware, root_path=settings.root_path)] if settings.root_path else []
+    middleware += [Middleware(CORSMiddleware, allow_origins=settings.allowed_origins,
+                              allow_methods=settings.allowed_methods, allow_headers=settings.allowed_headers,
+                              allow_credentials=settings.allow_credentials),
+                   Middleware(HeaderLimitsMiddleware, max_count=settings.max_header_count,
+                              max_bytes=settings.max_header_bytes)]
     if settings.enable_request_id_headers:
         middleware.append(Middleware(XRequestIdMiddleware))
     middleware.append(Middleware(RequestLogMiddleware, metrics=serving.metrics, log_requests=settings.log_requests,
                                  route_paths={route.path for route in routes}))
     if settings.api_key:
-        middleware.append(Middleware(APIKeyMiddleware, api_key=settings.api_key))
+        middleware.append(Middleware(APIKeyMiddleware, api_key=settings.api_key,
+                                     open_metrics=settings.allow_unauthenticated_metrics))
     if settings.enable_server_load_tracking:  # inside the API key check: a refused request is no load
         middleware.append(Middleware(ServerLoadMiddleware, serving=serving, paths=_GENERATION_PATHS))
     exception_handlers = {

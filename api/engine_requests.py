@@ -56,7 +56,7 @@ class EngineRequests:
         self._num_cached_tokens: dict[int, int] = {}  # prompt index -> prompt tokens from the prefix cache
         self._max_model_len = max_model_len
         self._max_tokens = max_tokens
-        self._n = n  # completions per engine request
+        self.n = n  # completions per engine request (sequences, as admission counts them)
         self._metrics = metrics
         self._on_close = on_close
         self._tracing = tracing  # (tracer, model name, params, trace headers): a span per engine request
@@ -119,7 +119,7 @@ class EngineRequests:
         if self._tracing is not None:
             tracer, model, params, headers = self._tracing
             trace = RequestSpanInfo(tracer, self.request_ids[index], model, params, headers)
-        stats = RequestStats(self._metrics, self._n, self._max_tokens, trace)
+        stats = RequestStats(self._metrics, self.n, self._max_tokens, trace)
         try:
             async with aclosing(stream):
                 async for delta in stream:

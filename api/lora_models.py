@@ -13,9 +13,11 @@ again with other files must not meet the old ones there."""
 from __future__ import annotations
 
 import asyncio
+import os
 from dataclasses import dataclass
 
 from actors.frontend import AsyncClient
+from actors.lora.adapter_files import CONFIG_FILE, WEIGHTS_FILE
 from api.errors import APIError
 from messages.lora import LoRAAdapterError, LoRARequest
 
@@ -36,6 +38,12 @@ def model_not_found(name: str) -> APIError:
 
 def _invalid_input(message: str, param: str) -> APIError:
     return APIError(400, message, type="InvalidUserInput", param=param, code=400)
+
+
+def _is_adapter_dir(path: str) -> bool:
+    """Whether path is a directory with an adapter's two files, both readable."""
+    return all(os.path.isfile(file) and os.access(file, os.R_OK)
+               for file in (os.path.join(path, CONFIG_FILE), os.path.join(path, WEIGHTS_FILE)))
 
 
 class ServedModels:
@@ -61,10 +69,13 @@ class ServedModels:
             raise model_not_found(name)
         return lora_request.lora_name, lora_request
 
-    async def load_adapter(self, lora_name: str, lora_path: str, base_model_name: str | None = None) -> LoRARequest:
+    async def load_adapter(self, lora_name: str, lora_path: str, base_model_name: str | None = None,
+                           from_request: bool = False) -> LoRARequest:
         """Checks the adapter against the model (the engine's AsyncClient.add_lora) and serves
         it under lora_name. APIError 400 for a missing field, a name already taken, or an
-        adapter the engine cannot run (its message names what is wrong)."""
+        adapter the engine cannot run (its message names what is wrong). from_request: a
+        client's POST /v1/load_lora_adapter, which gets one answer for every path that holds
+        no adapter (the operator's --lora-modules get the engine's own reason)."""
         if not lora_name or not lora_path:
             raise _invalid_input("Both 'lora_name' and 'lora_path' must be provided.",
                                  "lora_path" if lora_name else "lora_name")
@@ -77,6 +88,11 @@ class ServedModels:
             if base_model_name is not None and base_model_name not in self.base_model_names:
                 raise _invalid_input(f"base_model_name '{base_model_name}' is not a served model; this server "
                                      f"serves {', '.join(map(repr, self.base_model_names))}", "base_model_name")
+            if from_request and not _is_adapter_dir(lora_path):
+                # one answer for a path that does not exist, is a file, is a directory of something
+                # else or cannot be read: the route must not tell which paths exist on the server
+                raise APIError(400, f"no LoRA adapter can be read at lora_path (a directory holding {CONFIG_FILE} "
+                                    f"and {WEIGHTS_FILE})", type="BadRequestError", param="lora_path", code=400)
             lora_request = LoRARequest(lora_name, self._last_lora_int_id + 1, lora_path,
                                        base_model_name=base_model_name)
             try:

@@ -1,9 +1,10 @@
-"""Pure-ASGI middleware (they see every message, so streamed responses too): the API key
-check on /v1 routes, one log line and one metrics count per request, the X-Request-Id
-header, and the count of generation requests in flight (GET /load).
+"""Pure-ASGI middleware (they see every message, so streamed responses too): the root path
+served with and without its prefix, the header limits, the API key check on every
+route but the health checks, one log line and one metrics count per request, the
+X-Request-Id header, and the count of generation requests in flight (GET /load).
 
 Paths are matched below the root path (--root-path): uvicorn puts the proxy's prefix in
-front of scope["path"], and a /v1 route must not slip past the API key under it."""
+front of scope["path"], and no route may slip past the API key under it."""
 
 from __future__ import annotations
 
@@ -30,17 +31,73 @@ def route_path(scope: Scope) -> str:
     return path
 
 
-class APIKeyMiddleware:
-    """401 for a /v1 request without `Authorization: Bearer <api_key>` (as vLLM, the
-    health, metrics, version and tokenizer routes stay open, and so do CORS preflights,
-    which browsers send without credentials)."""
+class RootPathMiddleware:
+    """Serves /llm/v1/... as well as /v1/... under --root-path /llm, as vLLM does: a proxy
+    that strips the prefix sends /v1/..., a client that reaches the server directly (or a
+    proxy that keeps the prefix) sends /llm/v1/..., which uvicorn turns into /llm/llm/v1/...
+    by putting the root path in front; the second prefix is dropped here, before any other
+    middleware looks at the path."""
 
-    def __init__(self, app: ASGIApp, api_key: str) -> None:
+    def __init__(self, app: ASGIApp, root_path: str) -> None:
         self.app = app
-        self.expected = f"Bearer {api_key}".encode()
+        self.root_path = root_path
+        self.doubled = root_path + root_path  # what uvicorn makes of a path the client prefixed itself
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        guarded = scope["type"] == "http" and scope["method"] != "OPTIONS" and route_path(scope).startswith("/v1")
+        path = scope.get("path", "")
+        if scope["type"] == "http" and path.startswith(self.doubled) and \
+                path[len(self.doubled):len(self.doubled) + 1] in ("", "/"):
+            scope = {**scope, "path": path[len(self.root_path):]}
+        await self.app(scope, receive, send)
+
+
+class HeaderLimitsMiddleware:
+    """431 for a request with more than max_count headers (vLLM's --h11-max-header-count) or
+    more than max_bytes of them (--h11-max-incomplete-event-size). h11 enforces the bytes only
+    while a header block is still arriving; one that came whole in a single read is measured
+    here, so the limit holds however the client sends it."""
+
+    def __init__(self, app: ASGIApp, max_count: int, max_bytes: int) -> None:
+        self.app = app
+        self.max_count = max_count
+        self.max_bytes = max_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http":
+            headers = scope["headers"]
+            problem = None
+            if len(headers) > self.max_count:
+                problem = f"{len(headers)} headers; at most {self.max_count} are allowed (--h11-max-header-count)"
+            elif (size := sum(len(name) + len(value) for name, value in headers)) > self.max_bytes:
+                problem = f"{size} bytes of headers; at most {self.max_bytes} are allowed " \
+                          "(--h11-max-incomplete-event-size)"
+            if problem is not None:
+                await APIError(431, f"the request has {problem}", code="headers_too_large").response()(
+                    scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+# The routes that answer without the API key: the health checks a load balancer or
+# SageMaker sends without credentials. They say only whether the engine is up.
+OPEN_PATHS = frozenset({"/health", "/ping"})
+
+
+class APIKeyMiddleware:
+    """401 for any request without `Authorization: Bearer <api_key>`, except the health
+    checks (OPEN_PATHS), /metrics when open_metrics (--allow-unauthenticated-metrics), and
+    CORS preflights, which browsers send without credentials and which run nothing. Unlike
+    vLLM, which checks /v1 only, every route is guarded, unknown paths included, so no
+    route that runs the model or shows the server's state is open by accident."""
+
+    def __init__(self, app: ASGIApp, api_key: str, open_metrics: bool = False) -> None:
+        self.app = app
+        self.expected = f"Bearer {api_key}".encode()
+        self.open_paths = OPEN_PATHS | {"/metrics"} if open_metrics else OPEN_PATHS
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        guarded = scope["type"] == "http" and scope["method"] != "OPTIONS" and \
+            route_path(scope) not in self.open_paths
         if guarded and not self._authorized(scope):
             error = APIError(401, "a valid API key is needed: send the header 'Authorization: Bearer <key>'",
                              code="invalid_api_key")

@@ -20,6 +20,7 @@ import msgspec
 
 from actors.beam_search import BeamSearchParams
 from actors.errors import InvalidRequestError
+from api.request_limits import check_sampling_fields
 from api.structured_fields import StructuredFields
 from messages.common import SamplingParams
 from messages.input_processor import ChatOptions
@@ -78,6 +79,12 @@ class SamplingRequest(StructuredFields, kw_only=True):
         self.n = _or(self.n, 1)
         self.stream = _or(self.stream, False)
         self.echo = _or(self.echo, False)
+
+    def check_limits(self, vocab_size: int) -> None:
+        """The bounds of api/request_limits.py (n, stop, stop_token_ids, bad_words, logit_bias,
+        allowed_token_ids): a 400 naming the field past one."""
+        check_sampling_fields(self.n, self.stop, self.stop_token_ids, self.bad_words, self.logit_bias,
+                              self.allowed_token_ids, vocab_size)
 
     def check_common(self) -> None:
         if self.stream_options is not None and not self.stream:

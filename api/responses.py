@@ -2,7 +2,11 @@
 
 Fields that OpenAI sends as null are plain `X | None`; fields it leaves out in some
 messages (a stream chunk's `usage` unless include_usage is set, a chat delta's `role`
-after the first chunk) default to msgspec.UNSET, which the encoder omits."""
+after the first chunk) default to msgspec.UNSET, which the encoder omits. A whole
+(non-streaming) response carries every field vLLM always sends, null when unused
+(`prompt_logprobs`, `prompt_token_ids`, `token_ids`, `system_fingerprint`, ...): clients
+read them as attributes (the openai package's `choice.prompt_logprobs`), and vLLM's tests
+look for the keys; streamed chunks stay lean."""
 
 from __future__ import annotations
 
@@ -60,9 +64,9 @@ class CompletionChoice(msgspec.Struct):
     finish_reason: str | None = None  # "stop" | "length" | "abort"; None while streaming
     stop_reason: int | str | None = None  # the stop string or token id that ended it (vLLM's extension)
     # vLLM's extensions: prompt_logprobs when asked; token ids with return_token_ids
-    prompt_logprobs: PromptLogprobsField = UNSET
-    prompt_token_ids: list[int] | UnsetType = UNSET
-    token_ids: list[int] | UnsetType = UNSET
+    prompt_logprobs: PromptLogprobsField | None = UNSET
+    prompt_token_ids: list[int] | None | UnsetType = UNSET
+    token_ids: list[int] | None | UnsetType = UNSET
 
 
 class CompletionResponse(msgspec.Struct):
@@ -74,6 +78,21 @@ class CompletionResponse(msgspec.Struct):
     object: str = "text_completion"
     created: int = msgspec.field(default_factory=lambda: int(time.time()))
     usage: Usage | None | UnsetType = UNSET
+    # vLLM's always-present fields of a whole response (with_vllm_nulls), absent from chunks
+    system_fingerprint: str | None | UnsetType = UNSET
+    service_tier: str | None | UnsetType = UNSET
+    kv_transfer_params: dict | None | UnsetType = UNSET
+
+
+def with_vllm_nulls(response: CompletionResponse) -> CompletionResponse:
+    """A whole completion with every field vLLM always sends, null where unused."""
+    for struct, names in ((response, ("system_fingerprint", "service_tier", "kv_transfer_params")),
+                          *((choice, ("prompt_logprobs", "prompt_token_ids", "token_ids"))
+                            for choice in response.choices)):
+        for name in names:
+            if getattr(struct, name) is UNSET:
+                setattr(struct, name, None)
+    return response
 
 
 # ---- /v1/chat/completions ----
@@ -137,18 +156,23 @@ class ChatChoice(msgspec.Struct):
     logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
-    token_ids: list[int] | UnsetType = UNSET  # with return_token_ids
+    token_ids: list[int] | None = None  # with return_token_ids
 
 
 class ChatCompletionResponse(msgspec.Struct):
+    """A whole chat completion: every field vLLM always sends, null where unused."""
+
     id: str
     model: str
     choices: list[ChatChoice]
     usage: Usage
     object: str = "chat.completion"
     created: int = msgspec.field(default_factory=lambda: int(time.time()))
-    prompt_logprobs: PromptLogprobsField = UNSET
-    prompt_token_ids: list[int] | UnsetType = UNSET  # with return_token_ids
+    prompt_logprobs: list[dict[int, LogprobEntry] | None] | None = None
+    prompt_token_ids: list[int] | None = None  # with return_token_ids
+    system_fingerprint: str | None = None
+    service_tier: str | None = None
+    kv_transfer_params: dict | None = None
 
 
 class DeltaMessage(msgspec.Struct):
@@ -182,7 +206,7 @@ class ChatCompletionChunk(msgspec.Struct):
 
 class ModelCard(msgspec.Struct):
     id: str
-    root: str  # the model's directory (an adapter's: the adapter's)
+    root: str  # the served name (vLLM shows the model's directory; troupe keeps its paths to itself)
     max_model_len: int
     object: str = "model"
     created: int = msgspec.field(default_factory=lambda: int(time.time()))

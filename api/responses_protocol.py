@@ -17,6 +17,7 @@ import msgspec
 
 from actors.errors import InvalidRequestError
 from api.protocol import ChatMessage
+from api.request_limits import check_metadata, check_schema_size
 from api.structured_fields import StructuredFields, check_constraint_of, response_format_constraint
 from messages.common import SamplingParams
 
@@ -113,6 +114,8 @@ class ResponsesRequest(StructuredFields, kw_only=True):
             raise InvalidRequestError("top_logprobs is not supported by /v1/responses", param="top_logprobs")
         if self.truncation not in (None, "disabled"):
             raise InvalidRequestError("truncation must be 'disabled'", param="truncation")
+        check_metadata(self.metadata)
+        check_schema_size("text", self.text)
         if self.response_format is not None:  # the chat field; here the format is text.format
             raise InvalidRequestError("use text.format instead of response_format", param="response_format")
         for tool in self.tools or []:

@@ -32,6 +32,7 @@ from api.fields import check_extra_fields
 from api.lora_models import ServedModels
 from api.errors import APIError, bad_request, engine_unavailable, from_decode_error, from_exception
 from api.metrics import ServerMetrics
+from api.response_store import DEFAULT_STORE_BYTES, ResponseStore
 from api.responses import PromptTokensDetails, Usage
 from messages.common import RequestOutput, SamplingParams
 from messages.lora import LoRARequest
@@ -40,16 +41,24 @@ T = TypeVar("T")
 
 DEFAULT_MAX_BODY_BYTES = 16 * 2**20
 DEFAULT_MAX_WAITING_REQUESTS = 1024
+# HTTP header limits, vLLM's flags: the header block's bytes (h11 refuses past it; vLLM's
+# default is 4 MiB, troupe's 64 KiB, four times h11's own) and the number of headers (vLLM's 256)
+DEFAULT_H11_MAX_INCOMPLETE_EVENT_SIZE = 64 * 2**10
+DEFAULT_MAX_HEADER_COUNT = 256
 
 
 @dataclass
 class ServerSettings:
     served_model_names: list[str]  # the first is the name responses carry
-    api_key: str | None = None  # when set, /v1 routes need "Authorization: Bearer <api_key>"
+    api_key: str | None = None  # when set, every route but /health and /ping needs "Authorization: Bearer <api_key>"
+    allow_unauthenticated_metrics: bool = False  # with api_key: /metrics answers without it too
     max_waiting_requests: int = DEFAULT_MAX_WAITING_REQUESTS  # past max_num_seqs running, then 503
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES  # larger request bodies get 413
-    model_root: str = ""  # the model's directory, for /v1/models
+    max_header_count: int = DEFAULT_MAX_HEADER_COUNT  # requests with more headers get 431
+    max_header_bytes: int = DEFAULT_H11_MAX_INCOMPLETE_EVENT_SIZE  # and with more bytes of them
+    root_path: str = ""  # --root-path: routes answer with and without it in front
     chat_template: str | None = None  # --chat-template: used when a chat request sends none
+    trust_request_chat_template: bool = False  # a request's own chat_template is rendered (else a 400)
     response_role: str = "assistant"  # --response-role: the role of generated chat messages
     return_tokens_as_token_ids: bool = False  # --return-tokens-as-token-ids: the default of the field
     enable_prompt_tokens_details: bool = False  # usage.prompt_tokens_details.cached_tokens
@@ -69,6 +78,7 @@ class ServerSettings:
     allow_credentials: bool = False
     # POST /v1/load_lora_adapter and /v1/unload_lora_adapter exist (the engine needs enable_lora)
     allow_runtime_lora_updating: bool = False
+    responses_store_bytes: int = DEFAULT_STORE_BYTES  # /v1/responses kept for previous_response_id, by JSON size
 
 
 class ClientGone(Exception):
@@ -107,6 +117,7 @@ class ServingContext:
         client.records_spans = False
         # generation requests in flight, for GET /load; counted only with enable_server_load_tracking
         self.server_load = 0
+        self.responses = ResponseStore(settings.responses_store_bytes)  # for previous_response_id
 
     def resolve_model(self, name: str | None) -> tuple[str, LoRARequest | None]:
         """The model name a response carries and the LoRA adapter the request runs with
@@ -129,6 +140,15 @@ class ServingContext:
         response_id = f"{prefix}-{base or uuid.uuid4().hex}"
         suffix = f"-{uuid.uuid4().hex[:8]}" if base else ""
         return response_id, [f"{response_id}-{index}{suffix}" for index in range(num_requests)]
+
+    def check_chat_template(self, chat_template: str | None) -> None:
+        """400 naming chat_template for a request that sends its own template to a server
+        without --trust-request-chat-template (vLLM's flag): a template is code the input
+        processor runs for every request, and Jinja's sandbox bounds what it touches, not
+        what it costs."""
+        if chat_template is not None and not self.settings.trust_request_chat_template:
+            raise bad_request("chat_template: this server renders only its own chat template; a request's own needs "
+                              "the server started with --trust-request-chat-template", param="chat_template")
 
     def tokens_as_ids(self, requested: bool | None) -> bool:
         """Whether logprobs name tokens as "token_id:<id>": the request's choice, else the server's."""
@@ -167,11 +187,11 @@ class ServingContext:
         start(request_id, index) returns the request's AsyncClient stream. headers: the HTTP
         request's, where a traceparent makes the requests' spans children of the caller's."""
         self.check_health()
-        self.gate.admit(len(request_ids))
+        num_sequences = self.admit(len(request_ids), params.n)
         try:
             streams = [start(request_id, index) for index, request_id in enumerate(request_ids)]
         except BaseException:
-            self.gate.release(len(request_ids))
+            self.gate.release(num_sequences)
             raise
         tracing = None if self.tracer is None else (
             self.tracer, self.model_name, params, trace_headers_of(headers) if headers is not None else None)
@@ -181,9 +201,23 @@ class ServingContext:
         self.open_requests.add(requests)
         return requests
 
+    def admit(self, num_requests: int, n: int) -> int:
+        """Admits num_requests engine requests of n sequences each through the back-pressure
+        gate, counting sequences (what the engine runs: n multiplies every cost); returns the
+        count to release. 503 past the waiting limit; 400 naming n (or the prompts) for a
+        request larger than the whole limit, which waiting could never admit."""
+        num_sequences = num_requests * n
+        if num_sequences > self.gate.limit:
+            param = "n" if n > 1 else "prompt"
+            raise bad_request(f"this request asks for {num_sequences} sequences ({num_requests} prompts x n={n}); "
+                              f"this server runs at most {self.gate.limit} at once (max_num_seqs + "
+                              "max_waiting_requests)", param=param)
+        self.gate.admit(num_sequences)
+        return num_sequences
+
     def _closed(self, requests: EngineRequests) -> None:
         self.open_requests.discard(requests)
-        self.gate.release(requests.num_requests)
+        self.gate.release(requests.num_requests * requests.n)
 
     async def abort_all(self) -> None:
         """Ends every running request with finish_reason "abort" (the server is stopping):
@@ -199,13 +233,15 @@ async def read_json(request: Request, body_type: type[T], max_bytes: int) -> T:
     return decode_json(await read_body(request, max_bytes), body_type)
 
 
-def decode_json(body: bytes, body_type: type[T]) -> T:
-    """body decoded as body_type; 400 for anything that is not JSON of the right shape."""
+def decode_json(body: bytes, body_type: type[T], check_extra: bool = True) -> T:
+    """body decoded as body_type; 400 for anything that is not JSON of the right shape.
+    check_extra: refuse the fields troupe does not implement, log unknown ones (fields.py)."""
     try:
         decoded = msgspec.json.decode(body, type=body_type)
     except msgspec.DecodeError as error:
         raise from_decode_error(error) from error
-    check_extra_fields(body, body_type)
+    if check_extra:
+        check_extra_fields(body, body_type)
     return decoded
 
 

@@ -20,14 +20,14 @@ from messages.common import RequestOutput
 
 
 async def run_beam_searches(ctx: ServingContext, request: Request,
-                            searches: list[Callable[[], Awaitable[RequestOutput]]]) -> list[RequestOutput]:
+                            searches: list[Callable[[], Awaitable[RequestOutput]]], beam_width: int) -> list[RequestOutput]:
     """Each search's finished beams, in order; 503 past the waiting limit, as any request."""
     ctx.check_health()
-    ctx.gate.admit(len(searches))
+    num_sequences = ctx.admit(len(searches), beam_width)  # each step of a search runs beam_width requests
     try:
         return await until_disconnected(request, asyncio.gather(*(search() for search in searches)))
     finally:
-        ctx.gate.release(len(searches))
+        ctx.gate.release(num_sequences)
 
 
 def beam_usage(outputs: list[RequestOutput]) -> Usage:

@@ -104,6 +104,8 @@ async def create_chat_completion(ctx: ServingContext, request: Request) -> Respo
     ctx.require_generation("/v1/chat/completions")
     body = await read_json(request, ChatCompletionRequest, ctx.settings.max_body_bytes)
     model, lora_request = ctx.resolve_model(body.model_name)
+    body.check_limits(ctx.client.config.model.vocab_size)
+    ctx.check_chat_template(body.chat_template)
     settings = ctx.settings
     tool_choice = check_tools(body.tools, body.tool_choice,
                               settings.enable_auto_tool_choice and settings.tool_call_parser is not None)
@@ -131,24 +133,24 @@ async def create_chat_completion(ctx: ServingContext, request: Request) -> Respo
             message, finish_reason = reply.message(completion, output.prompt_token_ids)
             choices.append(ChatChoice(index=completion.index, message=message, logprobs=reply.logprobs(completion),
                                       finish_reason=finish_reason, stop_reason=completion.stop_reason,
-                                      token_ids=completion.token_ids if reply.wants_token_ids else UNSET))
+                                      token_ids=completion.token_ids if reply.wants_token_ids else None))
         return ChatCompletionResponse(
             id=response_id, model=model, choices=choices, usage=usage,
-            prompt_logprobs=prompt_logprobs_field(output.prompt_logprobs),
-            prompt_token_ids=output.prompt_token_ids if reply.wants_token_ids else UNSET)
+            prompt_logprobs=None if output.prompt_logprobs is None else prompt_logprobs_field(output.prompt_logprobs),
+            prompt_token_ids=output.prompt_token_ids if reply.wants_token_ids else None)
 
     if body.use_beam_search:
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         beam_params = body.beam_search_params(max_tokens, ctx.max_model_len)
         outputs = await run_beam_searches(ctx, request, [
-            lambda: ctx.client.beam_search_chat(messages, beam_params, **chat_kwargs)])
+            lambda: ctx.client.beam_search_chat(messages, beam_params, **chat_kwargs)], beam_params.beam_width)
         whole = whole_response(outputs, beam_usage(outputs))
         # streamed, each finished beam is one chunk with the whole message
         chunks = [ChatCompletionChunk(id=response_id, model=model, created=whole.created,
                                       usage=None if body.include_usage else UNSET, choices=[ChatChunkChoice(
                                           index=choice.index, delta=_whole_delta(choice.message),
                                           finish_reason=choice.finish_reason, stop_reason=choice.stop_reason,
-                                          token_ids=choice.token_ids)])
+                                          token_ids=UNSET if choice.token_ids is None else choice.token_ids)])
                   for choice in whole.choices]
         if body.include_usage:
             chunks.append(ChatCompletionChunk(id=response_id, model=model, created=whole.created, choices=[],

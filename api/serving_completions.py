@@ -13,7 +13,7 @@ from starlette.responses import Response
 from api.engine_requests import EngineRequests
 from api.output import UsageCounter, prompt_logprobs_field, token_text
 from api.protocol import CompletionRequest, Prompt
-from api.responses import CompletionChoice, CompletionLogprobs, CompletionResponse, Usage
+from api.responses import CompletionChoice, CompletionLogprobs, CompletionResponse, Usage, with_vllm_nulls
 from api.serving_beam_search import beam_response, beam_usage, run_beam_searches
 from api.serving import ServingContext, read_json, respond
 from messages.common import CompletionOutput, Logprob, RequestOutput
@@ -23,6 +23,7 @@ async def create_completion(ctx: ServingContext, request: Request) -> Response:
     ctx.require_generation("/v1/completions")
     body = await read_json(request, CompletionRequest, ctx.settings.max_body_bytes)
     model, lora_request = ctx.resolve_model(body.model_name)
+    body.check_limits(ctx.client.config.model.vocab_size)
     params = None if body.use_beam_search else body.to_sampling_params()
     prompts = body.prompts()
     ctx.check_prompt_tokens(prompts)
@@ -34,16 +35,16 @@ async def create_completion(ctx: ServingContext, request: Request) -> Response:
     def whole_response(outputs: list[RequestOutput], usage: Usage) -> CompletionResponse:
         for prompt_index, output in enumerate(outputs):
             choices.note_prompt(prompt_index, output)
-        return CompletionResponse(id=response_id, model=model, usage=usage,
-                                  choices=[choices.choice(prompt_index, completion, whole=output)
-                                           for prompt_index, output in enumerate(outputs)
-                                           for completion in output.outputs])
+        return with_vllm_nulls(CompletionResponse(id=response_id, model=model, usage=usage,
+                                                  choices=[choices.choice(prompt_index, completion, whole=output)
+                                                           for prompt_index, output in enumerate(outputs)
+                                                           for completion in output.outputs]))
 
     if body.use_beam_search:
         beam_params = body.beam_search_params(body.max_tokens, ctx.max_model_len)
         outputs = await run_beam_searches(ctx, request, [
             lambda prompt=prompt: ctx.client.beam_search(prompt, beam_params, lora_request=lora_request)
-            for prompt in prompts])
+            for prompt in prompts], beam_params.beam_width)
         whole = whole_response(outputs, beam_usage(outputs))
         # streamed, each finished beam is a chunk (the choices are whole already)
         chunks = [CompletionResponse(id=response_id, model=model, created=whole.created, choices=[choice],

@@ -46,20 +46,22 @@ async def retrieve_model(ctx: ServingContext, request: Request) -> Response:
     return json_response(_adapter_card(ctx, lora_request))
 
 
+# `root` is the served name, not the directory vLLM shows: a client has no use for the
+# server's paths, and they tell an attacker where the server keeps its files
 def _base_card(ctx: ServingContext, name: str) -> ModelCard:
-    return ModelCard(id=name, root=ctx.settings.model_root, max_model_len=ctx.max_model_len)
+    return ModelCard(id=name, root=name, max_model_len=ctx.max_model_len)
 
 
 def _adapter_card(ctx: ServingContext, lora_request: LoRARequest) -> ModelCard:
     # an adapter runs in the base model's engine, so it has the same context
-    return ModelCard(id=lora_request.lora_name, root=lora_request.lora_path, max_model_len=ctx.max_model_len,
+    return ModelCard(id=lora_request.lora_name, root=lora_request.lora_name, max_model_len=ctx.max_model_len,
                      parent=ctx.models.parent_of(lora_request))
 
 
 async def load_lora_adapter(ctx: ServingContext, request: Request) -> Response:
     """200 with vLLM's text once the adapter is checked and served; 400 naming the problem."""
     body = await read_json(request, LoadLoRAAdapterRequest, ctx.settings.max_body_bytes)
-    await ctx.models.load_adapter(body.lora_name, body.lora_path)
+    await ctx.models.load_adapter(body.lora_name, body.lora_path, from_request=True)
     return Response(f"Success: LoRA adapter '{body.lora_name}' added successfully.", media_type="text/plain")
 
 

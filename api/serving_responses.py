@@ -21,23 +21,20 @@ from actors.errors import InvalidRequestError
 from api.chat_parsing import ChoiceStream, DeltaParts, OutputParsing, reasoning_markers_of
 from api.engine_requests import EngineRequests
 from api.errors import APIError
-from api.response_store import ResponseStore
 from api.responses_protocol import (ResponseObject, ResponsesRequest, ResponseUsage, function_call_item,
                                     input_messages, message_item, new_id, output_messages)
 from api.serving import ServingContext, json_response, read_json, respond
 from api.tool_calls import check_tools, tool_choice_constraint
 from messages.common import RequestOutput
 
-_store = ResponseStore()  # the server's stored responses (one server per process)
-
-
 def _not_found(response_id: str, param: str | None = None) -> APIError:
-    return APIError(404, f"no stored response has the id {response_id!r} (store: false, forgotten past the last "
-                         "1000, or from before the server started)", param=param, code="not_found")
+    return APIError(404, f"no stored response has the id {response_id!r} (store: false, forgotten past the "
+                         "server's --responses-store-size, or from before the server started)", param=param,
+                    code="not_found")
 
 
 async def retrieve_response(ctx: ServingContext, request: Request) -> Response:
-    entry = _store.get(request.path_params["response_id"])
+    entry = ctx.responses.get(request.path_params["response_id"])
     if entry is None:
         raise _not_found(request.path_params["response_id"])
     return json_response(entry[0])
@@ -50,7 +47,7 @@ async def create_response(ctx: ServingContext, request: Request) -> Response:
     model, lora_request = ctx.resolve_model(body.model)
     history: list[dict[str, Any]] = []
     if body.previous_response_id is not None:
-        entry = _store.get(body.previous_response_id)
+        entry = ctx.responses.get(body.previous_response_id)
         if entry is None:
             raise _not_found(body.previous_response_id, "previous_response_id")
         history = entry[1]
@@ -92,7 +89,7 @@ async def create_response(ctx: ServingContext, request: Request) -> Response:
                                 total_tokens=usage.total_tokens,
                                 input_tokens_details={"cached_tokens": requests.num_cached_tokens}))
         if response.store:
-            _store.put(response, conversation + output_messages([i for i in items if i["type"] != "reasoning"]))
+            ctx.responses.put(response, conversation + output_messages([i for i in items if i["type"] != "reasoning"]))
         return response
 
     def whole(outputs: list[RequestOutput]) -> ResponseObject:

@@ -29,6 +29,7 @@ async def tokenize(ctx: ServingContext, request: Request) -> Response:
     ctx.resolve_model(body.model)  # an adapter shares the base model's tokenizer
     if (body.prompt is None) == (body.messages is None):
         raise bad_request("give exactly one of prompt and messages", param="prompt")
+    ctx.check_chat_template(body.chat_template)
     tokenizer = await ctx.client.get_tokenizer()
     if body.prompt is not None:
         # a completion prompt gets the tokenizer's BOS, as the engine's own prompts do
@@ -43,7 +44,8 @@ async def tokenize(ctx: ServingContext, request: Request) -> Response:
                               chat_template_kwargs=body.chat_template_kwargs, documents=body.documents)
         messages = [message.to_dict() for message in body.messages]
         # the input processor's own rendering, so /tokenize counts what a chat request runs
-        rendered = await asyncio.to_thread(render_chat_text, tokenizer, messages, options)
+        rendered = await asyncio.to_thread(render_chat_text, tokenizer, messages, options,
+                                           ctx.client.config.inputs.chat_template_timeout)
         tokens = await asyncio.to_thread(tokenizer.encode, rendered, add_special_tokens=add_special_tokens)
     token_strs = tokenizer.convert_ids_to_tokens(tokens) if body.return_token_strs else None
     return json_response(TokenizeResponse(count=len(tokens), max_model_len=ctx.max_model_len, tokens=tokens,
@@ -67,12 +69,24 @@ async def tokenizer_info(ctx: ServingContext, request: Request) -> Response:
     tokenizer = await ctx.client.get_tokenizer()
     config = {key: value for key, value in (getattr(tokenizer, "init_kwargs", None) or {}).items()
               if key not in _FILE_FIELDS}
+    added_tokens = config.pop("added_tokens_decoder", None)
     config = _plain(config)
+    if added_tokens is not None:  # objects, as tokenizer_config.json holds them and vLLM serves them
+        config["added_tokens_decoder"] = {str(token_id): _added_token(token)
+                                          for token_id, token in added_tokens.items()}
     config["tokenizer_class"] = type(tokenizer).__name__
     if getattr(tokenizer, "chat_template", None) is not None:
         config["chat_template"] = tokenizer.chat_template
     # the standard json module: model_max_length is often a huge "no limit" integer past 64 bits
     return Response(json.dumps(config, default=str), media_type="application/json")
+
+
+def _added_token(token: Any) -> dict[str, Any]:
+    """An added token (tokenizers' AddedToken) as tokenizer_config.json writes it."""
+    if isinstance(token, dict):
+        return token
+    return {"content": token.content, "lstrip": token.lstrip, "normalized": token.normalized,
+            "rstrip": token.rstrip, "single_word": token.single_word, "special": token.special}
 
 
 def _plain(value: Any) -> Any:

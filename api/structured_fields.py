@@ -17,6 +17,7 @@ from typing import Any
 import msgspec
 
 from actors.errors import InvalidRequestError
+from api.request_limits import check_schema_size
 from messages.structured_outputs import StructuredOutputsParams
 
 _GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar"}
@@ -36,6 +37,8 @@ class StructuredFields(msgspec.Struct, kw_only=True):
 
     def structured_outputs_params(self) -> StructuredOutputsParams | None:
         """The constraint the request asks for (checked), or None; InvalidRequestError naming the field."""
+        for field in ("response_format", "structured_outputs", *_GUIDED, "structural_tag"):
+            check_schema_size(field, getattr(self, field))
         sources = [(name, value) for name, value in self._sources() if value is not None]
         if not sources:
             if self.guided_whitespace_pattern is not None:

@@ -9,6 +9,11 @@ found in the output.
 - a named function `{"type": "function", "function": {"name": ...}}`: the output is
   constrained to that function's arguments object.
 
+Both constraints allow JSON's whitespace as vLLM's do, in bounded runs (a line break and
+indentation at most: actors/structured_output/specs.py). They allowed none before, and a
+small model given no way to end a call but `]` kept writing `, {` and another call until
+max_tokens cut one off mid-string; a call the output did not finish is never returned.
+
 Constrained outputs are read with ConstrainedCallParser, a ToolParser like the others,
 so streaming works the same way for every choice. `tools` are in the chat-completions
 form `[{"type": "function", "function": {"name", "description", "parameters", "strict"}}]`."""
@@ -20,8 +25,9 @@ from typing import Any
 import jsonschema
 
 from actors.errors import InvalidRequestError
+from api.request_limits import check_tools_size
 from api.responses import ToolCall
-from api.tool_parsers.base import ExtractedToolCalls, PartialCall, ToolParser, make_tool_call
+from api.tool_parsers.base import ExtractedToolCalls, PartialCall, ToolParser, find, make_tool_call
 from api.tool_parsers.json_scan import scan_call_object
 from messages.structured_outputs import StructuredOutputsParams
 
@@ -35,6 +41,7 @@ def check_tools(tools: list | None, tool_choice: str | dict | None, auto_tools_e
     choice that names no sent tool, or "auto" on a server without a tool parser."""
     if tools is not None:
         _check_tool_list(tools)
+        check_tools_size(tools)
     if tool_choice is None:
         if not tools:
             return "none"
@@ -80,15 +87,13 @@ def named_function(tool_choice: str | dict | None) -> str | None:
 def tool_choice_constraint(tools: list[dict], tool_choice: str | dict | None,
                            parallel_tool_calls: bool | None) -> StructuredOutputsParams | None:
     """The constraint that makes the output a valid call: for "required" an array of
-    calls, for a named function its arguments object; None for "none", "auto" and None.
-    JSON without free whitespace, so the output is compact and a small model cannot
-    wander off into spaces."""
+    calls, for a named function its arguments object; None for "none", "auto" and None."""
     if tool_choice == "required":
         schema: dict[str, Any] = {"type": "array", "minItems": 1,
                                   "items": {"type": "object", "anyOf": [_call_schema(tool) for tool in tools]}}
         if parallel_tool_calls is False:
             schema["maxItems"] = 1
-        return StructuredOutputsParams(json=schema, disable_any_whitespace=True)
+        return StructuredOutputsParams(json=schema)
     name = named_function(tool_choice)
     if name is None:
         return None
@@ -96,7 +101,7 @@ def tool_choice_constraint(tools: list[dict], tool_choice: str | dict | None,
     if not functions:
         raise InvalidRequestError(f"tool_choice names the function {name!r}, which is not among the tools",
                                   param="tool_choice")
-    return StructuredOutputsParams(json=_parameters(functions[0]), disable_any_whitespace=True)
+    return StructuredOutputsParams(json=_parameters(functions[0]))
 
 
 def calls_from_constrained_output(text: str, tool_choice: str | dict) -> list[ToolCall]:
@@ -107,40 +112,46 @@ def calls_from_constrained_output(text: str, tool_choice: str | dict) -> list[To
 
 class ConstrainedCallParser(ToolParser):
     """Reads the output of a required or named tool_choice. A call's arguments are the
-    output's own text of its object (compact, as the constraint allows no free
-    whitespace), so a stream's fragments and the whole message agree."""
+    output's own text of its object, so a stream's fragments and the whole message agree.
+    The whole message holds only the calls the output finished: one that max_tokens cut off
+    (its arguments unterminated JSON) is left out, and an output with none is content."""
 
     def __init__(self, tool_choice: str | dict) -> None:
         super().__init__(None)
         self.function_name = None if tool_choice == "required" else named_function(tool_choice)
 
     def extract_tool_calls(self, text: str) -> ExtractedToolCalls:
-        _, calls = self.partial(text)
-        if not calls:
+        finished = [call for call, done in self._calls(text, None) if done and call.name is not None]
+        if not finished:
             return ExtractedToolCalls(content=text or None)
-        return ExtractedToolCalls(content=None, tool_calls=[
-            make_tool_call(call.name, call.arguments) for call in calls if call.name is not None])
+        return ExtractedToolCalls(content=None, tool_calls=[make_tool_call(call.name, call.arguments)
+                                                            for call in finished])
 
-    def partial(self, text: str) -> tuple[str, list[PartialCall]]:
-        start = _first_of(text, "{" if self.function_name is not None else "[", 0)
+    def partial(self, text: str, state: dict | None = None) -> tuple[str, list[PartialCall]]:
+        return "", [call for call, _ in self._calls(text, state)]
+
+    def _calls(self, text: str, state: dict | None) -> list[tuple[PartialCall, bool]]:
+        """Each call begun so far, and whether its object closed."""
+        start = _first_of(text, "{" if self.function_name is not None else "[", 0, state)
         if start is None:
-            return "", []
+            return []
         if self.function_name is not None:
-            end = scan_call_object(text, start).end
-            return "", [PartialCall(self.function_name, text[start:end or len(text)])]
+            end = scan_call_object(text, start, state).end
+            return [(PartialCall(self.function_name, text[start:end or len(text)]), end is not None)]
         calls = []
-        position = _first_of(text, "{", start + 1)
+        position = _first_of(text, "{", start + 1, state)
         while position is not None:
-            scan = scan_call_object(text, position)
-            calls.append(PartialCall(scan.name, scan.arguments_text(text)))
+            scan = scan_call_object(text, position, state)
+            closed = scan.end is not None and scan.arguments_end is not None
+            calls.append((PartialCall(scan.name, scan.arguments_text(text)), closed))
             if scan.end is None:
                 break
-            position = _first_of(text, "{", scan.end)
-        return "", calls
+            position = _first_of(text, "{", scan.end, state)
+        return calls
 
 
-def _first_of(text: str, char: str, start: int) -> int | None:
-    index = text.find(char, start)
+def _first_of(text: str, char: str, start: int, state: dict | None = None) -> int | None:
+    index = find(text, char, start, state)
     return None if index < 0 else index
 
 

@@ -14,7 +14,7 @@ VISION_ARCHITECTURES = ("LlavaForConditionalGeneration", "Qwen2VLForConditionalG
                         "Qwen2_5_VLForConditionalGeneration")
 # the text models a LLaVA checkpoint may wrap, by text_config.model_type
 _TEXT_ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}
-DEFAULT_LIMIT_PER_PROMPT = 999  # vLLM's default for every modality
+DEFAULT_LIMIT_PER_PROMPT = 1  # vLLM's default for every modality: more only when --limit-mm-per-prompt says so
 MODALITIES = ("image",)
 
 
@@ -85,7 +85,7 @@ def split_vision_config(config: dict, config_path: str) -> tuple[dict, VisionCon
 
 def parse_limit_mm_per_prompt(value: str | dict | None) -> dict[str, int]:
     """--limit-mm-per-prompt in vLLM's JSON form ('{"image": 4}'): the most items of each
-    modality one prompt may carry (default 999 each). ValueError naming the flag."""
+    modality one prompt may carry (default 1 each). ValueError naming the flag."""
     limits = dict.fromkeys(MODALITIES, DEFAULT_LIMIT_PER_PROMPT)
     if value is None:
         return limits

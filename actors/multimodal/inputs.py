@@ -1,28 +1,26 @@
 """The input processor's side of images: decoding them (PIL images, or OpenAI `image_url`
-content parts with base64 data URLs or http(s) URLs), running the model's Hugging Face image processor
+content parts with base64 data URLs or http(s) URLs, under the limits of decode.py and
+fetch.py), running the model's Hugging Face image processor
 (PIL-based, no torchvision), and expanding each image's one placeholder token into as many
 as the vision encoder makes features (as transformers' LlavaProcessor does). The pixel
 values leave as MultiModalInput: raw bytes, dtype, shape and a content hash."""
 
 from __future__ import annotations
 
-import base64
-import binascii
 import hashlib
-import io
 from collections import OrderedDict
 from typing import Any
 
 import numpy as np
 
-from actors.multimodal.config import VisionConfig
-from actors.multimodal.fetch import fetch_image, is_http_url
+from actors.config import InputConfig
+from actors.multimodal.config import DEFAULT_LIMIT_PER_PROMPT, VisionConfig
+from actors.multimodal.decode import PixelLimits, decode_images
+from actors.multimodal.fetch import FetchPolicy, is_http_url
 from actors.multimodal.local_media import is_file_url, read_local_image
 from actors.multimodal.towers import check_processed_size, num_image_tokens
 from messages.common import InvalidRequestError
 from messages.multimodal import MultiModalInput
-
-_DATA_URL_IMAGE_TYPES = ("image/png", "image/jpeg", "image/jpg", "image/webp", "image/gif")
 
 
 def images_of(multi_modal_data: Any) -> list:
@@ -67,46 +65,6 @@ def split_image_parts(messages: list[dict], placeholder: str | None) -> tuple[li
             parts.append({"type": "image", "text": placeholder})  # (chat_template.normalise_message)
         rewritten.append({**message, "content": parts})
     return rewritten, images
-
-
-def decode_image(image: Any, param: str = "image_url"):
-    """A PIL image in RGB from a PIL image, a base64 data URL, an http(s) URL (downloaded
-    here unless the input processor actor fetched it already: then its bytes; file URLs are
-    read before, in ImageInputs); an InvalidRequestError naming the field for anything else."""
-    from PIL import Image, UnidentifiedImageError
-
-    if isinstance(image, Image.Image):
-        return image.convert("RGB")
-    if is_http_url(image):
-        image = fetch_image(image)
-    if isinstance(image, str):
-        image = _data_url_bytes(image, param)
-    if not isinstance(image, bytes):
-        raise InvalidRequestError(f"an image must be a PIL image or a data or http(s) URL, got "
-                                  f"{type(image).__name__}", param=param)
-    try:
-        decoded = Image.open(io.BytesIO(image))
-        decoded.load()
-    except (ValueError, UnidentifiedImageError, OSError) as error:
-        raise InvalidRequestError(f"image_url: the image could not be decoded ({error})", param=param) \
-            from None
-    return decoded.convert("RGB")
-
-
-def _data_url_bytes(url: str, param: str) -> bytes:
-    if not url.startswith("data:"):
-        scheme = url.split(":", 1)[0] if ":" in url else "a bare path"
-        raise InvalidRequestError(f"image_url: only base64 data URLs and http(s) URLs are supported; {scheme} URLs "
-                                  "are not read", param=param)
-    header, _, payload = url.partition(",")
-    media_type = header[len("data:"):].split(";")[0].lower()
-    if media_type not in _DATA_URL_IMAGE_TYPES or ";base64" not in header:
-        raise InvalidRequestError(f"image_url: a data URL must be base64 with an image type "
-                                  f"({', '.join(_DATA_URL_IMAGE_TYPES)}), got {header!r}", param=param)
-    try:
-        return base64.b64decode(payload, validate=True)
-    except (binascii.Error, ValueError) as error:
-        raise InvalidRequestError(f"image_url: the image could not be decoded ({error})", param=param) from None
 
 
 # (pixel values as little-endian float32 bytes, their shape, their content hash)
@@ -162,27 +120,31 @@ class ImageInputs:
     """Decodes and processes a prompt's images, and expands their placeholders."""
 
     @staticmethod
-    def build(model_dir: str, vision, tokenizer, limit: int, allowed_local_media_path: str | None = None,
-              cache_gb: float | None = None) -> ImageInputs:
+    def build(model_dir: str, vision, tokenizer, inputs: InputConfig) -> ImageInputs:
         """LLaVA's, or Qwen2-VL's (actors/multimodal/qwen2_vl_inputs.py)."""
         if vision.qwen2_vl is not None:
             from actors.multimodal.qwen2_vl_inputs import Qwen2VLImageInputs
 
-            return Qwen2VLImageInputs(model_dir, vision, tokenizer, limit, allowed_local_media_path, cache_gb)
-        return ImageInputs(model_dir, vision, tokenizer, limit, allowed_local_media_path, cache_gb)
+            return Qwen2VLImageInputs(model_dir, vision, tokenizer, inputs)
+        return ImageInputs(model_dir, vision, tokenizer, inputs)
 
-    def __init__(self, model_dir: str, vision: VisionConfig, tokenizer, limit: int,
-                 allowed_local_media_path: str | None = None, cache_gb: float | None = None) -> None:
+    def __init__(self, model_dir: str, vision: VisionConfig, tokenizer, inputs: InputConfig) -> None:
         from transformers import AutoImageProcessor
 
-        self.allowed_local_media_path = allowed_local_media_path  # file:// URLs only under it (local_media.py)
-        # --mm-processor-cache-gb (vLLM's flag; 0: off)
-        self.cache = ProcessedImageCache.of_flag(cache_gb)
+        self.take_limits(inputs)
         self.image_processor = AutoImageProcessor.from_pretrained(model_dir)
         check_processed_size(self.image_processor, vision.image_size, model_dir)
         self.vision = vision
-        self.limit = limit  # --limit-mm-per-prompt's "image"
         self.placeholder = tokenizer.convert_ids_to_tokens(vision.image_token_id)
+
+    def take_limits(self, inputs: InputConfig) -> None:
+        """What the engine's InputConfig allows a request's images."""
+        self.allowed_local_media_path = inputs.allowed_local_media_path  # file:// URLs only under it (local_media.py)
+        self.fetch_policy = FetchPolicy.of(inputs)  # where http(s) URLs may lead
+        self.pixel_limits = PixelLimits.of(inputs)
+        # --mm-processor-cache-gb (vLLM's flag; 0: off)
+        self.cache = ProcessedImageCache.of_flag(inputs.mm_processor_cache_gb)
+        self.limit = inputs.limit_mm_per_prompt.get("image", DEFAULT_LIMIT_PER_PROMPT)  # --limit-mm-per-prompt
 
     def check_count(self, num_images: int, param: str) -> None:
         if num_images > self.limit:
@@ -231,7 +193,8 @@ class ImageInputs:
         processed = [self.cache.get(key) for key in keys]
         missing = [i for i, entry in enumerate(processed) if entry is None]
         if missing:
-            fresh = self.run_processor([decode_image(images[i], decode_param) for i in missing])
+            decoded = decode_images([images[i] for i in missing], decode_param, self.fetch_policy, self.pixel_limits)
+            fresh = self.run_processor(decoded)
             for i, entry in zip(missing, fresh):
                 processed[i] = entry
                 self.cache.put(keys[i], entry)

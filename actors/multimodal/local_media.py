@@ -30,16 +30,6 @@ def resolve_allowed_media_path(path: str | None) -> str | None:
     return resolved
 
 
-def check_media_args(allowed_local_media_path: str | None, max_num_encoder_input_tokens: int | None,
-                     mm_processor_cache_gb: float | None = None) -> None:
-    """The image flags, checked at start-up (ValueError naming the flag)."""
-    resolve_allowed_media_path(allowed_local_media_path)
-    if max_num_encoder_input_tokens is not None and max_num_encoder_input_tokens < 1:
-        raise ValueError(f"max_num_encoder_input_tokens must be at least 1, got {max_num_encoder_input_tokens}")
-    if mm_processor_cache_gb is not None and not 0 <= mm_processor_cache_gb < 1024:
-        raise ValueError(f"mm_processor_cache_gb must be in [0, 1024), got {mm_processor_cache_gb}")
-
-
 def read_local_image(url: str, allowed_dir: str | None, param: str = "image_url",
                      max_bytes: int = MAX_IMAGE_BYTES) -> bytes:
     """The bytes of a file:// URL's file; InvalidRequestError naming param when file URLs are
@@ -47,10 +37,15 @@ def read_local_image(url: str, allowed_dir: str | None, param: str = "image_url"
     if allowed_dir is None:
         raise InvalidRequestError("image_url: file:// URLs are not allowed: the server reads local files only "
                                   "under --allowed-local-media-path", param=param)
-    parsed = urllib.parse.urlparse(url)
-    if parsed.netloc not in ("", "localhost") or not parsed.path:
-        raise InvalidRequestError(f"image_url: a file URL must be file:///absolute/path, got {url!r}", param=param)
-    path = os.path.realpath(urllib.request.url2pathname(parsed.path))
+    try:
+        parsed = urllib.parse.urlparse(url)
+        path = urllib.request.url2pathname(parsed.path)
+    except ValueError:
+        parsed = path = None
+    # a NUL (a %00 too) would end the path inside the operating system: refused here, not a 500 there
+    if parsed is None or parsed.netloc not in ("", "localhost") or not path or "\0" in path:
+        raise InvalidRequestError("image_url: a file URL must be file:///absolute/path", param=param)
+    path = os.path.realpath(path)
     if os.path.commonpath([path, allowed_dir]) != allowed_dir:
         raise InvalidRequestError(f"image_url: {url} is outside the allowed local media path "
                                   "(--allowed-local-media-path)", param=param)

@@ -6,11 +6,10 @@ image is sent: actors.frontend imports this module."""
 
 from __future__ import annotations
 
-import asyncio
 import io
 from typing import Any
 
-from actors.multimodal.fetch import fetch_image, is_http_url
+from actors.multimodal.fetch import FetchPolicy, fetch_all, is_http_url
 from messages.common import InvalidRequestError
 from messages.input_processor import PromptImage
 
@@ -49,9 +48,9 @@ def has_http_prompt_images(images: list[PromptImage] | None) -> bool:
     return any(is_http_url(image.url) for image in images or ())
 
 
-async def fetch_prompt_images(images: list[PromptImage]) -> list[PromptImage]:
+async def fetch_prompt_images(images: list[PromptImage], policy: FetchPolicy) -> list[PromptImage]:
     """The images with every http(s) URL replaced by its downloaded bytes (side by side on
     threads, as a chat's image_url parts are)."""
     urls = list(dict.fromkeys(image.url for image in images if is_http_url(image.url)))
-    fetched = dict(zip(urls, await asyncio.gather(*(asyncio.to_thread(fetch_image, url) for url in urls))))
+    fetched = dict(zip(urls, await fetch_all(urls, policy)))
     return [PromptImage(data=fetched[image.url]) if image.url in fetched else image for image in images]

@@ -11,22 +11,20 @@ import hashlib
 
 import numpy as np
 
+from actors.config import InputConfig
 from actors.multimodal.config import VisionConfig
-from actors.multimodal.inputs import ImageInputs, Processed, ProcessedImageCache
+from actors.multimodal.inputs import ImageInputs, Processed
 from actors.multimodal.qwen2_vl_config import Qwen2VLVisionConfig
 
 
 class Qwen2VLImageInputs(ImageInputs):
-    def __init__(self, model_dir: str, vision: VisionConfig, tokenizer, limit: int,
-                 allowed_local_media_path: str | None = None, cache_gb: float | None = None) -> None:
+    def __init__(self, model_dir: str, vision: VisionConfig, tokenizer, inputs: InputConfig) -> None:
         from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
-        self.allowed_local_media_path = allowed_local_media_path
-        self.cache = ProcessedImageCache.of_flag(cache_gb)
+        self.take_limits(inputs)
         self.image_processor = Qwen2VLImageProcessorPil.from_pretrained(model_dir)
         vision = vision.qwen2_vl
         self.vision: Qwen2VLVisionConfig = vision
-        self.limit = limit
         # a chat's image part becomes what Qwen2-VL's templates write for an image
         self.placeholder = "".join(tokenizer.convert_ids_to_tokens(
             [vision.vision_start_token_id, vision.image_token_id, vision.vision_end_token_id]))

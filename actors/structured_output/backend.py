@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 from collections import OrderedDict
 from typing import TYPE_CHECKING, Protocol
 
@@ -62,7 +63,7 @@ def check_constraint(constraint: StructuredOutputsParams, name: str = "auto", pa
     backend lacks. Needs no tokenizer, so the input processor asks it before queueing."""
     constraint.validate()
     backend = backend_name(name)
-    key = (backend, constraint.key())
+    key = checked_key(backend, constraint)
     if key in _checked:
         _checked.move_to_end(key)
         return
@@ -79,6 +80,13 @@ def check_constraint(constraint: StructuredOutputsParams, name: str = "auto", pa
         _checked.popitem(last=False)
 
 
-# constraints found valid, by (backend, key): a schema every request repeats is built once
+def checked_key(backend: str, constraint: StructuredOutputsParams) -> bytes:
+    """A constraint's key in the check cache: a digest of the backend and the constraint's
+    key, not the key itself, whose schema text a client chooses (up to the API's 64 KiB)."""
+    return hashlib.blake2b(repr((backend, constraint.key())).encode(), digest_size=16).digest()
+
+
+# constraints found valid, by checked_key: a schema every request repeats is built once.
+# Bounded in bytes, not only in count: 1024 digests of 16 bytes (with the dict's own, < 200 KiB)
 _MAX_CHECKED = 1024
-_checked: OrderedDict[tuple, None] = OrderedDict()
+_checked: OrderedDict[bytes, None] = OrderedDict()

@@ -9,7 +9,7 @@ import llguidance.hf
 import llguidance.torch
 import torch
 
-from actors.structured_output.specs import choice_grammar, invalid, is_ebnf, json_schema
+from actors.structured_output.specs import JSON_WHITESPACE_REGEX, choice_grammar, invalid, is_ebnf, json_schema
 from messages.errors import InvalidRequestError
 from messages.structured_outputs import StructuredOutputsParams
 
@@ -21,6 +21,8 @@ def grammar_text(constraint: StructuredOutputsParams) -> str:
         options: dict = {"whitespace_flexible": not constraint.disable_any_whitespace}
         if constraint.whitespace_pattern is not None:
             options["whitespace_pattern"] = constraint.whitespace_pattern
+        elif not constraint.disable_any_whitespace:
+            options["whitespace_pattern"] = JSON_WHITESPACE_REGEX  # bounded runs (specs.py)
         return llguidance.LLMatcher.grammar_from_json_schema(json_schema(constraint), defaults=options)
     if kind == "regex":
         return llguidance.LLMatcher.grammar_from_regex(constraint.regex)

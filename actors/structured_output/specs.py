@@ -12,6 +12,16 @@ from messages.structured_outputs import StructuredOutputsParams
 # json_object asks for any JSON object (OpenAI's meaning), not any JSON value
 ANY_OBJECT_SCHEMA = {"type": "object"}
 
+# The whitespace a JSON grammar allows between tokens when free whitespace is on (the
+# default): at most one line break, after at most 4 spaces or tabs, then at most 128 of them
+# (indentation). Compact JSON, json.dumps' ", " and ": ", and pretty-printed JSON (any indent,
+# CRLF too, nested up to 128 / indent levels) all stay reachable; a weak model can no longer
+# write newlines or spaces until max_tokens (xgrammar's and llguidance's own rule is any run).
+MAX_SPACES_BEFORE_NEWLINE = 4
+MAX_INDENT = 128
+JSON_WHITESPACE_REGEX = rf"[ \t]{{0,{MAX_SPACES_BEFORE_NEWLINE}}}(\r?\n[ \t]{{0,{MAX_INDENT}}})?"
+JSON_WHITESPACE_EBNF = rf'[ \t]{{0,{MAX_SPACES_BEFORE_NEWLINE}}} (("\r")? "\n" [ \t]{{0,{MAX_INDENT}}})?'
+
 
 def json_schema(constraint: StructuredOutputsParams) -> dict[str, Any] | bool:
     """The schema a json / json_object constraint asks for, with additionalProperties false

@@ -9,7 +9,7 @@ from typing import Any
 import torch
 import xgrammar as xgr
 
-from actors.structured_output.specs import choice_grammar, invalid, is_ebnf, json_schema
+from actors.structured_output.specs import JSON_WHITESPACE_EBNF, choice_grammar, invalid, is_ebnf, json_schema
 from messages.structured_outputs import StructuredOutputsParams
 from messages.errors import InvalidRequestError
 
@@ -36,8 +36,9 @@ def _grammar(constraint: StructuredOutputsParams) -> xgr.Grammar:
     if kind in ("json", "json_object"):
         schema = json_schema(constraint)
         _refuse_unenforced(schema)
-        return xgr.Grammar.from_json_schema(json.dumps(_bounded_strings_as_patterns(schema)),
-                                            any_whitespace=not constraint.disable_any_whitespace)
+        grammar = xgr.Grammar.from_json_schema(json.dumps(_bounded_strings_as_patterns(schema)),
+                                               any_whitespace=not constraint.disable_any_whitespace)
+        return grammar if constraint.disable_any_whitespace else _bounded_whitespace(grammar)
     if kind == "regex":
         return xgr.Grammar.from_regex(constraint.regex)
     if kind == "choice":
@@ -46,6 +47,21 @@ def _grammar(constraint: StructuredOutputsParams) -> xgr.Grammar:
         text = constraint.grammar
         return xgr.Grammar.from_ebnf(text) if is_ebnf(text) else xgr.Grammar.from_lark(text)
     return xgr.Grammar.from_structural_tag(_current_structural_tag(constraint.structural_tag))
+
+
+# xgrammar 0.2.8's rule for free whitespace, as its EBNF prints it
+_ANY_WHITESPACE = "[ \\n\\r\\t]*"
+
+
+def _bounded_whitespace(grammar: xgr.Grammar) -> xgr.Grammar:
+    """The JSON grammar with every run of free whitespace bounded (specs.JSON_WHITESPACE_EBNF):
+    xgrammar takes no whitespace rule of its own, so its EBNF is rewritten."""
+    text = str(grammar)
+    if _ANY_WHITESPACE not in text:
+        return grammar  # (compact everywhere: nothing to bound)
+    bounded = text.replace(_ANY_WHITESPACE, "json_whitespace")
+    assert "\\n\\r\\t]" not in bounded, "xgrammar spells whitespace another way: bound it here too"
+    return xgr.Grammar.from_ebnf(f"{bounded}\njson_whitespace ::= {JSON_WHITESPACE_EBNF}\n")
 
 
 def _current_structural_tag(text: str) -> str:

@@ -7,7 +7,11 @@ A parser answers two questions about an output text: the whole answer
 is still growing (partial: the content so far, each call's name once known and its
 arguments so far). The streamer sends only what is new since its last answer, and at the
 end sends what the whole answer adds, so the deltas of a stream concatenate to the
-non-streamed message."""
+non-streamed message.
+
+A stream's partial() gets the stream's own state, where a parser keeps how far it has
+read (its scans, the markers it searched for), so each delta costs what it adds, not the
+whole output again."""
 
 from __future__ import annotations
 
@@ -49,9 +53,10 @@ class ToolParser:
         parse as calls is content."""
         raise NotImplementedError
 
-    def partial(self, text: str) -> tuple[str, list[PartialCall]]:
+    def partial(self, text: str, state: dict | None = None) -> tuple[str, list[PartialCall]]:
         """What is certain of an unfinished output: the content so far (held back where
-        it may be the start of a call's markup) and the calls begun so far."""
+        it may be the start of a call's markup) and the calls begun so far. state: the
+        stream's, kept between its calls (text then only grows), or None for one text."""
         raise NotImplementedError
 
     def streamer(self, max_calls: int | None = None) -> ToolCallStreamer:
@@ -66,6 +71,7 @@ class ToolCallStreamer:
         self.parser = parser
         self.max_calls = max_calls
         self.text = ""
+        self.state: dict = {}  # the parser's scans of this stream's text, resumed at each delta
         self.sent_content = ""
         self.sent_arguments: list[str] = []  # per call started: the arguments sent so far
 
@@ -75,7 +81,7 @@ class ToolCallStreamer:
 
     def feed(self, delta: str) -> tuple[str, list[DeltaToolCall]]:
         self.text += delta
-        content, calls = self.parser.partial(self.text)
+        content, calls = self.parser.partial(self.text, self.state)
         return self._new_parts(content, calls)
 
     def finish(self) -> tuple[str, list[DeltaToolCall]]:
@@ -106,6 +112,22 @@ class ToolCallStreamer:
                 deltas.append(DeltaToolCall(index=index,
                                             function=DeltaFunctionCall(arguments=call.arguments[len(sent):])))
         return content_delta, deltas
+
+
+def find(text: str, marker: str, start: int, state: dict | None) -> int:
+    """text.find(marker, start), searching only what the text added since the stream's last
+    search for the same marker from the same start (state: the stream's; None: one text)."""
+    if state is None:
+        return text.find(marker, start)
+    found = state.get(("found", marker, start))
+    if found is not None:
+        return found
+    index = text.find(marker, state.get(("searched", marker, start), start))
+    if index >= 0:
+        state[("found", marker, start)] = index
+    else:  # next time from where the marker could still begin (it may straddle this end)
+        state[("searched", marker, start)] = max(start, len(text) - len(marker) + 1)
+    return index
 
 
 def held_back(text: str, marker: str) -> int:

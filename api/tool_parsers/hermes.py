@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 import re
 
-from api.tool_parsers.base import ExtractedToolCalls, PartialCall, ToolParser, held_back, make_tool_call
+from api.tool_parsers.base import ExtractedToolCalls, PartialCall, ToolParser, find, held_back, make_tool_call
 from api.tool_parsers.json_scan import call_arguments, scan_call_object
 
 START, END = "<tool_call>", "</tool_call>"
@@ -35,24 +35,24 @@ class HermesToolParser(ToolParser):
         content = text[:text.index(START)]
         return ExtractedToolCalls(content=content or None, tool_calls=calls)
 
-    def partial(self, text: str) -> tuple[str, list[PartialCall]]:
-        first = text.find(START)
+    def partial(self, text: str, state: dict | None = None) -> tuple[str, list[PartialCall]]:
+        first = find(text, START, 0, state)
         if first < 0:
             return text[:len(text) - held_back(text, START)], []
         calls = []
         position = first
         while position >= 0:
             body_start = position + len(START)
-            block_end = text.find(END, body_start)
-            block = text if block_end < 0 else text[:block_end]  # a call never reads past its block
-            brace = _first_non_space(block, body_start)
-            if brace is None or block[brace] != "{":
+            block_end = find(text, END, body_start, state)
+            limit = len(text) if block_end < 0 else block_end  # a call never reads past its block
+            brace = _first_non_space(text, body_start, limit)
+            if brace is None or text[brace] != "{":
                 break
-            scan = scan_call_object(block, brace)
-            calls.append(PartialCall(scan.name, scan.arguments_text(block)))
+            scan = scan_call_object(text, brace, state, limit)
+            calls.append(PartialCall(scan.name, scan.arguments_text(text, limit)))
             if scan.end is None:
                 break
-            position = text.find(START, scan.end)
+            position = find(text, START, scan.end, state)
         return text[:first], calls
 
 
@@ -67,8 +67,8 @@ def _parse_call(body: str):
     return make_tool_call(decoded["name"], call_arguments(body, start, decoded))
 
 
-def _first_non_space(text: str, start: int) -> int | None:
-    for index in range(start, len(text)):
+def _first_non_space(text: str, start: int, limit: int | None = None) -> int | None:
+    for index in range(start, len(text) if limit is None else limit):
         if not text[index].isspace():
             return index
     return None

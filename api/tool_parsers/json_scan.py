@@ -4,7 +4,11 @@ starts and (once closed) ends.
 
 A call's arguments are the model's own text of that object, sliced out of the output,
 so what a stream sends piece by piece and what the whole response holds are the same
-string (re-serialising a partly parsed object could not promise that)."""
+string (re-serialising a partly parsed object could not promise that).
+
+A stream's text only grows, so CallScanner keeps where its scan stopped and reads only
+what was added since: a call of n characters streamed in d deltas costs O(n) scanning, not
+O(n x d) (the output re-read at every delta made long calls quadratic on the API's loop)."""
 
 from __future__ import annotations
 
@@ -25,52 +29,75 @@ class CallScan:
     arguments_end: int | None = None  # just past its "}", once closed
     end: int | None = None  # just past the call object's "}", once closed
 
-    def arguments_text(self, text: str) -> str:
-        """The arguments' text so far (a prefix of the final text; "" before it starts)."""
+    def arguments_text(self, text: str, limit: int | None = None) -> str:
+        """The arguments' text so far (a prefix of the final text; "" before it starts),
+        within text[:limit]."""
         if self.arguments_start is None:
             return ""
-        return text[self.arguments_start:self.arguments_end or len(text)]
+        return text[self.arguments_start:self.arguments_end or (len(text) if limit is None else limit)]
 
 
-def scan_call_object(text: str, start: int) -> CallScan:
-    """Scans the JSON object that opens at text[start] ("{"), as far as the text goes."""
-    assert text[start] == "{"
-    scan = CallScan()
-    depth = 0
-    in_string = escaped = expecting_key = False
-    string_start = 0
-    key: str | None = None  # the outer object's key whose value is being read
-    for index in range(start, len(text)):
-        char = text[index]
-        if in_string:
-            if escaped:
-                escaped = False
-            elif char == "\\":
-                escaped = True
+class CallScanner:
+    """The scan of the JSON object that opens at a position ("{"), resumable: advance()
+    reads only the characters added since its last call."""
+
+    def __init__(self, start: int) -> None:
+        self.scan = CallScan()
+        self.index = start  # the next character to read
+        self.depth = 0
+        self.in_string = self.escaped = self.expecting_key = False
+        self.string_start = 0
+        self.key: str | None = None  # the outer object's key whose value is being read
+
+    def advance(self, text: str, limit: int | None = None) -> CallScan:
+        """The scan as far as text[:limit] goes (text: the same stream's, grown or not)."""
+        scan = self.scan
+        stop = len(text) if limit is None else limit
+        index = self.index
+        while index < stop and scan.end is None:
+            char = text[index]
+            if self.in_string:
+                if self.escaped:
+                    self.escaped = False
+                elif char == "\\":
+                    self.escaped = True
+                elif char == '"':
+                    self.in_string = False
+                    if self.depth == 1:
+                        self.key = _closed_outer_string(text[self.string_start:index + 1], self.expecting_key,
+                                                        self.key, scan)
+                        self.expecting_key = False
             elif char == '"':
-                in_string = False
-                if depth == 1:
-                    key = _closed_outer_string(text[string_start:index + 1], expecting_key, key, scan)
-                    expecting_key = False
-            continue
-        if char == '"':
-            in_string, string_start = True, index
-        elif char in "{[":
-            depth += 1
-            if depth == 1:
-                expecting_key = True
-            elif depth == 2 and char == "{" and key in ARGUMENT_KEYS and scan.arguments_start is None:
-                scan.arguments_start = index
-        elif char in "}]":
-            if depth == 2 and char == "}" and scan.arguments_start is not None and scan.arguments_end is None:
-                scan.arguments_end = index + 1
-            depth -= 1
-            if depth == 0:
-                scan.end = index + 1
-                break
-        elif char == "," and depth == 1:
-            expecting_key, key = True, None
-    return scan
+                self.in_string, self.string_start = True, index
+            elif char in "{[":
+                self.depth += 1
+                if self.depth == 1:
+                    self.expecting_key = True
+                elif self.depth == 2 and char == "{" and self.key in ARGUMENT_KEYS and scan.arguments_start is None:
+                    scan.arguments_start = index
+            elif char in "}]":
+                if self.depth == 2 and char == "}" and scan.arguments_start is not None and scan.arguments_end is None:
+                    scan.arguments_end = index + 1
+                self.depth -= 1
+                if self.depth == 0:
+                    scan.end = index + 1
+            elif char == "," and self.depth == 1:
+                self.expecting_key, self.key = True, None
+            index += 1
+        self.index = index
+        return scan
+
+
+def scan_call_object(text: str, start: int, state: dict | None = None, limit: int | None = None) -> CallScan:
+    """Scans the JSON object that opens at text[start] ("{"), as far as text[:limit] goes;
+    state (a stream's, see ToolParser.partial): its scan resumes where the last one stopped."""
+    assert text[start] == "{"
+    if state is None:
+        return CallScanner(start).advance(text, limit)
+    scanner = state.get(("scan", start))
+    if scanner is None:
+        scanner = state[("scan", start)] = CallScanner(start)
+    return scanner.advance(text, limit)
 
 
 def _closed_outer_string(literal: str, is_key: bool, key: str | None, scan: CallScan) -> str | None:

@@ -31,7 +31,7 @@ class Llama3JsonToolParser(ToolParser):
             position = _skip(text, end)
         return ExtractedToolCalls(content=None, tool_calls=calls)
 
-    def partial(self, text: str) -> tuple[str, list[PartialCall]]:
+    def partial(self, text: str, state: dict | None = None) -> tuple[str, list[PartialCall]]:
         stripped = text.lstrip()
         if not stripped or PYTHON_TAG.startswith(stripped):
             return "", []  # it may yet become a call
@@ -40,7 +40,7 @@ class Llama3JsonToolParser(ToolParser):
             return text, []
         calls = []
         while position < len(text) and text[position] == "{":
-            scan = scan_call_object(text, position)
+            scan = scan_call_object(text, position, state)
             calls.append(PartialCall(scan.name, scan.arguments_text(text)))
             if scan.end is None:
                 break

@@ -106,7 +106,10 @@ def test_greedy_constrained_output_equals_hugging_face_with_xgrammars_processor(
     model = AutoModelForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.float32).eval()
     eos = model.generation_config.eos_token_id
     info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=model.config.vocab_size, stop_token_ids=eos)
-    compiled = xgr.GrammarCompiler(info).compile_json_schema(json.dumps(ORACLE_SCHEMA), any_whitespace=True)
+    # the same grammar (its whitespace runs bounded, specs.py) through xgrammar's own processor
+    from actors.structured_output.xgrammar_backend import _grammar
+
+    compiled = xgr.GrammarCompiler(info).compile_grammar(_grammar(StructuredOutputsParams(json=ORACLE_SCHEMA)))
     ours = llm.generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS,
                                                 structured_outputs=StructuredOutputsParams(json=ORACLE_SCHEMA)))
     for prompt, output in zip(PROMPTS, ours):
@@ -250,3 +253,38 @@ def test_a_bounded_string_takes_only_utf8_characters_up_to_its_length(inside, ac
     byte_ids = _byte_token_ids(tokenizer)
     text = b'{"city": "' + inside + b'"}'
     assert all(matcher.accept(byte_ids[b]) for b in text) == accepted
+
+
+PRETTY = {"a": [1, {"b": "x y"}], "c": {"d": None, "e": [True]}}
+WHITESPACE_SCHEMA = {"type": "object", "properties": {
+    "a": {"type": "array"}, "c": {"type": "object"}}, "required": ["a", "c"]}
+
+
+@pytest.mark.parametrize("backend_name", ["xgrammar", "guidance"])
+@pytest.mark.parametrize("constraint", [StructuredOutputsParams(json_object=True),
+                                        StructuredOutputsParams(json=WHITESPACE_SCHEMA)])
+@pytest.mark.parametrize("document, accepted", [
+    (json.dumps(PRETTY), True),  # json.dumps' ", " and ": "
+    (json.dumps(PRETTY, separators=(",", ":")), True),  # compact
+    (json.dumps(PRETTY, indent=2), True),
+    (json.dumps(PRETTY, indent=4).replace("\n", "\r\n"), True),
+    (json.dumps(PRETTY, indent="\t"), True),
+    ('{"a": [1],\n\n"c": {}}', False),  # a second line break in one run
+    ('{"a": [1],' + "\n" * 50 + '"c": {}}', False),  # a weak model's flood
+    ('{"a":' + " " * 200 + '[1], "c": {}}', False),  # spaces past the cap
+    ('{"a": [1],\n' + " " * 129 + '"c": {}}', False),  # indentation past the cap
+])
+def test_free_json_whitespace_comes_in_bounded_runs(backend_name, constraint, document, accepted):
+    """The default JSON grammars take compact, json.dumps and pretty-printed JSON, and no run
+    of whitespace past one line break plus indentation (actors/structured_output/specs.py):
+    a weak model wrote newlines until max_tokens under xgrammar's and llguidance's any-run rule."""
+    from actors.structured_output import make_backend
+    from tests.conftest import build_tiny_tokenizer
+
+    tokenizer = build_tiny_tokenizer()
+    backend = make_backend(backend_name, tokenizer, len(tokenizer), [0])
+    matcher = backend.matcher(backend.compile(constraint))
+    byte_ids = _byte_token_ids(tokenizer)
+    assert all(matcher.accept(byte_ids[b]) for b in document.encode()) == accepted
+    if accepted:
+        assert matcher.accept(0) and matcher.is_terminated()  # the document is whole: the stop token ends it

@@ -28,6 +28,8 @@ AUTH = {"Authorization": f"Bearer {API_KEY}"}
 ENGINE_FLAGS = ["--kv-cache-memory", "64MiB", "--max-num-batched-tokens", "512", "--seed", "0",
                 "--device", "cpu", "--dtype", "float32"]
 STARTUP_TIMEOUT_S = 240.0
+TEMPLATE_TIMEOUT_S = 2.0  # the shared server's --chat-template-timeout
+RESPONSES_STORE_BYTES = 256 * 2**10  # the shared server's --responses-store-size
 STOP_TIMEOUT_S = 30.0
 
 
@@ -144,10 +146,13 @@ def long_context_llama_dir(make_tiny_model) -> str:
 @pytest.fixture(scope="session")
 def server(long_context_llama_dir, tmp_path_factory):
     """The shared server: a context of MAX_MODEL_LEN, an API key, a 1 MiB body limit, room
-    for 300 requests."""
+    for 300 requests, requests' own chat templates rendered within TEMPLATE_TIMEOUT_S, 256 KiB of
+    stored responses."""
     process = ServerProcess(long_context_llama_dir, tmp_path_factory.mktemp("server") / "server.log",
                             "--max-model-len", str(MAX_MODEL_LEN), "--api-key", API_KEY, "--max-request-size", "1MiB",
-                            "--max-waiting-requests", "44", "--log-level", "warning")
+                            "--max-waiting-requests", "44", "--trust-request-chat-template",
+                            "--chat-template-timeout", str(TEMPLATE_TIMEOUT_S), "--responses-store-size",
+                            str(RESPONSES_STORE_BYTES), "--log-level", "warning")
     yield from served(process)
 
 

@@ -5,9 +5,12 @@ return_token_ids and compared with the text the template should give."""
 
 from __future__ import annotations
 
+import threading
+import time
+
 import pytest
 
-from tests.api.conftest import sse_events
+from tests.api.conftest import TEMPLATE_TIMEOUT_S, sse_events
 from tests.api.test_errors import assert_openai_error
 
 GREEDY = {"max_tokens": 5, "temperature": 0.0, "ignore_eos": True, "return_token_ids": True}
@@ -59,6 +62,35 @@ def test_a_request_chat_template_and_its_kwargs_and_documents(http):
     assert_openai_error(http.post("/v1/chat/completions", json=bad), 400, param="chat_template_kwargs")
     broken = {"messages": messages, "chat_template": "{% for m in messages %}"}
     assert_openai_error(http.post("/v1/chat/completions", json=broken), 400, param="messages")
+
+
+# three nested loops: Jinja's sandbox allows them, and they would run for days
+SLOW_TEMPLATE = ("{% for a in range(99999) %}{% for b in range(99999) %}{% for c in range(99999) %}"
+                 "{% endfor %}{% endfor %}{% endfor %}")
+
+
+def test_a_template_past_the_time_limit_is_a_400_and_the_others_are_served(http):
+    messages = [{"role": "user", "content": "hi"}]
+    plain: dict = {}
+
+    def send_plain() -> None:
+        time.sleep(0.3)  # while the slow template renders
+        plain["response"] = http.post("/v1/chat/completions", json={"messages": messages, **GREEDY})
+
+    sender = threading.Thread(target=send_plain)
+    sender.start()
+    start = time.monotonic()
+    slow = http.post("/v1/chat/completions", json={"messages": messages, **GREEDY, "chat_template": SLOW_TEMPLATE})
+    error = assert_openai_error(slow, 400, param="chat_template")
+    assert "--chat-template-timeout" in error["message"]
+    assert time.monotonic() - start < TEMPLATE_TIMEOUT_S + 10
+    sender.join(30)
+    # the plain request waited at most for the slow one's limit (the input processor keeps order)
+    assert plain["response"].status_code == 200, plain["response"].text
+    # /tokenize renders in the API's process, under the same limit
+    tokenized = http.post("/tokenize", json={"messages": messages, "chat_template": SLOW_TEMPLATE})
+    assert_openai_error(tokenized, 400, param="chat_template")
+    assert http.post("/v1/chat/completions", json={"messages": messages, **GREEDY}).status_code == 200
 
 
 def test_developer_role_is_the_system_role_and_names_reach_the_template(http):

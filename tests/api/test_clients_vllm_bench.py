@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 import httpx
 import pytest
 
-from tests.api.conftest import API_KEY, MODEL_NAME
+from tests.api.conftest import API_KEY, AUTH, MODEL_NAME
 
 PROMPTS = ["The quick brown fox jumps over the lazy dog.", "Paris is the capital of France.",
            "Once upon a time there was a little robot", "def add(a, b):\n    return a + b",
@@ -150,9 +150,10 @@ async def run_benchmark(server_url: str, path: str, payloads: list[dict],
 
 @pytest.fixture(scope="module")
 def prompt_token_ids(server) -> list[list[int]]:
-    """The prompts through /tokenize as vllm bench aligns its random prompts: no API key
-    (it sends none there), the served model's name, no special tokens."""
-    with httpx.Client(base_url=server.url, timeout=30.0) as http:
+    """The prompts through /tokenize as vllm bench aligns its random prompts: the served
+    model's name, no special tokens. vLLM leaves /tokenize open; troupe's needs the key, as
+    every route that runs the model's tokenizer does (docs/security.md)."""
+    with httpx.Client(base_url=server.url, headers=AUTH, timeout=30.0) as http:
         return [http.post("/tokenize", json={"model": MODEL_NAME, "prompt": prompt, "add_special_tokens": False})
                 .json()["tokens"] for prompt in PROMPTS]
 
@@ -175,7 +176,7 @@ def test_model_discovery_reads_id_and_root(http):
 
 
 def test_prompt_alignment_round_trips_through_tokenize_and_detokenize(server, prompt_token_ids):
-    with httpx.Client(base_url=server.url, timeout=30.0) as http:
+    with httpx.Client(base_url=server.url, headers=AUTH, timeout=30.0) as http:
         for prompt, tokens in zip(PROMPTS, prompt_token_ids):
             # vllm bench cuts a prompt that tokenizes too long and sends the detokenized cut
             cut = http.post("/detokenize", json={"model": MODEL_NAME, "tokens": tokens[:3]}).json()["prompt"]

@@ -88,15 +88,35 @@ def test_an_unknown_model_gets_404_as_vllm_answers_it(http, route, body):
                                          "param": "model", "code": 404}}
 
 
-def test_api_key_is_required_on_v1_routes_only(server):
-    for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": API_KEY}):
-        response = httpx.post(f"{server.url}/v1/completions", json=GOOD, headers=headers)
-        assert_openai_error(response, 401, code="invalid_api_key")
-        assert_openai_error(httpx.get(f"{server.url}/v1/models", headers=headers), 401, code="invalid_api_key")
+# every route of the shared server that runs the model or shows its state, and a path no route has
+GUARDED_ROUTES = [("POST", "/v1/completions"), ("POST", "/v1/chat/completions"), ("GET", "/v1/models"),
+                  ("POST", "/v1/responses"), ("GET", "/v1/responses/resp-1"), ("POST", "/invocations"),
+                  ("POST", "/tokenize"), ("POST", "/detokenize"), ("POST", "/pooling"), ("POST", "/classify"),
+                  ("POST", "/score"), ("POST", "/v1/score"), ("POST", "/rerank"), ("POST", "/v2/rerank"),
+                  ("GET", "/metrics"), ("GET", "/load"), ("GET", "/version"), ("GET", "/tokenizer_info"),
+                  ("POST", "/sleep"), ("GET", "/no/such/route")]
+
+
+def test_api_key_is_required_on_every_route_but_the_health_checks(server):
+    for method, path in GUARDED_ROUTES:
+        for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": API_KEY}):
+            response = httpx.request(method, f"{server.url}{path}", json=GOOD, headers=headers)
+            assert_openai_error(response, 401, code="invalid_api_key")
     assert httpx.get(f"{server.url}/health").status_code == 200
+    assert httpx.get(f"{server.url}/ping").status_code == 200 and httpx.post(f"{server.url}/ping").status_code == 200
     models = httpx.get(f"{server.url}/v1/models", headers=AUTH).json()
     assert [card["id"] for card in models["data"]] == [MODEL_NAME]
     assert models["data"][0]["max_model_len"] == MAX_MODEL_LEN
+    assert httpx.get(f"{server.url}/version", headers=AUTH).status_code == 200
+
+
+def test_too_many_or_too_large_headers_are_refused_and_the_server_serves_on(http, server):
+    many = [(f"x-filler-{i}", "1") for i in range(300)]
+    assert_openai_error(http.get("/v1/models", headers=many), 431, code="headers_too_large")
+    # past --h11-max-incomplete-event-size (64 KiB): 400 from h11 when the block is still arriving, else 431
+    response = httpx.get(f"{server.url}/v1/models", headers={**AUTH, "x-big": "a" * (100 * 2**10)})
+    assert response.status_code in (400, 431)
+    assert http.post("/v1/completions", json=GOOD).status_code == 200
 
 
 def test_unknown_route_is_404_and_wrong_method_405(http):

@@ -8,6 +8,7 @@ the last tests start servers of their own (no runtime updating; a bad adapter at
 from __future__ import annotations
 
 import json
+import os
 import threading
 
 import httpx
@@ -109,11 +110,11 @@ def test_responses_tokenize_and_beam_search_take_adapter_models(client, http):
 def test_models_lists_the_base_then_the_adapters(client, tiny_llama_dir, adapter_dirs):
     cards = client.models.list().data
     assert [card.id for card in cards] == [MODEL_NAME, "sql", "chatty"]
-    assert cards[0].parent is None and cards[0].root == tiny_llama_dir
-    assert [(card.root, card.parent) for card in cards[1:]] == [(adapter_dirs["sql"], MODEL_NAME),
-                                                               (adapter_dirs["chatty"], MODEL_NAME)]
+    # root is the served name: the server's directories are no client's business
+    assert cards[0].parent is None and cards[0].root == MODEL_NAME
+    assert [(card.root, card.parent) for card in cards[1:]] == [("sql", MODEL_NAME), ("chatty", MODEL_NAME)]
     card = client.models.retrieve("chatty")
-    assert (card.id, card.root, card.parent) == ("chatty", adapter_dirs["chatty"], MODEL_NAME)
+    assert (card.id, card.root, card.parent) == ("chatty", "chatty", MODEL_NAME)
 
 
 def test_an_unknown_model_gets_vllms_404(http, client):
@@ -157,7 +158,7 @@ def test_an_adapter_loaded_at_runtime_serves_until_unloaded(http, tiny_llama_dir
 
 @pytest.mark.parametrize("body, status, message, param", [
     ({"lora_name": "wide", "lora_path": "rank32"}, 400, "over the engine's max_lora_rank of 16", "lora_path"),
-    ({"lora_name": "void", "lora_path": "/no/such/adapter"}, 400, "no such directory", "lora_path"),
+    ({"lora_name": "void", "lora_path": "/no/such/adapter"}, 400, "no LoRA adapter can be read at", "lora_path"),
     ({"lora_name": "nameless"}, 400, "Both 'lora_name' and 'lora_path' must be provided.", "lora_path"),
     ({"lora_name": MODEL_NAME, "lora_path": "rank32"}, 400, "is a served name of the base model", "lora_name"),
 ])
@@ -170,6 +171,17 @@ def test_a_load_the_server_cannot_serve_is_400_and_the_server_serves_on(http, ti
     assert message in response.json()["error"]["message"] and response.json()["error"]["param"] == param
     assert body["lora_name"] not in [card["id"] for card in http.get("/v1/models").json()["data"]][1:]
     assert completion_tokens(http, "sql") == peft_greedy(tiny_llama_dir, adapter_dirs["sql"], [PROMPT], MAX_TOKENS)[0]
+
+
+def test_a_load_says_the_same_of_every_path_that_holds_no_adapter(http, tiny_llama_dir, adapter_dirs):
+    """No error tells which server paths exist: a missing path, a directory of other files, a
+    file and an unreadable path all get one message."""
+    paths = ["/no/such/adapter", tiny_llama_dir, os.path.join(adapter_dirs["sql"], "adapter_config.json"), "/root",
+             "/proc/self"]
+    answers = {json.dumps(http.post("/v1/load_lora_adapter", json={"lora_name": "probe", "lora_path": path}).json())
+               for path in paths}
+    assert len(answers) == 1, answers
+    assert json.loads(answers.pop())["error"]["param"] == "lora_path"
 
 
 def test_concurrent_loads_of_one_name_serialize(lora_server, adapter_dirs):

@@ -9,7 +9,7 @@ import threading
 
 import httpx
 
-from tests.api.conftest import ServerProcess, served
+from tests.api.conftest import API_KEY, AUTH, ServerProcess, served
 
 COMPLETION = {"prompt": "the cat sat", "max_tokens": 8, "temperature": 0.0, "ignore_eos": True}
 
@@ -22,9 +22,13 @@ def test_dev_mode_routes_are_absent_by_default(http):
 
 def test_sleep_wake_and_reset_over_http(tiny_llama_dir, tmp_path, monkeypatch):
     monkeypatch.setenv("VLLM_SERVER_DEV_MODE", "1")
-    process = ServerProcess(tiny_llama_dir, tmp_path / "server.log", "--log-level", "warning")
+    process = ServerProcess(tiny_llama_dir, tmp_path / "server.log", "--log-level", "warning", "--api-key", API_KEY)
     with contextlib.contextmanager(served)(process) as server, \
-            httpx.Client(base_url=server.url, timeout=60.0) as http:
+            httpx.Client(base_url=server.url, headers=AUTH, timeout=60.0) as http:
+        # the routes that free the engine's memory or drop its cache need the API key too
+        for method, path in (("POST", "/sleep"), ("POST", "/wake_up"), ("GET", "/is_sleeping"),
+                             ("POST", "/reset_prefix_cache")):
+            assert httpx.request(method, f"{server.url}{path}").status_code == 401
         expected = http.post("/v1/completions", json=COMPLETION).json()["choices"][0]["text"]
         assert http.post("/reset_prefix_cache").status_code == 200
         assert http.post("/sleep", params={"level": "3"}).json()["error"]["param"] == "level"

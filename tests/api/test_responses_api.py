@@ -75,7 +75,7 @@ def test_previous_response_id_continues_the_conversation(client):
 
 def test_text_format_json_schema_validates(client):
     response = client.responses.create(
-        model=MODEL_NAME, input="Answer as JSON.", max_output_tokens=60, temperature=0.0,
+        model=MODEL_NAME, input="Answer as JSON.", max_output_tokens=400, temperature=0.0,
         text={"format": {"type": "json_schema", "name": "answer", "schema": SCHEMA, "strict": True}})
     assert response.status == "completed"
     jsonschema.validate(json.loads(response.output_text), SCHEMA)
@@ -83,7 +83,7 @@ def test_text_format_json_schema_validates(client):
 
 @pytest.mark.parametrize("stream", [False, True])
 def test_a_named_function_tool_returns_valid_arguments(client, stream):
-    kwargs = dict(model=MODEL_NAME, input="Weather?", tools=[WEATHER], max_output_tokens=60, temperature=1.0,
+    kwargs = dict(model=MODEL_NAME, input="Weather?", tools=[WEATHER], max_output_tokens=400, temperature=1.0,
                   tool_choice={"type": "function", "name": "get_weather"})
     if stream:
         events = list(client.responses.create(stream=True, **kwargs))
@@ -99,7 +99,7 @@ def test_a_named_function_tool_returns_valid_arguments(client, stream):
 
 def test_required_tool_choice_and_a_function_result_round_trip(client):
     first = client.responses.create(model=MODEL_NAME, input="Weather in Oslo?", tools=[WEATHER],
-                                    tool_choice="required", parallel_tool_calls=False, max_output_tokens=60)
+                                    tool_choice="required", parallel_tool_calls=False, max_output_tokens=400)
     calls = [item for item in first.output if item.type == "function_call"]
     assert len(calls) == 1
     jsonschema.validate(json.loads(calls[0].arguments), WEATHER["parameters"])

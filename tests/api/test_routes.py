@@ -115,6 +115,14 @@ def test_invocations_serves_a_completion_or_a_chat_by_the_body(http, openai_clie
     assert "".join(event["choices"][0]["delta"].get("content", "") for event in streamed) == expected
 
 
+def test_invocations_logs_no_field_of_its_endpoints_as_unknown(http, server):
+    body = {"prompt": "x", "max_tokens": 2, "temperature": 0.5, "top_p": 0.9, "an_invented_field": 1}
+    assert http.post("/invocations", json=body).status_code == 200
+    log = server.log()
+    assert "'temperature'" not in log and "'top_p'" not in log and "'max_tokens'" not in log, log
+    assert "ignoring the unknown request field 'an_invented_field'" in log  # the endpoint's own check still runs
+
+
 def test_invocations_refuses_a_body_that_is_neither(http):
     assert_openai_error(http.post("/invocations", json={"max_tokens": 3}), 400)
     assert_openai_error(http.post("/invocations", content=b"{not json"), 400, code="invalid_json")
@@ -174,7 +182,7 @@ def flag_server(long_context_llama_dir, tmp_path_factory, socket_dir):
         "--allowed-origins", f'["{APP_ORIGIN}"]', "--allowed-methods", '["GET", "POST"]',
         "--allowed-headers", '["authorization", "content-type"]', "--allow-credentials",
         "--enable-request-id-headers", "--enable-server-load-tracking", "--enable-tokenizer-info-endpoint",
-        "--disable-log-requests", "--log-level", "info")
+        "--allow-unauthenticated-metrics", "--disable-log-requests", "--log-level", "info")
     try:
         yield process
     finally:
@@ -207,6 +215,47 @@ def test_root_path_prefixes_urls_and_the_api_key_still_guards_v1(uds_http):
                         code="invalid_api_key")
     # metrics label requests by route, below the prefix
     assert 'route="/v1/models",status="401"' in uds_http.get("/metrics").text
+
+
+@pytest.mark.parametrize("prefix", ["", ROOT_PATH])
+@pytest.mark.parametrize("api_key", [API_KEY, "wrong"])
+def test_root_path_serves_v1_with_and_without_the_prefix(flag_server, socket_dir, prefix, api_key):
+    """vLLM's test_root_path: under --root-path /llm, /llm/v1 answers as /v1 does, the API key
+    guarding both."""
+    transport = httpx.HTTPTransport(uds=os.path.join(socket_dir, "troupe.sock"))
+    with httpx.Client(transport=transport, timeout=60.0) as http_client, \
+            openai.OpenAI(base_url=f"http://troupe{prefix}/v1", api_key=api_key, http_client=http_client,
+                          max_retries=0) as client:
+        create = lambda: client.chat.completions.create(  # noqa: E731
+            model=MODEL_NAME, max_tokens=4, messages=[{"role": "user", "content": "tell me a saying"},
+                                                      {"role": "assistant", "content": "An apple a day"}],
+            extra_body={"continue_final_message": True, "add_generation_prompt": False})
+        if api_key != API_KEY:
+            with pytest.raises(openai.AuthenticationError):
+                create()
+            return
+        reply = create()
+        assert reply.choices[0].message.role == "assistant" and reply.choices[0].finish_reason in ("stop", "length")
+
+
+def test_a_requests_own_chat_template_needs_the_trust_flag(uds_http):
+    """vLLM's --trust-request-chat-template: without it (this server) a request's own template
+    is refused by name, on every route that renders one; the server's own still renders."""
+    messages = [{"role": "user", "content": "Hi"}]
+    template = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    for route in ("/v1/chat/completions", "/tokenize"):
+        error = assert_openai_error(uds_http.post(route, json={"messages": messages, "chat_template": template,
+                                                               "max_tokens": 2}), 400, "chat_template")
+        assert "--trust-request-chat-template" in error["message"]
+        assert uds_http.post(route, json={"messages": messages, "max_tokens": 2}).status_code == 200
+
+
+def test_metrics_open_without_the_key_only_with_the_flag(flag_server, socket_dir, server):
+    transport = httpx.HTTPTransport(uds=os.path.join(socket_dir, "troupe.sock"))
+    with httpx.Client(transport=transport, base_url="http://troupe", timeout=60.0) as no_key:
+        assert no_key.get("/metrics").status_code == 200  # --allow-unauthenticated-metrics
+        assert no_key.get("/load").status_code == 401 and no_key.get("/version").status_code == 401
+    assert_openai_error(httpx.get(f"{server.url}/metrics"), 401, code="invalid_api_key")  # without the flag
 
 
 def test_request_id_header_is_echoed_or_made(uds_http):
@@ -247,6 +296,10 @@ def test_tokenizer_info_gives_the_tokenizers_config(uds_http, tokenizer):
     assert info["chat_template"] == tokenizer.chat_template
     assert info["eos_token"] == "<|endoftext|>" and info["model_max_length"] == tokenizer.model_max_length
     assert "vocab_file" not in info and "merges_file" not in info  # its files are the server's own business
+    # added tokens are objects, as tokenizer_config.json holds them and vLLM serves them
+    assert info["added_tokens_decoder"]["0"] == {"content": "<|endoftext|>", "lstrip": False, "normalized": False,
+                                                 "rstrip": False, "single_word": False, "special": True}
+    assert len(info["added_tokens_decoder"]) == len(tokenizer.added_tokens_decoder)
 
 def test_lm_evals_remote_tokenizer_probe_works_with_the_flag(uds_http):
     """lm-eval's tokenizer_backend "auto" reads /tokenizer_info for eos_token, then takes

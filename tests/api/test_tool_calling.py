@@ -146,6 +146,22 @@ def test_required_always_calls_a_tool_with_valid_arguments(client, seed):
     assert finish_reason == "tool_calls"
 
 
+def test_a_required_call_cut_off_by_max_tokens_is_never_returned_half_written(client):
+    """Cut at every length from the name's end to past the call's: each returned call is whole
+    JSON (a cut one, its arguments an unterminated string, used to be returned); a cut-off
+    output with no whole call comes back as content, finish_reason "length"."""
+    cut_inside_arguments = 0
+    for max_tokens in range(8, 80, 6):
+        choice = client.chat.completions.create(messages=MESSAGES, tools=TOOLS, tool_choice="required",
+                                                **{**GREEDY, "max_tokens": max_tokens}).choices[0]
+        for call in choice.message.tool_calls or []:
+            jsonschema.validate(json.loads(call.function.arguments), SCHEMAS[call.function.name])
+        if choice.finish_reason == "length" and not choice.message.tool_calls:
+            assert choice.message.content.startswith("[")
+            cut_inside_arguments += '"parameters"' in choice.message.content
+    assert cut_inside_arguments  # the cut fell inside a call's arguments at least once
+
+
 HERMES_CALL = (r'Checking\.<tool_call>\n\{"name": "get_weather", "arguments": '
                r'\{"city": "(Paris|Oslo)", "metric": true\}\}\n</tool_call>')
 

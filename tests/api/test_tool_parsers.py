@@ -172,5 +172,60 @@ def test_required_schema_takes_one_call_per_tool_and_one_call_without_parallel_c
     with pytest.raises(jsonschema.ValidationError):
         jsonschema.validate([{"name": "g", "parameters": {}}] * 2, single)
     named = tool_choice_constraint(tools, {"type": "function", "function": {"name": "f"}}, None)
-    assert named.json == tools[0]["function"]["parameters"] and named.disable_any_whitespace
+    # JSON's whitespace in bounded runs, as vLLM's any-whitespace (a compact grammar left a small
+    # model no way out of an array but another call)
+    assert named.json == tools[0]["function"]["parameters"] and not named.disable_any_whitespace
+    assert not tool_choice_constraint(tools, "required", None).disable_any_whitespace
     assert tool_choice_constraint(tools, "auto", None) is None and tool_choice_constraint(tools, "none", None) is None
+
+
+# ---- long outputs: the stream reads each delta once ----
+
+LONG_ARGUMENT = "w" * 200_000
+LONG_OUTPUTS = {
+    "hermes": '<tool_call>\n{"name": "f", "arguments": {"text": "' + LONG_ARGUMENT + '"}}\n</tool_call>',
+    "llama3_json": '{"name": "f", "parameters": {"text": "' + LONG_ARGUMENT + '"}}',
+    "pythonic": "[" + ('f(text="' + LONG_ARGUMENT[:50_000] + '"), ') * 4 + "g(n=1)]",
+    "required": '[{"name": "f", "parameters": {"text": "' + LONG_ARGUMENT + '"}}]',
+}
+
+
+@pytest.mark.parametrize("name", list(LONG_OUTPUTS))
+def test_a_long_call_streamed_in_small_deltas_costs_its_length_not_its_square(name):
+    """10,000 deltas of 20 characters: re-reading the output at every delta scanned 10^9
+    characters in Python (minutes); reading only what each delta adds takes well under a second."""
+    import time
+
+    parser = ConstrainedCallParser("required") if name == "required" else get_tool_parser(name)()
+    text = LONG_OUTPUTS[name]
+    start = time.monotonic()
+    content, calls, _ = stream(parser, [text[index:index + 20] for index in range(0, len(text), 20)])
+    elapsed = time.monotonic() - start
+    whole = parser.extract_tool_calls(text)
+    assert calls == [(call.function.name, call.function.arguments) for call in whole.tool_calls] and calls
+    assert elapsed < 10.0, f"{elapsed:.1f} s"
+
+
+@pytest.mark.parametrize("output", ["[f(a=" + "-" * 100_000 + "1)]", "[f(a=" + "-" * 5_000 + "1)]",
+                                    "[f(a=" + "not " * 5_000 + "1)]", "[f(a=" + "[" * 5_000 + "]" * 5_000 + ")]"])
+def test_pythonic_output_nested_past_pythons_limits_is_content(output):
+    """ast raises MemoryError or RecursionError on such text (once a 500): it is content."""
+    parser = get_tool_parser("pythonic")()
+    assert parser.extract_tool_calls(output).content == output
+    content, calls, _ = stream(parser, [output[index:index + 1000] for index in range(0, len(output), 1000)])
+    assert calls == [] and content == output
+
+
+def test_a_constrained_call_that_max_tokens_cut_off_is_not_returned():
+    """The whole message holds the calls the output finished; a cut one (unterminated JSON
+    in its arguments) is left out, and with none finished the text is content."""
+    required = ConstrainedCallParser("required")
+    cut = '[{"name": "f", "parameters": {"x": 1}}, {"name": "g", "parameters": {"text": "unfinis'
+    assert [(call.function.name, call.function.arguments) for call in required.extract_tool_calls(cut).tool_calls] \
+        == [("f", '{"x": 1}')]
+    only_cut = '[{"name": "g", "parameters": {"text": "unfinis'
+    assert required.extract_tool_calls(only_cut).tool_calls == [] and \
+        required.extract_tool_calls(only_cut).content == only_cut
+    named = ConstrainedCallParser({"type": "function", "function": {"name": "g"}})
+    assert named.extract_tool_calls('{"text": "unfinis').tool_calls == []
+

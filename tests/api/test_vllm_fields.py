@@ -147,3 +147,23 @@ def test_the_openai_client_reaches_the_extensions_through_extra_body(server):
 def test_best_of_equal_to_n_and_user_are_accepted(http):
     body = {"prompt": PROMPT, **GREEDY, "n": 2, "best_of": 2, "user": "someone"}
     assert len(http.post("/v1/completions", json=body, headers=AUTH).json()["choices"]) == 2
+
+
+def test_whole_responses_carry_vllms_always_sent_fields_as_null(server, http):
+    """vLLM sends these in every whole response, null when unused; the openai package then
+    reads choice.prompt_logprobs (an AttributeError without the key), and vLLM's own tests
+    look for the keys. Streamed chunks stay lean."""
+    client = openai.OpenAI(base_url=f"{server.url}/v1", api_key=API_KEY, max_retries=0, timeout=60)
+    completion = client.completions.create(model="tiny-llama", prompt=PROMPT, max_tokens=2)
+    choice = completion.choices[0]
+    assert (choice.prompt_logprobs, choice.prompt_token_ids, choice.token_ids) == (None, None, None)
+    assert completion.system_fingerprint is None and completion.service_tier is None
+    chat = client.chat.completions.create(model="tiny-llama", messages=CHAT, max_tokens=2)
+    assert (chat.prompt_logprobs, chat.prompt_token_ids, chat.choices[0].token_ids) == (None, None, None)
+    assert chat.system_fingerprint is None and chat.service_tier is None
+    for route, body in (("/v1/completions", {"prompt": PROMPT}), ("/v1/chat/completions", {"messages": CHAT})):
+        whole = http.post(route, json={**body, **GREEDY}).json()
+        assert {"system_fingerprint", "service_tier", "kv_transfer_params"} <= whole.keys()
+        assert whole["system_fingerprint"] is None
+        events = sse_events(http.post(route, json={**body, **GREEDY, "stream": True}).text)
+        assert all("system_fingerprint" not in event and "token_ids" not in event["choices"][0] for event in events)

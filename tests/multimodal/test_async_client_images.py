@@ -22,7 +22,8 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
 @pytest_asyncio.fixture(scope="module")
 async def client(tiny_llava_dir):
     async with asyncio.timeout(120):
-        client = AsyncClient(tiny_llava_dir, kv_cache_memory="64MiB", limit_mm_per_prompt='{"image": 2}')
+        client = AsyncClient(tiny_llava_dir, kv_cache_memory="64MiB", limit_mm_per_prompt='{"image": 2}',
+                             allow_private_media_addresses=True)  # the test's image server is on 127.0.0.1
         await client.start()
     yield client
     async with asyncio.timeout(30):
@@ -57,9 +58,9 @@ async def test_prompt_dicts_with_pil_images_match_hf(client, tiny_llava_dir):
 @pytest.mark.asyncio(loop_scope="module")
 async def test_data_and_http_urls_answer_as_the_pil_image(client):
     image = draw_image(36, 52, 44)
-    with image_server(image) as url:
+    with image_server(image) as server:
         outputs = [await generate(client, {"prompt": "Hello <image> what?", "multi_modal_data": {"image": picture}})
-                   for picture in (image, data_url(image), f"{url}/image.png")]
+                   for picture in (image, data_url(image), f"{server.url}/image.png")]
     assert outputs[0] == outputs[1] == outputs[2]
 
 
@@ -68,7 +69,7 @@ async def test_data_and_http_urls_answer_as_the_pil_image(client):
     ({"image": [draw_image(30, 30, 1)] * 3}, "multi_modal_data", "at most 2"),
     ({"image": [b"not an image"]}, "multi_modal_data", "could not be decoded"),
     ({"image": []}, "multi_modal_data", "1 image placeholders"),
-    ({"image": ["http://127.0.0.1:1/cat.png"]}, "image_url", "failed"),
+    ({"image": ["http://127.0.0.1:1/cat.png"]}, "image_url", "fetching the image failed"),
     ({"image": ["file:///etc/hostname"]}, "multi_modal_data", "--allowed-local-media-path"),
 ])
 async def test_bad_images_raise_invalid_request_errors(client, multi_modal_data, field, message):

@@ -14,6 +14,8 @@ from actors import LLM, SamplingParams
 from actors.multimodal.runner import VisionRunner
 from tests.multimodal.tiny_llava import NUM_IMAGE_TOKENS, draw_image, hf_greedy_llava
 
+MANY_IMAGES = '{"image": 4}'  # prompts of several images (the default is 1, as vLLM's)
+
 GREEDY = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
 
 
@@ -54,7 +56,8 @@ def run(llm: LLM, requests: list[dict]) -> list[list[int]]:
 @pytest.mark.parametrize("budget", [8, 3])  # 3 < one image's 4 tokens: each image runs alone
 def test_many_images_at_once_stay_within_the_budget_and_match_the_unbudgeted_run(tiny_llava_dir, monkeypatch,
                                                                                  budget):
-    unbudgeted = LLM(tiny_llava_dir, kv_cache_memory="64MiB", enable_prefix_caching=False)
+    unbudgeted = LLM(tiny_llava_dir, limit_mm_per_prompt=MANY_IMAGES,
+                     kv_cache_memory="64MiB", enable_prefix_caching=False)
     requests = image_requests(unbudgeted, 12)
     total = sum(len(r["multi_modal_data"]["image"]) for r in requests) * NUM_IMAGE_TOKENS
     per_step = observe_encoding(monkeypatch)
@@ -62,7 +65,7 @@ def test_many_images_at_once_stay_within_the_budget_and_match_the_unbudgeted_run
     assert max(per_step) == total  # without a budget the first step encodes every image
 
     per_step.clear()
-    llm = LLM(tiny_llava_dir, kv_cache_memory="64MiB", enable_prefix_caching=False,
+    llm = LLM(tiny_llava_dir, limit_mm_per_prompt=MANY_IMAGES, kv_cache_memory="64MiB", enable_prefix_caching=False,
               max_num_encoder_input_tokens=budget)
     assert run(llm, requests) == expected
     assert sum(per_step) == total  # each image encoded once
@@ -75,7 +78,8 @@ def test_many_images_at_once_stay_within_the_budget_and_match_the_unbudgeted_run
 
 
 def test_a_prefix_hit_inside_an_image_span_charges_the_image_again(tiny_llava_dir, monkeypatch):
-    llm = LLM(tiny_llava_dir, kv_cache_memory="64MiB", block_size=4, max_num_encoder_input_tokens=4)
+    llm = LLM(tiny_llava_dir, limit_mm_per_prompt=MANY_IMAGES,
+              kv_cache_memory="64MiB", block_size=4, max_num_encoder_input_tokens=4)
     ids = llm.get_tokenizer().encode("A B C <image>")  # the image last: a hit leaves its last token to compute
     image_offset = ids.index(llm.config.model.vision.image_token_id)
     request = {"prompt_token_ids": ids, "multi_modal_data": {"image": draw_image(40, 40, 5)}}

@@ -14,6 +14,8 @@ from actors.multimodal.llava import LlavaVisionEncoder
 from messages.common import InvalidRequestError
 from tests.multimodal.tiny_llava import NUM_IMAGE_TOKENS, data_url, draw_image, hf_greedy_llava
 
+MANY_IMAGES = '{"image": 4}'  # prompts of several images (the default is 1, as vLLM's)
+
 GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
 
 
@@ -37,13 +39,13 @@ def mixed_prompts(seed: int) -> list[tuple[str, list]]:
 
 
 def test_images_batched_with_text_match_hf(tiny_llava_dir):
-    llm = LLM(tiny_llava_dir, kv_cache_memory="64MiB")
+    llm = LLM(tiny_llava_dir, limit_mm_per_prompt=MANY_IMAGES, kv_cache_memory="64MiB")
     ours, expected = run_both(llm, tiny_llava_dir, mixed_prompts(seed=0))
     assert ours == expected
 
 
 def test_an_image_changes_the_output(tiny_llava_dir):
-    llm = LLM(tiny_llava_dir, kv_cache_memory="64MiB")
+    llm = LLM(tiny_llava_dir, limit_mm_per_prompt=MANY_IMAGES, kv_cache_memory="64MiB")
     ours, _ = run_both(llm, tiny_llava_dir, [("Hello <image> what?", [draw_image(40, 40, 1)]),
                                               ("Hello <image> what?", [draw_image(40, 40, 2)])])
     assert ours[0] != ours[1]
@@ -59,7 +61,7 @@ def count_encoder_calls(monkeypatch) -> list:
 def test_chunked_prefill_splitting_images_matches_hf_and_encodes_each_image_once(tiny_llava_dir, monkeypatch):
     # a 3-token budget splits every image's 4 placeholders over two steps
     calls = count_encoder_calls(monkeypatch)
-    llm = LLM(tiny_llava_dir, max_num_batched_tokens=3, kv_cache_memory="64MiB")
+    llm = LLM(tiny_llava_dir, limit_mm_per_prompt=MANY_IMAGES, max_num_batched_tokens=3, kv_cache_memory="64MiB")
     prompts = mixed_prompts(seed=5)
     ours, expected = run_both(llm, tiny_llava_dir, prompts)
     assert ours == expected
@@ -71,7 +73,8 @@ def test_preemption_recomputes_images_and_matches_hf(tiny_llava_dir, monkeypatch
     # 14 blocks of 4 tokens cannot hold the five requests as they decode: the newest are
     # preempted, and their images encoded again when they resume
     calls = count_encoder_calls(monkeypatch)
-    llm = LLM(tiny_llava_dir, block_size=4, num_kv_blocks=14, enable_prefix_caching=False)
+    llm = LLM(tiny_llava_dir, limit_mm_per_prompt=MANY_IMAGES,
+              block_size=4, num_kv_blocks=14, enable_prefix_caching=False)
     prompts = mixed_prompts(seed=6)
     ours, expected = run_both(llm, tiny_llava_dir, prompts)
     assert ours == expected
@@ -83,7 +86,7 @@ def test_preemption_recomputes_images_and_matches_hf(tiny_llava_dir, monkeypatch
 
 
 def test_prefix_cache_hits_the_same_image_only(tiny_llava_dir):
-    llm = LLM(tiny_llava_dir, kv_cache_memory="64MiB", block_size=4)
+    llm = LLM(tiny_llava_dir, limit_mm_per_prompt=MANY_IMAGES, kv_cache_memory="64MiB", block_size=4)
     tokenizer = llm.get_tokenizer()
     text = "Paris is the capital of France. Berlin is the capital of <image> Germany and more text here"
     ids = tokenizer.encode(text)
@@ -108,7 +111,7 @@ def test_prefix_cache_hits_the_same_image_only(tiny_llava_dir):
 
 
 def test_chat_with_a_data_url_matches_a_prompt_dict(tiny_llava_dir):
-    llm = LLM(tiny_llava_dir, kv_cache_memory="64MiB")
+    llm = LLM(tiny_llava_dir, limit_mm_per_prompt=MANY_IMAGES, kv_cache_memory="64MiB")
     image = draw_image(50, 40, 3)
     content = [{"type": "text", "text": "Look:"}, {"type": "image_url", "image_url": {"url": data_url(image)}},
                {"type": "text", "text": "what is it?"}]
@@ -129,7 +132,7 @@ def test_chat_with_a_data_url_matches_a_prompt_dict(tiny_llava_dir):
     ({"multi_modal_data": {"image": []}}, "multi_modal_data", "1 image placeholders .* for 0 images"),
 ])
 def test_bad_images_are_refused_by_name(tiny_llava_dir, request_kwargs, field, message):
-    llm = LLM(tiny_llava_dir, kv_cache_memory="64MiB")
+    llm = LLM(tiny_llava_dir, limit_mm_per_prompt=MANY_IMAGES, kv_cache_memory="64MiB")
     ids = llm.get_tokenizer().encode("Hello <image> what?")
     with pytest.raises(InvalidRequestError, match=message) as error:
         llm.generate({"prompt_token_ids": ids, **request_kwargs}, GREEDY, use_tqdm=False)
@@ -164,7 +167,7 @@ def test_images_to_a_text_only_model_are_refused(tiny_llama_dir):
                                                   "speculative decoding")])
 def test_unsupported_features_are_refused_at_start_up(tiny_llava_dir, engine_kwargs, name):
     with pytest.raises(ValueError, match=name):
-        LLM(tiny_llava_dir, **engine_kwargs)
+        LLM(tiny_llava_dir, limit_mm_per_prompt=MANY_IMAGES, **engine_kwargs)
 
 
 # as llava-hf's templates: a loop over each message's content parts, the template writing <image>
@@ -175,7 +178,7 @@ PARTS_TEMPLATE = ("{% for message in messages %}{{ message['role'] | upper }}: "
 
 
 def test_a_template_looping_over_content_parts_gets_them(tiny_llava_dir):
-    llm = LLM(tiny_llava_dir, kv_cache_memory="64MiB")
+    llm = LLM(tiny_llava_dir, limit_mm_per_prompt=MANY_IMAGES, kv_cache_memory="64MiB")
     image = draw_image(44, 36, 9)
     messages = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": data_url(image)}},
                                              {"type": "text", "text": "what is it?"}]},
@@ -191,14 +194,17 @@ def test_a_template_looping_over_content_parts_gets_them(tiny_llava_dir):
 def test_an_http_image_url_offline_matches_its_data_url(tiny_llava_dir):
     from tests.multimodal.image_server import image_server
 
-    llm = LLM(tiny_llava_dir, kv_cache_memory="64MiB")
+    # the test's image server is on 127.0.0.1: a private address, fetched only when allowed
+    llm = LLM(tiny_llava_dir, limit_mm_per_prompt=MANY_IMAGES,
+              kv_cache_memory="64MiB", allow_private_media_addresses=True)
     image = draw_image(36, 52, 12)
-    with image_server(image) as url:
+    with image_server(image) as server:
         replies = [llm.chat([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": image_url}},
                                                           {"type": "text", "text": "what?"}]}], GREEDY,
-                            use_tqdm=False)[0] for image_url in (f"{url}/image.png", data_url(image))]
-        with pytest.raises(InvalidRequestError, match="Not Found") as error:
-            llm.chat([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": f"{url}/gone.png"}}]}],
+                            use_tqdm=False)[0] for image_url in (f"{server.url}/image.png", data_url(image))]
+        with pytest.raises(InvalidRequestError, match="fetching the image failed") as error:
+            llm.chat([{"role": "user", "content": [{"type": "image_url",
+                                                    "image_url": {"url": f"{server.url}/gone.png"}}]}],
                      GREEDY, use_tqdm=False)
         assert error.value.param == "image_url"
     assert replies[0].outputs[0].token_ids == replies[1].outputs[0].token_ids
@@ -206,7 +212,8 @@ def test_an_http_image_url_offline_matches_its_data_url(tiny_llava_dir):
 
 def test_n_completions_share_the_image_prompt(tiny_llava_dir):
     # the n sequences share the prompt's blocks; a 5-token budget chunks the image span too
-    llm = LLM(tiny_llava_dir, kv_cache_memory="64MiB", max_num_batched_tokens=5, block_size=4)
+    llm = LLM(tiny_llava_dir, limit_mm_per_prompt=MANY_IMAGES,
+              kv_cache_memory="64MiB", max_num_batched_tokens=5, block_size=4)
     ids = llm.get_tokenizer().encode("Hello there <image> what is it, tell me?")
     image = draw_image(40, 40, 3)
     params = SamplingParams(n=2, temperature=0.0, max_tokens=6, ignore_eos=True)
@@ -216,7 +223,7 @@ def test_n_completions_share_the_image_prompt(tiny_llava_dir):
 
 
 def test_a_repeated_image_is_processed_once_and_the_processor_cache_is_bounded(tiny_llava_dir):
-    llm = LLM(tiny_llava_dir, kv_cache_memory="64MiB")
+    llm = LLM(tiny_llava_dir, limit_mm_per_prompt=MANY_IMAGES, kv_cache_memory="64MiB")
     cache = llm.inputs.images.cache
     ids = llm.get_tokenizer().encode("Hello <image> what?")
     image = draw_image(40, 30, 21)

@@ -20,7 +20,7 @@ GREEDY = {"temperature": 0.0, "max_tokens": MAX_TOKENS, "extra_body": {"ignore_e
 @pytest.fixture(scope="module")
 def client(tiny_qwen2vl_dir, tmp_path_factory):
     process = ServerProcess(tiny_qwen2vl_dir, tmp_path_factory.mktemp("qwen2vl_server") / "server.log",
-                            "--log-level", "warning")
+                            "--limit-mm-per-prompt", '{"image": 2}', "--log-level", "warning")
     for server in served(process):
         yield openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=60.0)
 

@@ -18,6 +18,8 @@ from actors.multimodal.qwen2_vl import Qwen2VLVisionEncoder
 from tests.multimodal.tiny_llava import data_url, draw_image
 from tests.multimodal.tiny_qwen2vl import IMAGE, hf_qwen2vl
 
+MANY_IMAGES = '{"image": 4}'  # prompts of several images (the default is 1, as vLLM's)
+
 MAX_TOKENS = 6
 GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=0)
 
@@ -50,7 +52,7 @@ def mixed_prompts(seed: int) -> list[tuple[str, list]]:
 
 def test_images_batched_with_text_match_hf(tiny_qwen2vl_dir, monkeypatch):
     calls = count_encoder_calls(monkeypatch)
-    llm = LLM(tiny_qwen2vl_dir, kv_cache_memory="64MiB")
+    llm = LLM(tiny_qwen2vl_dir, limit_mm_per_prompt=MANY_IMAGES, kv_cache_memory="64MiB")
     run_both(llm, tiny_qwen2vl_dir, mixed_prompts(seed=0))
     # images of one size, started in one step: encoded in one batched pass
     run_both(llm, tiny_qwen2vl_dir, [(f"Look {IMAGE} here", [draw_image(90, 90, 40 + i)]) for i in range(3)])
@@ -58,7 +60,7 @@ def test_images_batched_with_text_match_hf(tiny_qwen2vl_dir, monkeypatch):
 
 
 def test_the_image_and_its_positions_change_the_output(tiny_qwen2vl_dir, monkeypatch):
-    llm = LLM(tiny_qwen2vl_dir, kv_cache_memory="64MiB")
+    llm = LLM(tiny_qwen2vl_dir, limit_mm_per_prompt=MANY_IMAGES, kv_cache_memory="64MiB")
     ids = llm.get_tokenizer().encode(f"Hello {IMAGE} what?")
 
     def tokens(image) -> list[int]:
@@ -71,7 +73,7 @@ def test_the_image_and_its_positions_change_the_output(tiny_qwen2vl_dir, monkeyp
     from actors.multimodal.runner import VisionRunner
 
     monkeypatch.setattr("actors.multimodal.qwen2_vl.Qwen2VLRunner.step_inputs", VisionRunner.step_inputs)
-    llm = LLM(tiny_qwen2vl_dir, kv_cache_memory="64MiB", enable_prefix_caching=False)
+    llm = LLM(tiny_qwen2vl_dir, limit_mm_per_prompt=MANY_IMAGES, kv_cache_memory="64MiB", enable_prefix_caching=False)
     assert tokens(draw_image(90, 90, 1)) != first
 
 
@@ -94,7 +96,7 @@ def assert_worker_state_dropped(llm: LLM) -> None:
 def test_chunked_prefill_splitting_images_matches_hf_and_encodes_each_image_once(tiny_qwen2vl_dir, monkeypatch):
     # a 5-token budget splits the 9- and 35-token image spans over several steps
     calls = count_encoder_calls(monkeypatch)
-    llm = LLM(tiny_qwen2vl_dir, max_num_batched_tokens=5, kv_cache_memory="64MiB")
+    llm = LLM(tiny_qwen2vl_dir, limit_mm_per_prompt=MANY_IMAGES, max_num_batched_tokens=5, kv_cache_memory="64MiB")
     prompts = mixed_prompts(seed=5)
     run_both(llm, tiny_qwen2vl_dir, prompts)
     assert len(calls) == sum(len(images) for _, images in prompts)
@@ -105,7 +107,8 @@ def test_preemption_recomputes_images_and_positions_and_matches_hf(tiny_qwen2vl_
     # 20 blocks of 4 tokens cannot hold the five requests as they decode: the newest are
     # preempted, and their images and M-RoPE positions computed again when they resume
     calls = count_encoder_calls(monkeypatch)
-    llm = LLM(tiny_qwen2vl_dir, block_size=4, num_kv_blocks=20, enable_prefix_caching=False)
+    llm = LLM(tiny_qwen2vl_dir, limit_mm_per_prompt=MANY_IMAGES,
+              block_size=4, num_kv_blocks=20, enable_prefix_caching=False)
     # every prompt with an image, so that whichever is preempted has one
     prompts = [(text, images) if images else (f"{text} {IMAGE}", [draw_image(60, 40, 30)])
                for text, images in mixed_prompts(seed=6)]
@@ -118,7 +121,7 @@ def test_preemption_recomputes_images_and_positions_and_matches_hf(tiny_qwen2vl_
 
 
 def test_prefix_cache_hits_the_same_image_only(tiny_qwen2vl_dir):
-    llm = LLM(tiny_qwen2vl_dir, kv_cache_memory="64MiB", block_size=4)
+    llm = LLM(tiny_qwen2vl_dir, limit_mm_per_prompt=MANY_IMAGES, kv_cache_memory="64MiB", block_size=4)
     ids = llm.get_tokenizer().encode(f"Paris is the capital of France. Berlin is {IMAGE} Germany and more text")
     image_offset = ids.index(llm.config.model.vision.image_token_id)
     first, same, other = draw_image(90, 90, 7), draw_image(90, 90, 7), draw_image(90, 90, 8)
@@ -141,7 +144,7 @@ def test_prefix_cache_hits_the_same_image_only(tiny_qwen2vl_dir):
 
 
 def test_chat_with_a_data_url_matches_hf(tiny_qwen2vl_dir):
-    llm = LLM(tiny_qwen2vl_dir, kv_cache_memory="64MiB")
+    llm = LLM(tiny_qwen2vl_dir, limit_mm_per_prompt=MANY_IMAGES, kv_cache_memory="64MiB")
     image = draw_image(70, 50, 3)
     content = [{"type": "text", "text": "Look:"}, {"type": "image_url", "image_url": {"url": data_url(image)}},
                {"type": "text", "text": "what is it?"}]
@@ -177,8 +180,9 @@ def test_qwen2_5_vl_matches_hf_batched_and_chunked(tiny_qwen25vl_dir, monkeypatc
     # its ViT: RMSNorm, gated MLP, windows of 2 x 2 merged patches (edge windows smaller:
     # the 10 x 14 grid) in block 0, full attention in block 1
     calls = count_encoder_calls(monkeypatch)
-    run_both(LLM(tiny_qwen25vl_dir, kv_cache_memory="64MiB"), tiny_qwen25vl_dir, mixed_prompts(seed=11))
-    llm = LLM(tiny_qwen25vl_dir, max_num_batched_tokens=5, kv_cache_memory="64MiB")
+    run_both(LLM(tiny_qwen25vl_dir, limit_mm_per_prompt=MANY_IMAGES,
+                 kv_cache_memory="64MiB"), tiny_qwen25vl_dir, mixed_prompts(seed=11))
+    llm = LLM(tiny_qwen25vl_dir, limit_mm_per_prompt=MANY_IMAGES, max_num_batched_tokens=5, kv_cache_memory="64MiB")
     run_both(llm, tiny_qwen25vl_dir, mixed_prompts(seed=12))
     assert len(calls) == 2 * sum(len(images) for _, images in mixed_prompts(seed=0))
     assert_worker_state_dropped(llm)

@@ -15,6 +15,8 @@ from actors.multimodal.siglip import SiglipVisionEncoder
 from tests.multimodal.tiny_llava import draw_image
 from tests.multimodal.tiny_siglip_llava import build_tiny_siglip_llava, hf_greedy_with_logprobs
 
+MANY_IMAGES = '{"image": 4}'  # prompts of several images (the default is 1, as vLLM's)
+
 PARAMS = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, logprobs=3)
 
 
@@ -39,7 +41,7 @@ def test_siglip_llava_matches_hf_tokens_and_logprobs(siglip_dirs, strategy, num_
     with open(f"{model_dir}/preprocessor_config.json") as f:
         assert json.load(f)["image_processor_type"] == "SiglipImageProcessor"
     kwargs = {"max_num_batched_tokens": batched_tokens} if batched_tokens else {}  # 5: images span two steps
-    llm = LLM(model_dir, kv_cache_memory="64MiB", **kwargs)
+    llm = LLM(model_dir, limit_mm_per_prompt=MANY_IMAGES, kv_cache_memory="64MiB", **kwargs)
     assert isinstance(llm.engine.runner.vision.encoder, SiglipVisionEncoder)
     tokenizer = llm.get_tokenizer()
     token_prompts = [(tokenizer.encode(text), images) for text, images in prompts(seed=len(strategy))]
