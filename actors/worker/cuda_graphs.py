@@ -8,7 +8,8 @@ runner's seam, beside the CPU's one-call C++ step).
   the largest first into one memory pool: decode graphs for the batch sizes of
   --cuda-graph-sizes, and mixed graphs (prefill chunks and decodes) for token counts every
   32 up to max_cudagraph_capture_size (--compilation-config; FULL_DECODE_ONLY: none).
-- A step of one token per sequence takes the decode graph of the next captured batch size;
+- A step of one token per sequence takes the decode graph of the next captured batch size
+  (of one split of attention where every sequence has at most 512 keys: no reduction);
   another step, of up to graph_inputs.MAX_PREFILLS prefill chunks, the mixed graph of the
   next captured token count. Its inputs go into persistent buffers (graph_inputs.py); the
   padding rows write no KV (slot -1) and their outputs are ignored; every kernel works row by
@@ -36,6 +37,8 @@ from kernels.paged_attention_ref import SequenceSplit
 # a graph's decode attention splits max_model_len into at most this many partitions of at
 # least 512 keys: more splits would only add empty programs and partial-result memory
 _MAX_SPLITS = 32
+# decode steps whose longest sequence has at most this many keys replay graphs of one split
+SHORT_CONTEXT = 512
 
 
 def graph_partition_size(max_model_len: int) -> int:
@@ -64,6 +67,9 @@ class CudaGraphs:
                  max_num_seqs: int = 0) -> None:
         self.model, self.kv_caches, self.sizes, self.mixed_sizes = model, kv_caches, sizes, mixed_sizes
         self.max_model_len, self.block_size = max_model_len, block_size
+        # decode steps whose sequences all fit one split of attention get graphs of their own:
+        # one program a (sequence, kv head), no reduction launched
+        self.short_context = max_model_len > SHORT_CONTEXT
         max_seqs = max(sizes[-1] if sizes else 1, max_num_seqs)
         self.inputs = GraphInputs(model.device, max((sizes or (1,))[-1], (mixed_sizes or (1,))[-1]), max_seqs,
                                   -(-max_model_len // block_size))
@@ -83,7 +89,8 @@ class CudaGraphs:
         if step.num_tokens == step.num_seqs and self.sizes and step.num_seqs <= self.sizes[-1]:
             size = next(size for size in self.sizes if size >= step.num_seqs)
             inputs.stage_decode(step, size, previous_sampled)
-            return StagedStep(step.num_tokens, ("decode", size))
+            short = self.short_context and int(step.seq_lens.max()) <= SHORT_CONTEXT
+            return StagedStep(step.num_tokens, ("decode-short" if short else "decode", size))
         if (not self.mixed_sizes or step.num_tokens > self.mixed_sizes[-1] or step.num_seqs > inputs.max_seqs
                 or int((step.query_lens > 1).sum()) > MAX_PREFILLS):
             return None
@@ -100,10 +107,11 @@ class CudaGraphs:
         kind, size = key
         inputs, partition = self.inputs, graph_partition_size(self.max_model_len)
         host = SequenceSplit([1] * size, list(range(size + 1)), list(range(size)), [])  # (not read on CUDA)
-        if kind == "decode":
+        if kind in ("decode", "decode-short"):
+            longest = SHORT_CONTEXT if kind == "decode-short" else self.max_model_len
             launch = PagedAttentionLaunch(decode_seqs=inputs.one_token_seqs[:size], prefill_seqs=inputs.prefill_seqs[:0],
-                                          max_query_len=0, max_decode_seq_len=self.max_model_len,
-                                          decode_partition_size=partition)
+                                          max_query_len=0, max_decode_seq_len=longest,
+                                          decode_partition_size=SHORT_CONTEXT if kind == "decode-short" else partition)
             return AttentionMetadata(num_decodes=size, num_prefills=0, num_decode_tokens=size, max_query_len=1,
                                      max_seq_len=self.max_model_len, block_size=self.block_size, host=host,
                                      slot_mapping=inputs.slot_mapping[:size], block_tables=inputs.block_tables[:size],
@@ -127,8 +135,9 @@ class CudaGraphs:
     @torch.inference_mode()
     def _capture(self) -> None:
         # the largest first (by tokens): the smaller ones reuse its memory
-        keys = sorted([("decode", size) for size in self.sizes] + [("mixed", size) for size in self.mixed_sizes],
-                      key=lambda key: (key[1], key[0]), reverse=True)
+        decode_kinds = ("decode", "decode-short") if self.short_context else ("decode",)
+        keys = sorted([(kind, size) for size in self.sizes for kind in decode_kinds]
+                      + [("mixed", size) for size in self.mixed_sizes], key=lambda key: (key[1], key[0]), reverse=True)
         if self.model.device.type != "cuda":  # (tests: Triton's interpreter on the CPU)
             for key in keys:
                 self.graphs[key] = _RerunAsReplay(self, key)

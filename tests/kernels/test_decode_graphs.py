@@ -117,6 +117,15 @@ def test_replayed_decodes_equal_eager_ones_with_padding_and_long_sequences(qk_no
             assert torch.equal(slots[~written], old_slots[~written])
     # a batch of one takes the graph of one, over the same buffers
     torch.testing.assert_close(replayed(graphs, decode[1:2]), eager[1:2], rtol=1e-4, atol=1e-5)
+    # sequences of at most 512 keys take the graph of one split (no reduction)
+    short = [decode[0], decode[2]]
+    restore()
+    ids, positions, attention = step(model, short)
+    eager_short = model.forward(ids, positions, caches, attention)
+    restore()
+    staged = graphs.stage(step_inputs(short), None)
+    assert staged.key == ("decode-short", 2)
+    torch.testing.assert_close(graphs.replay(staged), eager_short, rtol=1e-4, atol=1e-5)
     # a prefill runs eagerly: no graph takes it
     assert graphs.stage(step_inputs([(blocks[0], 0, prompts[0])]), None) is None
 
