@@ -3,7 +3,7 @@
 # CUDA; the packages it lacks travel as wheels in .whl, see /work/.library/device/README.md):
 #   bash benchmarks/gpu_check.sh [stage...]    stages: tests kernels-all engine-tests suite-on-cuda attention decode
 #                                              profile offline offline-8b serve serve-256 cache-save launch
-#                                              structured async kernels-some (KERNEL_FILES)
+#                                              structured async kernels-some (KERNEL_FILES) proofs
 # A Triton cache from an earlier call (.gpu_cache/triton.tgz, carried) is unpacked first: the
 # kernels' compilation is a large share of a short call; `cache-save` writes it to $OUT.
 # Each stage runs under its own time limit, logs to $OUT/<stage>.log and prints its tail.
@@ -40,8 +40,9 @@ for part in "${@:-tests engine-tests attention decode offline}"; do for s in $pa
     kernels-all) stage kernels-all "${T_KERNELS:-150}" $PYTEST -p xdist.plugin -n "${XDIST:-6}" tests/kernels ;;
     engine-tests) stage engine-tests "${T_ENGINE:-150}" $PYTEST tests/gpu --ignore-glob='*diag*' ;;
     diag) TROUPE_TEST_DEVICE=cuda TAIL=40 stage diag "${T_DIAG:-90}" $PYTEST -s tests/gpu/test_zz_structured_diag.py ;;
-    attention) stage attention "${T_ATTENTION:-45}" python3 benchmarks/kernels.py ;;
-    decode) stage decode "${T_DECODE:-90}" python3 benchmarks/gpu_engine.py --parts decode --repeats 3 ;;
+    attention) stage attention "${T_ATTENTION:-45}" python3 benchmarks/kernels.py --parts attention ;;
+    decode) stage decode "${T_DECODE:-90}" python3 benchmarks/gpu_engine.py --parts decode --repeats "${DECODE_REPEATS:-3}" ;;
+    fused) stage fused "${T_FUSED:-40}" python3 benchmarks/kernels.py --parts fused,splits,layer ;;
     profile) stage profile "${T_PROFILE:-60}" python3 benchmarks/gpu_engine.py --models llama-3.1-8b --parts profile ;;
     offline) stage offline "${T_OFFLINE:-90}" python3 benchmarks/gpu_engine.py --models qwen3-0.6b --parts offline \
         --hf --hf-num-requests "${HF_REQUESTS:-64}" --hf-batch-size "${HF_REQUESTS:-64}" ;;
@@ -59,6 +60,11 @@ for part in "${@:-tests engine-tests attention decode offline}"; do for s in $pa
     serve-256) stage serve-256 "${T_SERVE:-150}" python3 benchmarks/gpu_serve.py --max-concurrency 256 --num-prompts 1024 ;;
     offline-8b-hf) stage offline-8b-hf "${T_OFFLINE:-120}" python3 benchmarks/gpu_engine.py --models llama-3.1-8b \
         --parts offline --hf --hf-num-requests "${HF_REQUESTS:-32}" --hf-batch-size "${HF_REQUESTS:-32}" ;;
+    proofs) # the kernel tests and the engine test files on CUDA side by side (small memory each)
+        (XDIST=${XDIST:-6}; stage kernels-all "${T_KERNELS:-150}" $PYTEST -p xdist.plugin -n "$XDIST" tests/kernels) &
+        TROUPE_TEST_DEVICE=cuda stage cuda-engine-files "${T_SUITE:-120}" $PYTEST tests/actors/test_async_steps.py \
+            tests/actors/test_structured_outputs.py tests/actors/test_llm_sampling.py
+        wait ;;
     cache-save) tar -czf "$OUT/triton.tgz" -C "$HOME" .triton 2>/dev/null; ls -la "$OUT/triton.tgz" ;;
     *) echo "unknown stage $s" ;;
 esac; done; done

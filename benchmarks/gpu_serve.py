@@ -27,30 +27,8 @@ if __name__ == "__main__":
 from actors.worker.gpu_idle import ENV
 from actors.worker.host_profile import ENV as HOST_PROFILE_ENV
 from benchmarks.gpu_engine import CONFIGS, model_dir
+from benchmarks.process_cpu import busy_by_name, cpu_seconds
 from benchmarks.serve_vs_offline import Server
-
-
-def cpu_seconds() -> dict[tuple[int, str], float]:
-    """(pid, name) -> CPU seconds (user + system) of the server's processes: the actors
-    (named troupe-*) and the API's process, whose command line runs actors.launch."""
-    ticks = os.sysconf("SC_CLK_TCK")
-    seconds = {}
-    for pid in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            with open(f"/proc/{pid}/stat") as f:
-                stat = f.read()
-            with open(f"/proc/{pid}/cmdline", "rb") as f:
-                cmdline = f.read()
-        except OSError:
-            continue
-        name = stat[stat.index("(") + 1: stat.rindex(")")]
-        if b"actors.launch" in cmdline:
-            name = "the API server"
-        elif not name.startswith("troupe-"):
-            continue
-        fields = stat[stat.rindex(")") + 2:].split()
-        seconds[(int(pid), name)] = (int(fields[11]) + int(fields[12])) / ticks
-    return seconds
 
 
 def main() -> None:
@@ -73,15 +51,14 @@ def main() -> None:
                         (["--enforce-eager"] if args.enforce_eager else []) + args.server_flags.split())
         try:
             server.wait_ready()
-            before, clock, children = cpu_seconds(), time.monotonic(), resource.getrusage(resource.RUSAGE_CHILDREN)
+            root = server.process.pid
+            before, clock, children = cpu_seconds(root), time.monotonic(), resource.getrusage(resource.RUSAGE_CHILDREN)
             subprocess.run([sys.executable, os.path.join(_REPO, "benchmarks", "serve.py"), "--url", server.url,
                             "--num-prompts", str(args.num_prompts), "--max-concurrency", str(args.max_concurrency),
                             "--output-len", str(args.output_len), "--vocab-size", "30000"], check=True)
-            wall, after = time.monotonic() - clock, cpu_seconds()
+            wall, after = time.monotonic() - clock, cpu_seconds(root)
             client = resource.getrusage(resource.RUSAGE_CHILDREN)
-            busy: dict[str, float] = {}
-            for key, seconds in after.items():  # (by name: input processors share one)
-                busy[key[1]] = busy.get(key[1], 0.0) + seconds - before.get(key, 0.0)
+            busy = busy_by_name(before, after)
             busy["the benchmark's client"] = (client.ru_utime + client.ru_stime
                                               - children.ru_utime - children.ru_stime)
             print("CPU busy over the load, by process: " + ", ".join(

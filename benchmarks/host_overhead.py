@@ -14,6 +14,12 @@ out of the figure; everything per sequence and per token is in it.
 
     python benchmarks/host_overhead.py                      # batches 1, 64 and 256
     python benchmarks/host_overhead.py --batch-sizes 64 --steps 200 --sampling random
+    python benchmarks/host_overhead.py --served             # the server's processes, per token
+
+--served runs the real server (`python -m actors.launch`, every actor its own process) on the
+same tiny model, its forward real (it is tiny), and streams `batch` requests at a time at it
+(benchmarks/serve.py): the CPU microseconds each process spends per output token, the API's
+included.
 """
 
 from __future__ import annotations
@@ -164,12 +170,38 @@ def run(path: str, batch: int, steps: int, sampling: str, prompt_len: int,
     return figures
 
 
+def served(path: str, batch: int, output_len: int) -> dict[str, float]:
+    """CPU µs per output token of each of the server's processes, streaming `batch` requests
+    at a time (4 * batch requests in all)."""
+    import asyncio
+
+    sys.path.insert(1, os.path.dirname(os.path.abspath(__file__)))  # (serve_vs_offline imports serve as a script)
+    from benchmarks.process_cpu import busy_by_name, cpu_seconds
+    from benchmarks.serve import drive, make_workload
+    from benchmarks.serve_vs_offline import Server
+
+    server = Server(["--model", path, "--max-model-len", "1024", "--kv-cache-memory", "1GiB",
+                     "--max-num-seqs", str(max(batch, 1))], [])
+    try:
+        server.wait_ready()
+        prompts = make_workload(4 * batch, 16, 64, 380, seed=0)
+        before = cpu_seconds(server.process.pid)
+        results, _ = asyncio.run(drive(server.url, prompts, output_len, max_concurrency=batch))
+        busy = busy_by_name(before, cpu_seconds(server.process.pid))
+    finally:
+        server.stop()
+    tokens = sum(r.num_output_tokens for r in results if r.error is None)
+    return {name: 1e6 * seconds / tokens for name, seconds in busy.items()}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--batch-sizes", default="1,64,256")
     parser.add_argument("--steps", type=int, default=100, help="decode steps measured per batch size")
     parser.add_argument("--sampling", choices=("greedy", "random"), default="greedy")
     parser.add_argument("--prompt-len", type=int, default=32)
+    parser.add_argument("--served", action="store_true", help="the server's processes instead (see above)")
+    parser.add_argument("--output-len", type=int, default=128, help="--served: tokens a request")
     parser.add_argument("--no-async-scheduling", dest="async_scheduling", action="store_false",
                         help="finish each step before the next (default: the next launched first)")
     args = parser.parse_args()
@@ -179,6 +211,16 @@ def main() -> None:
     print("the engine's cost without the model: host ms per decode step (medians over "
           f"{args.steps} decode steps; {args.sampling} sampling; no-op forward; "
           f"{'asynchronous' if args.async_scheduling else 'synchronous'} steps)", flush=True)
+    if args.served:
+        with tempfile.TemporaryDirectory() as root:
+            path = build_tiny_model(root, "llama", max_position_embeddings=2048)
+            rows = [(int(b), served(path, int(b), args.output_len)) for b in args.batch_sizes.split(",")]
+        names = sorted({name for _, figures in rows for name in figures})
+        print("the server's processes: CPU µs per output token (the worker's include the tiny model's forward)")
+        print("| batch | " + " | ".join(names) + " |\n|---|" + "---|" * len(names))
+        for batch, figures in rows:
+            print(f"| {batch} | " + " | ".join(f"{figures.get(name, 0.0):.1f}" for name in names) + " |")
+        return
     with tempfile.TemporaryDirectory() as root:
         path = build_tiny_model(root, "llama")
         rows = []
