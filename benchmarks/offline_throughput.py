@@ -62,24 +62,26 @@ def run_troupe(args, prompts):
 
     step_shapes: list[tuple[int, int]] = []  # (tokens computed, rows needing logits) per step
     runner = llm.engine.runner
-    execute = runner.execute
+    finish = runner.finish  # (every step is finished, with or without asynchronous steps)
 
-    def recording_execute(plan):
-        result = execute(plan)
-        # a speculated decode computes (and needs logits for) its drafts too
-        num_drafts = sum(result.num_draft_tokens.values())
-        step_shapes.append((sum(plan.num_scheduled_tokens.values()) + num_drafts, len(result.request_ids) + num_drafts))
+    def recording_finish(launched):
+        result, plan = finish(launched), launched.plan
+        if plan.num_scheduled_tokens:
+            # a speculated decode computes (and needs logits for) its drafts too
+            num_drafts = sum(result.num_draft_tokens.values())
+            step_shapes.append((sum(plan.num_scheduled_tokens.values()) + num_drafts,
+                                len(result.request_ids) + num_drafts))
         return result
 
     runs = []
     for _ in range(args.repeats):
         llm.scheduler.block_pool.reset_prefix_cache()
         step_shapes.clear()
-        runner.execute = recording_execute
+        runner.finish = recording_finish
         start = time.perf_counter()
         outputs = llm.generate(prompts, params, use_tqdm=not args.quiet)
         elapsed = time.perf_counter() - start
-        runner.execute = execute
+        runner.finish = finish
         num_tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
         floor = matmul_floor(runner.model, step_shapes, args.floor_repeats)
         if args.speculative_config:
