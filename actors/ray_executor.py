@@ -80,8 +80,9 @@ class RayPlacement:
         if self.owns_ray:
             if os.environ.get("RAY_ADDRESS"):
                 ray.init(runtime_env={"env_vars": env}, log_to_driver=True)
-            else:  # a local cluster: a CPU a rank at least, so every bundle fits
-                ray.init(num_cpus=max(os.cpu_count() or 1, world_size), include_dashboard=False,
+            else:  # a new local cluster, never one a stale /tmp/ray/ray_current_cluster names:
+                # a CPU a rank at least, so every bundle fits
+                ray.init(address="local", num_cpus=max(os.cpu_count() or 1, world_size), include_dashboard=False,
                          runtime_env={"env_vars": env}, _system_config=_LOCAL_RAY_CONFIG)
         resource = "GPU" if on_cuda else "CPU"
         self.resource = resource
