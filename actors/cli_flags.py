@@ -38,6 +38,7 @@ class CliFlag:
     choices: tuple[str, ...] | None = None
     parse: Callable[[str], Any] | None = None  # str -> value; None: the type of the default (str if None)
     hidden_negations: tuple[str, ...] = ()  # older spellings of --no-field-name, kept working, not shown
+    nargs: str | None = None  # "+": the flag takes one or more values (a list)
 
 
 def cli_arg(default: Any, help: str, **flag: Any) -> Any:
@@ -73,7 +74,7 @@ def add_flag(group: argparse._ArgumentGroup, spec: dataclasses.Field) -> None:
         help_text += " (default: %(default)s)"
     parse = flag.parse or (str if spec.default is None else type(spec.default))
     group.add_argument(name, default=spec.default, type=parse, choices=flag.choices, metavar=flag.metavar,
-                       help=help_text)
+                       help=help_text, nargs=flag.nargs)
 
 
 def cuda_device_count() -> int:

@@ -189,6 +189,8 @@ class EngineConfig:
     allowed_local_media_path: str | None = None  # image file:// URLs only under this directory; None: refused
     mm_processor_cache_gb: float | None = None  # each input processor's processed-image cache; None: 64 MiB
     cuda_graph_sizes: tuple[int, ...] = ()  # on CUDA, decode batch sizes replayed from CUDA graphs; (): eager
+    # custom logits processors a request may name ("module:function"; actors/custom_processors.py)
+    logits_processors: tuple[str, ...] = ()
 
 
 def cache_dir() -> str:

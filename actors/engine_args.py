@@ -27,6 +27,7 @@ from actors.config import (CacheConfig, EngineConfig, LoRAConfig, ParallelConfig
                            check_tensor_parallel_size, parse_size)
 from actors.cuda_args import (DEFAULT_GPU_MEMORY_UTILIZATION, capture_sizes, check_gpu_memory_utilization,
                                on_cuda, parse_capture_sizes_flag)
+from actors.custom_processors import allow_list
 from actors.kv_offload_args import check_kv_offload_dir, host_kv_bytes
 from actors.distributed_args import EXECUTOR_BACKENDS, check_distributed, check_distributed_flags
 from actors.prefix_routing import ROUTING_LOGICS
@@ -41,10 +42,8 @@ from actors.spec_decode.draft_config import load_draft_model_config
 from actors.tracing import DETAILED_TRACES, check_tracing_available
 from actors.worker.loader import load_model_config, resolve_model
 
-DTYPES = ("auto", "float32", "bfloat16", "float16")
-DEVICES = ("auto", "cpu", "cuda")
+DTYPES, DEVICES, LOAD_FORMATS = ("auto", "float32", "bfloat16", "float16"), ("auto", "cpu", "cuda"), ("auto", "dummy")
 ATTENTION_BACKENDS = ("auto", "cpu", "torch", "triton")
-LOAD_FORMATS = ("auto", "dummy")
 SCHEDULING_POLICIES = ("fcfs", "priority")  # actors/scheduler/priority.py
 PREEMPTION_MODES = ("recompute", "swap")  # actors/scheduler/kv_tiers.py
 _MAY_BE_NONE = ("device", "reasoning_parser", "quantization", "collect_detailed_traces", "preemption_mode")
@@ -165,6 +164,9 @@ class EngineArgs:
     max_num_encoder_input_tokens: int | None = _arg(
         None, "a vision model: the most image tokens whose encoding one step may start (default: no limit)",
         metavar="TOKENS", parse=int)
+    logits_processors: list | None = _arg(None, "custom logits processors a request may name (package.module:function, "
+                                                "or a class: one per request); workers import these, no others",
+                                          metavar="NAME", nargs="+")
     reasoning_parser: str | None = _arg(
         None, "the model thinks between <think> and </think> first: the API splits that into reasoning_content, "
               "and a request's structured output constrains only what follows", choices=REASONING_PARSERS)
@@ -214,9 +216,8 @@ class EngineArgs:
     def from_keywords(cls, caller: str, model: str | None, keywords: dict[str, Any]) -> EngineArgs:
         """The engine arguments of caller(model, **keywords); a keyword that is no field is
         a TypeError naming it, as Python's own."""
-        for name in keywords:
-            if name not in _FIELD_NAMES:
-                raise TypeError(f"{caller}() got an unexpected keyword argument {name!r}")
+        for name in set(keywords) - _FIELD_NAMES:
+            raise TypeError(f"{caller}() got an unexpected keyword argument {name!r}")
         return cls(model=model, **keywords)
 
     # ---- the command line ----
@@ -357,7 +358,8 @@ class EngineArgs:
             limit_mm_per_prompt=parse_limit_mm_per_prompt(args.limit_mm_per_prompt),
             allowed_local_media_path=resolve_allowed_media_path(args.allowed_local_media_path),
             mm_processor_cache_gb=args.mm_processor_cache_gb,
-            cuda_graph_sizes=capture_sizes(args.cuda_graph_sizes, args.enforce_eager, args.max_num_seqs))
+            cuda_graph_sizes=capture_sizes(args.cuda_graph_sizes, args.enforce_eager, args.max_num_seqs),
+            logits_processors=allow_list(args.logits_processors))
 
     def _lora_config(self) -> LoRAConfig | None:
         if not self.enable_lora:

@@ -217,8 +217,8 @@ class AsyncClient(ReplicasWhenAsked, AsyncBeamSearch, LoRAClientMixin, PoolingCl
         the stream early aborts it. prompt: text, token ids, or vLLM's dict prompt
         ({"prompt": text} or {"prompt_token_ids": ids}, with an optional "cache_salt", and a vision
         model's "multi_modal_data": {"image": a PIL image or a list}); lora_request: the adapter."""
-        # the worker is another process: logits processors travel pickled by reference
-        params = check_params(sampling_params).with_pickled_processors()
+        # the worker is another process: logits processors travel by name (--logits-processors)
+        params = check_params(sampling_params).with_named_processors()
         prompt, images = split_prompt_images(prompt)
         prompt, cache_salt = split_prompt(prompt)
         request = AddRequest(request_id=self._new_id(request_id), prompt=prompt, params=params,
@@ -234,8 +234,8 @@ class AsyncClient(ReplicasWhenAsked, AsyncBeamSearch, LoRAClientMixin, PoolingCl
              tools: list[dict[str, Any]] | None = None, lora_request: LoRARequest | None = None) -> RequestStream:
         """generate() for a conversation, rendered with the chat template (chat_template,
         else the model's) with vLLM's options."""
-        # the worker is another process: logits processors travel pickled by reference
-        params = check_params(sampling_params).with_pickled_processors()
+        # the worker is another process: logits processors travel by name (--logits-processors)
+        params = check_params(sampling_params).with_named_processors()
         if not isinstance(messages, list):
             raise InvalidRequestError("messages must be a list of {'role', 'content'} objects", param="messages")
         chat = ChatOptions(add_generation_prompt=add_generation_prompt, continue_final_message=continue_final_message,

@@ -15,6 +15,7 @@ import msgspec
 
 from actors.actor import Actor, ActorSpec
 from actors.chat_template import render_chat_text
+from actors.custom_processors import check_allowed
 from actors.lora.checker import LoRAChecker
 from actors.multimodal.config import DEFAULT_LIMIT_PER_PROMPT
 from actors.multimodal.fetch import fetch_message_images, has_http_images
@@ -46,6 +47,9 @@ class InputProcessor:
     """Renders, tokenizes and checks requests. process() is the one place every request
     passes (the actor's, and the offline LLM's): whatever a worker reads of a request is
     checked here against the model (vocabulary, context length, max_logprobs)."""
+
+    # the custom logits processors a request may name (the engine's --logits-processors)
+    allowed_processors: tuple[str, ...] = ()
 
     def __init__(self, tokenizer, vocab_size: int, max_model_len: int, max_logprobs: int = MAX_LOGPROBS,
                  structured_outputs_backend: str = "auto", lora: LoRAChecker | None = None,
@@ -184,6 +188,7 @@ class InputProcessor:
             if bad:
                 raise InvalidRequestError(f"{name} token id {bad[0]} is out of range [0, {self.vocab_size})",
                                           param=name)
+        check_allowed(params, self.allowed_processors)
         if params.structured_outputs is not None:  # a bad schema, regex or grammar is refused before queueing
             check_constraint(params.structured_outputs, self.structured_outputs_backend)
         truncate = params.truncate_prompt_tokens
@@ -307,6 +312,7 @@ class InputProcessorActor(Actor):
                                    LoRAChecker(engine.model, engine.lora), engine.pooler, engine.model.hidden_size,
                                    engine.model.can_generate, engine.scheduler.scheduling_policy == "priority",
                                    image_inputs(engine, tokenizer))
+        processor.allowed_processors = engine.logits_processors
         return cls(spec.name, spec.addresses, sockets, processor)
 
     def handle(self, message: AddRequest) -> None:

@@ -54,6 +54,7 @@ class LLM(LLMPoolingMixin):
                                      self.config.model.hidden_size, self.config.model.can_generate,
                                      self.config.scheduler.scheduling_policy == "priority",
                                      image_inputs(self.config, self.tokenizer))
+        self.inputs.allowed_processors = self.config.logits_processors
         self._request_counter = itertools.count()
 
     def get_tokenizer(self):
@@ -130,7 +131,7 @@ class LLM(LLMPoolingMixin):
             if any(mm for _, _, mm in processed):
                 raise InvalidRequestError("images with several devices (LLM over AsyncClient) are not supported yet",
                                           param="multi_modal_data")
-            params_list = [p.with_pickled_processors() for p in params_list]
+            params_list = [p.with_named_processors() for p in params_list]
             tokens_prompts = [{"prompt_token_ids": ids, **({"cache_salt": salt} if salt else {})}
                               for (_, ids, _), (_, salt) in zip(processed, split)]
             outputs = self._remote.generate_batch(tokens_prompts, params_list, use_tqdm, loras, priorities)

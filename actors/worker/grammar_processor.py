@@ -265,7 +265,7 @@ class StructuredOutputs(RequestProcessor):
 def sampling_processors(engine: EngineConfig, parallel: TensorParallel) -> list[LogitsProcessor]:
     """The sampler's logits processors: the built-in ones, then (on the rank that samples)
     the structured outputs' grammar masks, last, so nothing lifts them."""
-    processors = default_processors(list(engine.model.eos_token_ids))
+    processors = default_processors(list(engine.model.eos_token_ids), engine.logits_processors)
     if parallel.rank == 0:
         processors.append(StructuredOutputs(GrammarConfig(
             engine.structured_outputs_backend, engine.tokenizer_path or engine.model.model_path,
