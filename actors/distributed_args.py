@@ -9,7 +9,7 @@ from __future__ import annotations
 import importlib.util
 from typing import Any
 
-from actors.config import ModelConfig
+from actors.config import ModelConfig, engine_key
 from actors.prefix_routing import ROUTING_LOGICS
 
 EXECUTOR_BACKENDS = ("mp", "ray")
@@ -26,6 +26,8 @@ def check_distributed_flags(args: Any) -> None:
         raise ValueError(f"routing_logic must be one of {', '.join(ROUTING_LOGICS)}, got {args.routing_logic!r}")
     if args.routing_logic == "prefixaware" and dp == 1:
         raise ValueError("routing_logic='prefixaware' routes between replicas: it needs data_parallel_size > 1")
+    if args.nnodes > 1:
+        engine_key()  # every node needs the shared secret: say so before anything starts
     if dp > 1 and args.nnodes > 1:
         raise ValueError("data_parallel_size > 1 with nnodes > 1 is not supported")
     if pp > 1:

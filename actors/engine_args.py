@@ -16,8 +16,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import inspect
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -39,6 +37,7 @@ from actors.multimodal.config import check_vision_engine, parse_limit_mm_per_pro
 from actors.multimodal.local_media import check_media_args, resolve_allowed_media_path
 from actors.spec_decode.config import check_engine_fit, parse_speculative_config
 from actors.spec_decode.draft_config import load_draft_model_config
+from actors.structured_output.limits import DEFAULT_COMPILE_TIMEOUT_S, DEFAULT_MAX_GRAMMAR_BYTES
 from actors.tracing import DETAILED_TRACES, check_tracing_available
 from actors.worker.loader import load_model_config, resolve_model
 
@@ -148,6 +147,11 @@ class EngineArgs:
                 "arrival, preempting less urgent requests", choices=SCHEDULING_POLICIES)
     structured_outputs_backend: str = _arg(
         "auto", "the grammar library of structured outputs; 'auto': xgrammar", choices=STRUCTURED_OUTPUTS_BACKENDS)
+    grammar_compile_timeout: float = _arg(
+        DEFAULT_COMPILE_TIMEOUT_S, "seconds a request's grammar may take to compile (on the worker, before the "
+                                   "request is scheduled); past it the request is refused (400)", metavar="SECONDS")
+    max_grammar_bytes: int = _arg(DEFAULT_MAX_GRAMMAR_BYTES, "the largest JSON schema, regex, grammar or choice list "
+                                                             "a request may carry, in bytes (400 past it)", metavar="N")
     speculative_config: str | dict | None = _arg(
         None, "speculative decoding, vLLM's JSON: '{\"method\": \"ngram\", \"num_speculative_tokens\": 5}' "
               "(method ngram or suffix; prompt_lookup_min/max, suffix_decoding_*, disable_by_batch_size)",
@@ -251,6 +255,9 @@ class EngineArgs:
             if getattr(self, name) is not None:
                 check_int(name, getattr(self, name), minimum=1)
         check_int("max_logprobs", self.max_logprobs, minimum=0)
+        check_int("max_grammar_bytes", self.max_grammar_bytes, minimum=1)
+        if not isinstance(self.grammar_compile_timeout, (int, float)) or not self.grammar_compile_timeout > 0:
+            raise ValueError(f"grammar_compile_timeout must be positive seconds, got {self.grammar_compile_timeout!r}")
         check_int("max_loras", self.max_loras, minimum=1)
         if self.max_lora_rank not in LORA_RANKS:
             raise ValueError(f"max_lora_rank must be one of {', '.join(map(str, LORA_RANKS))}, got "
@@ -359,7 +366,8 @@ class EngineArgs:
             allowed_local_media_path=resolve_allowed_media_path(args.allowed_local_media_path),
             mm_processor_cache_gb=args.mm_processor_cache_gb,
             cuda_graph_sizes=capture_sizes(args.cuda_graph_sizes, args.enforce_eager, args.max_num_seqs),
-            logits_processors=allow_list(args.logits_processors))
+            logits_processors=allow_list(args.logits_processors),
+            grammar_compile_timeout=float(args.grammar_compile_timeout), max_grammar_bytes=args.max_grammar_bytes)
 
     def _lora_config(self) -> LoRAConfig | None:
         if not self.enable_lora:
@@ -386,15 +394,3 @@ class EngineArgs:
 
 
 _FIELD_NAMES = frozenset(spec.name for spec in dataclasses.fields(EngineArgs))
-
-
-def takes_engine_args(init: Callable) -> Callable:
-    """Decorates an __init__(self, model=None, ..., **engine_args): help() and inspect show
-    EngineArgs's fields in place of **engine_args, keyword-only, with their defaults."""
-    signature = inspect.signature(init)
-    kept = [p for p in signature.parameters.values() if p.kind is not inspect.Parameter.VAR_KEYWORD]
-    engine = [inspect.Parameter(spec.name, inspect.Parameter.KEYWORD_ONLY, default=spec.default,
-                                annotation=spec.type)
-              for spec in dataclasses.fields(EngineArgs) if spec.name not in signature.parameters]
-    init.__signature__ = signature.replace(parameters=kept + engine)
-    return init

@@ -28,7 +28,8 @@ from actors.beam_search import AsyncBeamSearch
 from actors.config import EngineConfig
 from actors.detokenizer import merge_delta
 from actors.distributed_args import ReplicasWhenAsked
-from actors.engine_args import EngineArgs, takes_engine_args
+from actors.engine_args import EngineArgs
+from actors.engine_signature import takes_engine_args
 from actors.engine_control import EngineControlMixin
 from actors.lora.client import LoRAClientMixin
 from actors.multimodal.prompt_images import split_prompt_images
@@ -36,7 +37,7 @@ from actors.pooling.client import PoolingClientMixin
 from actors.errors import EngineDeadError, InvalidRequestError
 from actors.prompts import PromptInput, per_prompt, split_prompt
 from actors.request_stream import LiveRequest, RequestStream, broadcast_params, check_params, rejection_error
-from actors.supervisor import EngineProcesses, engine_addresses
+from actors.supervisor import EngineProcesses, engine_addresses, engine_secret
 from actors.tracing import ClientTracingMixin
 from messages.common import CompletionOutput, Ping, RequestOutput, SamplingParams
 from messages.frontend import (ActorFailed, FrontendInbox, HistogramSnapshot, PoolingOutputs, Pong, RequestOutputs,
@@ -92,13 +93,14 @@ class AsyncClient(ReplicasWhenAsked, AsyncBeamSearch, LoRAClientMixin, PoolingCl
         self.config = await asyncio.to_thread(self.engine_args.build)
         self._namespace = Namespace(self.transport)
         addresses = engine_addresses(self._namespace, self.num_input_processors, self.config.parallel)
-        self._sockets = Sockets()
+        secret = engine_secret(self.config.parallel)
+        self._sockets = Sockets(secret=secret)
         self._inbox = self._sockets.inbox(addresses["frontend"], FrontendInbox)
         self._to_input_processors = self._sockets.outbox(addresses["input_processor"], bind=True)
         self._to_scheduler = self._sockets.outbox(addresses["scheduler"])
         self._outboxes = {"scheduler": self._to_scheduler}
         self.processes = EngineProcesses(self.config, addresses, num_input_processors=self.num_input_processors,
-                                         log_level=self.log_level)
+                                         log_level=self.log_level, secret=secret)
         try:
             await self.processes.start(self._inbox, self.startup_timeout)
         except BaseException:

@@ -23,6 +23,7 @@ from actors.multimodal.inputs import ImageInputs, images_of, split_image_parts
 from actors.multimodal.prompt_images import fetch_prompt_images, has_http_prompt_images, multi_modal_data_of
 from actors.pooling.config import PoolerConfig, check_dimensions
 from actors.structured_output import check_constraint
+from actors.structured_output.limits import DEFAULT_MAX_GRAMMAR_BYTES, check_grammar_size
 from actors.structured_output.reasoning import reasoning_marker_ids
 from messages.common import MAX_LOGPROBS, InvalidRequestError, SamplingParams
 from messages.frontend import RequestRejected
@@ -50,6 +51,7 @@ class InputProcessor:
 
     # the custom logits processors a request may name (the engine's --logits-processors)
     allowed_processors: tuple[str, ...] = ()
+    max_grammar_bytes: int = DEFAULT_MAX_GRAMMAR_BYTES  # a constraint's text, at most (--max-grammar-bytes)
 
     def __init__(self, tokenizer, vocab_size: int, max_model_len: int, max_logprobs: int = MAX_LOGPROBS,
                  structured_outputs_backend: str = "auto", lora: LoRAChecker | None = None,
@@ -190,6 +192,7 @@ class InputProcessor:
                                           param=name)
         check_allowed(params, self.allowed_processors)
         if params.structured_outputs is not None:  # a bad schema, regex or grammar is refused before queueing
+            check_grammar_size(params.structured_outputs, self.max_grammar_bytes)
             check_constraint(params.structured_outputs, self.structured_outputs_backend)
         truncate = params.truncate_prompt_tokens
         if truncate is not None and truncate > self.max_model_len:
@@ -295,7 +298,7 @@ class InputProcessorActor(Actor):
     def __init__(self, name: str, addresses: dict[str, str], sockets: Sockets, processor: InputProcessor) -> None:
         super().__init__(name, addresses, sockets)
         # requests arrive on the frontend's shared PUSH socket, balanced across processors
-        self.inbox.socket.connect(addresses["input_processor"])
+        self.inbox.also(addresses["input_processor"], bind=False)
         self.to_scheduler = sockets.outbox(addresses["scheduler"])
         self.processor = processor
         self._fetches: set[asyncio.Task] = set()  # requests waiting for their http(s) images
@@ -312,7 +315,7 @@ class InputProcessorActor(Actor):
                                    LoRAChecker(engine.model, engine.lora), engine.pooler, engine.model.hidden_size,
                                    engine.model.can_generate, engine.scheduler.scheduling_policy == "priority",
                                    image_inputs(engine, tokenizer))
-        processor.allowed_processors = engine.logits_processors
+        processor.allowed_processors, processor.max_grammar_bytes = engine.logits_processors, engine.max_grammar_bytes
         return cls(spec.name, spec.addresses, sockets, processor)
 
     def handle(self, message: AddRequest) -> None:

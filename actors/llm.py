@@ -11,7 +11,8 @@ import msgspec
 from tqdm import tqdm
 
 from actors.beam_search import BeamPrompt, BeamSearchBatch, BeamSearchOutput, BeamSearchParams
-from actors.engine_args import EngineArgs, takes_engine_args
+from actors.engine_args import EngineArgs
+from actors.engine_signature import takes_engine_args
 from actors.distributed_args import runs_in_process
 from actors.engine_core import EngineCore
 from actors.input_processor import InputProcessor, check_reasoning_markers, image_inputs
@@ -55,6 +56,7 @@ class LLM(LLMPoolingMixin):
                                      self.config.scheduler.scheduling_policy == "priority",
                                      image_inputs(self.config, self.tokenizer))
         self.inputs.allowed_processors = self.config.logits_processors
+        self.inputs.max_grammar_bytes = self.config.max_grammar_bytes
         self._request_counter = itertools.count()
 
     def get_tokenizer(self):

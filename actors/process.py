@@ -137,7 +137,7 @@ def run_spec(spec: ActorSpec, leave=os._exit) -> None:
     from messages.frontend import ActorFailed
     from messages.transport import Sockets
 
-    sockets = Sockets()
+    sockets = Sockets(secret=spec.secret)
     try:
         actor = _load_actor_class(spec.kind).from_spec(spec, sockets)
         import uvloop

@@ -14,14 +14,16 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import time
 from collections.abc import Callable
 
 from actors.actor import ActorSpec
-from actors.config import EngineConfig, ParallelConfig
+from actors.config import EngineConfig, ParallelConfig, engine_key
 from actors.errors import EngineStartupError
 from actors.process import ActorProcess
 from messages.frontend import ActorFailed, ActorReady
+from messages.engine_auth import secret_from_passphrase
 from messages.transport import Inbox, Namespace, free_tcp_port
 
 logger = logging.getLogger(__name__)
@@ -56,6 +58,15 @@ def engine_addresses(namespace: Namespace, num_input_processors: int, parallel: 
     return addresses
 
 
+def engine_secret(parallel: ParallelConfig) -> bytes:
+    """The secret every tcp socket of the engine authenticates with (messages/engine_auth.py):
+    on several nodes the one all were started with (TROUPE_ENGINE_KEY), else made now and
+    handed to the actors (and Ray's workers) in their specs."""
+    if parallel.nnodes > 1:
+        return secret_from_passphrase(engine_key())
+    return os.urandom(32)
+
+
 def distributed_init_method(parallel: ParallelConfig) -> str:
     """Where the workers' torch.distributed rendezvous: as configured, master_addr:master_port
     across nodes, else a free port on this machine."""
@@ -70,8 +81,9 @@ class EngineProcesses:
     """The actor processes of one engine."""
 
     def __init__(self, engine: EngineConfig, addresses: dict[str, str], *, num_input_processors: int = 1,
-                 log_level: str = "WARNING") -> None:
+                 log_level: str = "WARNING", secret: bytes | None = None) -> None:
         self.engine = engine
+        self.secret = secret  # the engine's (engine_secret()), handed to every actor in its spec
         self.addresses = addresses
         self.num_input_processors = num_input_processors
         self.num_workers = engine.parallel.world_size
@@ -83,7 +95,7 @@ class EngineProcesses:
 
     def _spawn(self, kind: str, name: str, **options) -> None:
         spec = ActorSpec(kind=kind, name=name, addresses=self.addresses, engine=self.engine, options=options,
-                         log_level=self.log_level)
+                         log_level=self.log_level, secret=self.secret)
         self.processes[name] = ActorProcess(spec)
 
     def _ray_placement(self):
@@ -216,7 +228,8 @@ async def run_worker_node(engine: EngineConfig, stop: asyncio.Event, log_level: 
 
     namespace = Namespace("ipc")
     addresses = engine_addresses(namespace, 0, engine.parallel)
-    processes = EngineProcesses(engine, addresses, num_input_processors=0, log_level=log_level)
+    secret = engine_secret(engine.parallel)
+    processes = EngineProcesses(engine, addresses, num_input_processors=0, log_level=log_level, secret=secret)
     deaths: asyncio.Queue[tuple[str, int | None]] = asyncio.Queue()
     try:
         processes.spawn_local_workers()
@@ -231,7 +244,7 @@ async def run_worker_node(engine: EngineConfig, stop: asyncio.Event, log_level: 
         name, returncode = died.result()
         if returncode == 0:
             return 0  # shut down by the scheduler's executor: the others follow
-        sockets = Sockets()
+        sockets = Sockets(secret=secret)
         sockets.outbox(addresses["frontend"]).send(
             ActorFailed(name=name, error=f"exited with code {returncode} on node {engine.parallel.node_rank}"))
         sockets.close()

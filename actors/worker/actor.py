@@ -1,8 +1,8 @@
 """The worker actor: one per device (one on the CPU).
 
-Receives StepPlans and WorkerControls (sleep, wake-up) from the scheduler's executor; rank
-0 sends each plan's StepResult, and says when a WorkerControl is done, straight to the
-scheduler. Owns the model shard, the KV cache tensors and each request's state between
+Receives StepPlans, WorkerControls (sleep, wake-up) and CompileGrammars from the scheduler's
+executor; rank 0 sends each plan's StepResult, says when a WorkerControl is done and when a
+grammar is compiled (GrammarCompiled), straight to the scheduler. Owns the model shard, the KV cache tensors and each request's state between
 steps (the ModelRunner). Reports its KV block count with its ready message: the launcher
 sizes the scheduler's block pool from it."""
 
@@ -14,8 +14,10 @@ from actors.actor import Actor, ActorSpec
 from messages.control import WorkerControl, WorkerControlDone
 from messages.transport import Sockets
 from actors.worker.gpu_idle import GpuIdleProfile
+from actors.worker.grammar_compiles import PendingCompiles
+from actors.worker.grammar_processor import structured_outputs_of
 from actors.worker.host_kv import host_tier_info
-from messages.worker import StepPlan, WorkerInbox
+from messages.worker import CompileGrammar, StepPlan, WorkerInbox
 
 logger = logging.getLogger(__name__)
 
@@ -24,9 +26,9 @@ class WorkerActor(Actor):
     inbox_type = WorkerInbox
 
     def __init__(self, name: str, addresses: dict[str, str], sockets: Sockets, runner, num_kv_blocks: int,
-                 rank: int = 0, output_rank: int = 0) -> None:
+                 rank: int = 0, output_rank: int = 0, grammar_compile_timeout: float = 30.0) -> None:
         super().__init__(name, addresses, sockets)
-        self.inbox.socket.connect(addresses[f"plans{rank}"])  # the scheduler's executor binds it
+        self.inbox.also(addresses[f"plans{rank}"], bind=False)  # the scheduler's executor binds it
         self.rank = rank
         self.runner = runner
         self.num_kv_blocks = num_kv_blocks
@@ -34,6 +36,9 @@ class WorkerActor(Actor):
         self.to_scheduler = sockets.outbox(addresses["scheduler"]) if rank == output_rank else None
         self.sleep_mode = None  # a SleepMode once the engine has been asked to sleep
         self.idle_profile = GpuIdleProfile.from_env(str(getattr(runner, "device", "cpu")), rank)  # (a benchmark's)
+        structured = structured_outputs_of(runner) if self.to_scheduler is not None else None
+        # the rank that samples compiles grammars ahead of their requests (grammar_compiles.py)
+        self.compiles = PendingCompiles(structured, grammar_compile_timeout) if structured is not None else None
 
     @classmethod
     def from_spec(cls, spec: ActorSpec, sockets: Sockets) -> WorkerActor:
@@ -48,12 +53,14 @@ class WorkerActor(Actor):
 
             _join_group(engine, rank, engine.parallel.world_size, spec.options["distributed_init_method"])
             runner, num_blocks, output_rank = build_stage_runner(engine, rank)
-            return cls(spec.name, spec.addresses, sockets, runner, num_blocks, rank, output_rank)
+            return cls(spec.name, spec.addresses, sockets, runner, num_blocks, rank, output_rank,
+                       engine.grammar_compile_timeout)
         parallel = TensorParallel(rank, engine.parallel.tensor_parallel_size)
         if parallel.enabled:
             _join_group(engine, rank, parallel.size, spec.options["distributed_init_method"])
         runner, num_blocks = build_model_runner(engine, parallel)
-        return cls(spec.name, spec.addresses, sockets, runner, num_blocks, rank)
+        return cls(spec.name, spec.addresses, sockets, runner, num_blocks, rank,
+                   grammar_compile_timeout=engine.grammar_compile_timeout)
 
     def close(self) -> None:
         if hasattr(self.runner, "close"):  # a pipeline stage's (actors/worker/pipeline.py)
@@ -65,9 +72,13 @@ class WorkerActor(Actor):
         return {"num_kv_blocks": self.num_kv_blocks, "rank": self.rank,
                 "weight_bytes": self.runner.num_weight_bytes(), **host_tier_info(self.runner)}
 
-    def handle(self, message: StepPlan | WorkerControl) -> None:
+    def handle(self, message: StepPlan | WorkerControl | CompileGrammar) -> None:
         if isinstance(message, WorkerControl):
             self._control(message)
+            return
+        if isinstance(message, CompileGrammar):
+            if self.compiles is not None:  # (the ranks that do not sample have no grammars)
+                self.compiles.add(message.request_id, message.constraint)
             return
         result = self.runner.execute(message)
         if self.idle_profile is not None and message.num_scheduled_tokens:
@@ -75,6 +86,16 @@ class WorkerActor(Actor):
         # a plan with disk loads is answered even without tokens: the scheduler waits for the loads
         if (message.num_scheduled_tokens or message.blocks_to_load) and self.to_scheduler is not None:
             self.to_scheduler.send(result)
+
+    def has_work(self) -> bool:
+        return self.compiles is not None and self.compiles.has_answers()
+
+    def wake_after(self) -> float | None:
+        return self.compiles.wake_after() if self.compiles is not None else None
+
+    def step(self) -> None:
+        for answer in self.compiles.take_answers():
+            self.to_scheduler.send(answer)
 
     def _control(self, message: WorkerControl) -> None:
         """Sleep or wake (actors/worker/sleep_mode.py); rank 0 answers the scheduler."""
@@ -112,5 +133,26 @@ def _join_group(engine, rank: int, world_size: int, init_method: str) -> None:
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
     # a rank that dies leaves the others blocked in a collective: the launcher notices the
     # death and stops them; the timeout only bounds a rendezvous that never completes
-    dist.init_process_group("nccl" if on_cuda else "gloo", init_method=init_method, rank=rank,
-                            world_size=world_size, timeout=timedelta(seconds=600))
+    timeout = timedelta(seconds=600)
+    dist.init_process_group("nccl" if on_cuda else "gloo", store=_rendezvous_store(init_method, rank, world_size, timeout),
+                            rank=rank, world_size=world_size, timeout=timeout)
+
+
+def _rendezvous_store(init_method: str, rank: int, world_size: int, timeout):
+    """torch.distributed's TCPStore at init_method ("tcp://host:port"), listening there only:
+    given a host, TCPStore's server listens on every interface all the same, so rank 0
+    binds the listening socket itself, where the user named, and hands it over."""
+    import socket
+    from urllib.parse import urlsplit
+
+    import torch.distributed as dist
+
+    url = urlsplit(init_method)
+    if url.scheme != "tcp" or url.hostname is None or url.port is None:
+        raise ValueError(f"distributed_init_method must be tcp://host:port, got {init_method!r}")
+    if rank != 0:
+        return dist.TCPStore(url.hostname, url.port, world_size, False, timeout)
+    family = socket.AF_INET6 if ":" in url.hostname else socket.AF_INET
+    listener = socket.create_server((url.hostname, url.port), family=family, backlog=max(128, world_size))
+    return dist.TCPStore(url.hostname, url.port, world_size, True, timeout, wait_for_workers=False,
+                         master_listen_fd=listener.detach())

@@ -2,10 +2,13 @@
 a request's grammar does not allow next (actors/structured_output/ builds the grammars).
 
 The worker that samples owns the matchers, so no grammar state crosses a process:
-- a request's constraint compiles on a thread when the request joins (compiled grammars
-  are kept by key, so a schema seen before is ready at once); the compile overlaps the
-  request's prefill, and a step waits only for what is left of it when the request's
-  first token is due;
+- a request's constraint compiles on a thread of the lowest CPU priority, before the
+  scheduler schedules the request (CompileGrammar, actors/worker/grammar_compiles.py:
+  a slow grammar delays only its own request, and one past --grammar-compile-timeout is
+  refused); compiled grammars are kept by key, up to MAX_CACHED_GRAMMAR_BYTES, so a
+  schema seen before is ready at once. Where nothing compiled ahead (the offline LLM, or
+  a grammar dropped from the cache meanwhile) it compiles when the request joins and a
+  step waits for what is left of it when the request's first token is due;
 - after each step's sampling, a second thread advances the matchers past the sampled
   tokens and fills each request's next bitmask while the next step's forward runs
   (xgrammar's and SGLang's overlap); apply() waits for that and masks the logits on
@@ -19,6 +22,8 @@ With a reasoning parser, a request's output is free until the end of its reasoni
 from __future__ import annotations
 
 import logging
+import os
+import threading
 import time
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -28,6 +33,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from actors.structured_output import GrammarBackend, GrammarMatcher, make_backend
+from actors.structured_output.limits import MAX_CACHED_GRAMMAR_BYTES
 from actors.structured_output.reasoning import reasoning_ended, reasoning_marker_ids
 from actors.worker.logits_processors import LogitsProcessor, RequestProcessor, default_processors
 from actors.worker.sampling_batch import StepRows
@@ -41,8 +47,11 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-# compiled grammars kept, by constraint key (least recently used dropped first)
+# compiled grammars kept, by constraint key (least recently used dropped first), at most
+# this many and MAX_CACHED_GRAMMAR_BYTES (structured_output/limits.py) of them
 MAX_CACHED_GRAMMARS = 128
+# compiles at a time: one slow grammar leaves a thread to the others
+_COMPILE_THREADS = 2
 _SLOW_WAIT_S = 0.05  # a step that waits this long for a grammar says so in the log
 
 
@@ -164,6 +173,29 @@ def _advance_all(grammars: list[_RequestGrammar], model: _Model, stop_ids: list[
             grammar.advance(model, stop_ids)
 
 
+def _grammar_bytes(future: Future) -> int:
+    """A compiled grammar's memory (xgrammar's own count; 0 while compiling, or unknown)."""
+    if not future.done() or future.exception() is not None:
+        return 0
+    return int(getattr(future.result(), "memory_size_bytes", 0))
+
+
+def _lowest_cpu_priority() -> None:
+    """A compile thread (and the threads xgrammar starts from it, which inherit this) runs
+    only on CPU time the steps leave: a grammar that takes seconds to compile must not slow
+    the other requests' steps. Linux's SCHED_IDLE, set by thread id: a step's thread that
+    wakes preempts it at once (at nice 19 alone, the step's hundreds of wake-ups a step each
+    waited for a time slice, and plain requests took 2x as long beside a compile)."""
+    thread_id = threading.get_native_id()
+    try:
+        os.sched_setscheduler(thread_id, os.SCHED_IDLE, os.sched_param(0))
+    except (AttributeError, OSError):
+        try:
+            os.setpriority(os.PRIO_PROCESS, thread_id, 19)
+        except (AttributeError, OSError):
+            pass  # neither: the compile shares the CPU as any thread does
+
+
 def _bit(index: int) -> int:
     """Bit `index` of an int32 word (bit 31 is the sign bit)."""
     return -(2**31) if index == 31 else 1 << index
@@ -177,7 +209,8 @@ class StructuredOutputs(RequestProcessor):
         self.config = config
         self.words = -(-config.vocab_size // 32)
         self.stop_ids = list(config.eos_token_ids)
-        self._compile_thread = ThreadPoolExecutor(1, thread_name_prefix="troupe-grammar-compile")
+        self._compile_thread = ThreadPoolExecutor(_COMPILE_THREADS, thread_name_prefix="troupe-grammar-compile",
+                                                  initializer=_lowest_cpu_priority)
         self._fill_thread = ThreadPoolExecutor(1, thread_name_prefix="troupe-grammar-fill")
         self._model: Future | None = None
         self._compiled: OrderedDict[tuple, Future] = OrderedDict()
@@ -239,6 +272,11 @@ class StructuredOutputs(RequestProcessor):
             self._model = self._compile_thread.submit(_Model, self.config)
         return self._model
 
+    def precompile(self, constraint: StructuredOutputsParams) -> Future:
+        """The constraint's compiled grammar (a future: compiling, or done), kept for the
+        request that will join with it."""
+        return self._compile(constraint)
+
     def _compile(self, constraint: StructuredOutputsParams) -> Future:
         key = constraint.key()
         future = self._compiled.get(key)
@@ -248,9 +286,18 @@ class StructuredOutputs(RequestProcessor):
         model = self._model_future()
         future = self._compile_thread.submit(lambda: model.result().backend.compile(constraint))
         self._compiled[key] = future
-        while len(self._compiled) > MAX_CACHED_GRAMMARS:
-            self._compiled.popitem(last=False)
+        self._evict()
         return future
+
+    def _evict(self) -> None:
+        """Drops the least recently used grammars past MAX_CACHED_GRAMMARS or past
+        MAX_CACHED_GRAMMAR_BYTES of compiled ones (requests that hold one keep it)."""
+        sizes = {key: _grammar_bytes(future) for key, future in self._compiled.items()}
+        total = sum(sizes.values())
+        while len(self._compiled) > 1 and (len(self._compiled) > MAX_CACHED_GRAMMARS
+                                           or total > MAX_CACHED_GRAMMAR_BYTES):
+            key, _ = self._compiled.popitem(last=False)
+            total -= sizes[key]
 
     @staticmethod
     def _wait(future: Future, what: str):
@@ -260,6 +307,12 @@ class StructuredOutputs(RequestProcessor):
         if waited > _SLOW_WAIT_S:
             logger.info("a step waited %.0f ms for %s of a structured output", 1e3 * waited, what)
         return result
+
+
+def structured_outputs_of(runner) -> StructuredOutputs | None:
+    """The grammar masks of a model runner's sampler, where it samples (rank 0 of its stage)."""
+    processors = getattr(getattr(runner, "sampler", None), "processors", ())
+    return next((processor for processor in processors if isinstance(processor, StructuredOutputs)), None)
 
 
 def sampling_processors(engine: EngineConfig, parallel: TensorParallel) -> list[LogitsProcessor]:
