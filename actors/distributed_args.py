@@ -26,8 +26,6 @@ def check_distributed_flags(args: Any) -> None:
         raise ValueError(f"routing_logic must be one of {', '.join(ROUTING_LOGICS)}, got {args.routing_logic!r}")
     if args.routing_logic == "prefixaware" and dp == 1:
         raise ValueError("routing_logic='prefixaware' routes between replicas: it needs data_parallel_size > 1")
-    if args.nnodes > 1:
-        engine_key()  # every node needs the shared secret: say so before anything starts
     if dp > 1 and args.nnodes > 1:
         raise ValueError("data_parallel_size > 1 with nnodes > 1 is not supported")
     if pp > 1:
@@ -49,6 +47,8 @@ def check_distributed_flags(args: Any) -> None:
                              "(the Ray cluster spans the machines)")
         if importlib.util.find_spec("ray") is None:
             raise ValueError(f"distributed_executor_backend='ray' needs the ray package: {RAY_EXTRA_HINT}")
+    if args.nnodes > 1:
+        engine_key()  # every node needs the shared secret: say so before anything starts
 
 
 def check_distributed(args: Any, model: ModelConfig, pooler: Any) -> None:

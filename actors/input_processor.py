@@ -4,7 +4,8 @@ reaches the scheduler.
 InputProcessor is the plain logic (the offline LLM calls it in-process); the actor
 receives AddRequest from the frontend and sends TokenizedRequest to the scheduler, or
 RequestRejected back to the frontend. It owns a tokenizer and nothing else, so several
-can run side by side (the frontend's PUSH socket balances requests across them)."""
+can run side by side (the frontend picks one per request, actors/input_routing.py, which
+knows what each holds: the actor acknowledges each request it passes on)."""
 
 from __future__ import annotations
 
@@ -26,7 +27,7 @@ from actors.structured_output import check_constraint
 from actors.structured_output.limits import DEFAULT_MAX_GRAMMAR_BYTES, check_grammar_size
 from actors.structured_output.reasoning import reasoning_marker_ids
 from messages.common import MAX_LOGPROBS, InvalidRequestError, SamplingParams
-from messages.frontend import RequestRejected
+from messages.frontend import RequestRejected, RequestTokenized
 from messages.input_processor import AddRequest, ChatOptions, InputProcessorInbox
 from messages.lora import LoRARequest
 from messages.multimodal import MultiModalInput
@@ -297,8 +298,6 @@ class InputProcessorActor(Actor):
 
     def __init__(self, name: str, addresses: dict[str, str], sockets: Sockets, processor: InputProcessor) -> None:
         super().__init__(name, addresses, sockets)
-        # requests arrive on the frontend's shared PUSH socket, balanced across processors
-        self.inbox.also(addresses["input_processor"], bind=False)
         self.to_scheduler = sockets.outbox(addresses["scheduler"])
         self.processor = processor
         self._fetches: set[asyncio.Task] = set()  # requests waiting for their http(s) images
@@ -353,6 +352,7 @@ class InputProcessorActor(Actor):
                                                 cache_salt=message.cache_salt, priority=message.priority,
                                                 lora_request=message.lora_request,
                                                 pooling_params=message.pooling_params, mm_inputs=mm_inputs or None))
+        self.to_frontend.send(RequestTokenized(message.request_id))  # the frontend need not fail it if we die
 
     def _tokenize(self, message: AddRequest) -> tuple[str | None, list[int], list[MultiModalInput]]:
         if message.prompt is None and message.messages is None:

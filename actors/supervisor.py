@@ -32,13 +32,12 @@ _POLL_INTERVAL_S = 0.2
 
 
 def engine_addresses(namespace: Namespace, num_input_processors: int, parallel: ParallelConfig) -> dict[str, str]:
-    """Actor name -> inbox address, for the actors of this node. Two are bound sockets
-    that peers connect to: "input_processor" (the frontend's, shared by every input
-    processor) and "plans{rank}" (the scheduler's executor's, one per rank). With several
+    """Actor name -> inbox address, for the actors of this node. "plans{rank}" are bound
+    sockets that peers connect to (the scheduler's executor's, one per rank). With several
     nodes, what other nodes reach (the frontend's inbox, the plan sockets) is on tcp at
     master_addr, on the ports above master_port (and, with pipeline stages, the scheduler's
     inbox for the last stage: world size + 3 ports in all, with the rendezvous)."""
-    names = ["frontend", "input_processor", "scheduler", "detokenizer"]
+    names = ["frontend", "scheduler", "detokenizer"]
     names += [f"input_processor{i}" for i in range(num_input_processors)]
     names += [f"worker{rank}" for rank in parallel.local_ranks]
     addresses = {name: namespace.address(name) for name in names}
@@ -153,6 +152,19 @@ class EngineProcesses:
                         logger.debug("%s ready (pid %d)", name, message.pid)
                     case ActorFailed(name=name, error=error):
                         raise EngineStartupError(f"actor {name} failed to start: {error}")
+
+    def restart(self, name: str, on_death: Callable[[str, int | None], None]) -> None:
+        """A new process for a dead actor (an input processor: actors/input_routing.py), under
+        its name and inbox address, watched as the first was; it says it is ready to the
+        frontend, which sends it requests meanwhile (they wait in the socket's queue)."""
+        old = self.processes.pop(name)
+        old.close()
+        spec = old.spec
+        self.processes[name] = process = ActorProcess(spec)
+        if process.pidfd is not None:
+            asyncio.get_running_loop().add_reader(process.pidfd, self._on_exit, name, on_death)
+        else:
+            asyncio.ensure_future(self._poll_exits(on_death))
 
     def watch(self, on_death: Callable[[str, int | None], None]) -> None:
         """Calls on_death(name, returncode) from the running loop when a process ends

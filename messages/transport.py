@@ -1,9 +1,7 @@
 """How messages travel: msgpack (msgspec) over ZeroMQ PUSH/PULL sockets. No pickle.
 
 Every actor binds one PULL socket, its inbox, and connects a PUSH socket to each peer
-it sends to (an "outbox", named after the peer). The input processors are the one
-exception: the frontend binds a PUSH socket that all of them connect to, so ZeroMQ
-balances requests across them.
+it sends to (an "outbox", named after the peer).
 
 Every message an inbox takes is array_like (msgspec requires one layout per union; it
 is also the compact one), tagged, and appended to, never reordered.
