@@ -2,8 +2,8 @@
 a request's grammar does not allow next (actors/structured_output/ builds the grammars).
 
 The worker that samples owns the matchers, so no grammar state crosses a process:
-- a request's constraint compiles on a thread of the lowest CPU priority, before the
-  scheduler schedules the request (CompileGrammar, actors/worker/grammar_compiles.py:
+- a request's constraint compiles on a thread (its C++ part at the lowest CPU priority),
+  before the scheduler schedules the request (CompileGrammar, actors/worker/grammar_compiles.py:
   a slow grammar delays only its own request, and one past --grammar-compile-timeout is
   refused); compiled grammars are kept by key, up to MAX_CACHED_GRAMMAR_BYTES, so a
   schema seen before is ready at once. Where nothing compiled ahead (the offline LLM, or
@@ -22,8 +22,6 @@ With a reasoning parser, a request's output is free until the end of its reasoni
 from __future__ import annotations
 
 import logging
-import os
-import threading
 import time
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -180,22 +178,6 @@ def _grammar_bytes(future: Future) -> int:
     return int(getattr(future.result(), "memory_size_bytes", 0))
 
 
-def _lowest_cpu_priority() -> None:
-    """A compile thread (and the threads xgrammar starts from it, which inherit this) runs
-    only on CPU time the steps leave: a grammar that takes seconds to compile must not slow
-    the other requests' steps. Linux's SCHED_IDLE, set by thread id: a step's thread that
-    wakes preempts it at once (at nice 19 alone, the step's hundreds of wake-ups a step each
-    waited for a time slice, and plain requests took 2x as long beside a compile)."""
-    thread_id = threading.get_native_id()
-    try:
-        os.sched_setscheduler(thread_id, os.SCHED_IDLE, os.sched_param(0))
-    except (AttributeError, OSError):
-        try:
-            os.setpriority(os.PRIO_PROCESS, thread_id, 19)
-        except (AttributeError, OSError):
-            pass  # neither: the compile shares the CPU as any thread does
-
-
 def _bit(index: int) -> int:
     """Bit `index` of an int32 word (bit 31 is the sign bit)."""
     return -(2**31) if index == 31 else 1 << index
@@ -209,8 +191,8 @@ class StructuredOutputs(RequestProcessor):
         self.config = config
         self.words = -(-config.vocab_size // 32)
         self.stop_ids = list(config.eos_token_ids)
-        self._compile_thread = ThreadPoolExecutor(_COMPILE_THREADS, thread_name_prefix="troupe-grammar-compile",
-                                                  initializer=_lowest_cpu_priority)
+        # (a compile's C++ part runs at the lowest CPU priority: xgrammar_backend.py)
+        self._compile_thread = ThreadPoolExecutor(_COMPILE_THREADS, thread_name_prefix="troupe-grammar-compile")
         self._fill_thread = ThreadPoolExecutor(1, thread_name_prefix="troupe-grammar-fill")
         self._model: Future | None = None
         self._compiled: OrderedDict[tuple, Future] = OrderedDict()
@@ -269,7 +251,8 @@ class StructuredOutputs(RequestProcessor):
 
     def _model_future(self) -> Future:
         if self._model is None:
-            self._model = self._compile_thread.submit(_Model, self.config)
+            # on a thread of ordinary priority: every structured request waits for it, once
+            self._model = ThreadPoolExecutor(1, thread_name_prefix="troupe-grammar-model").submit(_Model, self.config)
         return self._model
 
     def precompile(self, constraint: StructuredOutputsParams) -> Future:

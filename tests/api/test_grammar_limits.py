@@ -73,25 +73,27 @@ def test_a_slow_grammar_delays_only_its_own_request(smollm2_server):
     with httpx.Client(base_url=smollm2_server.url, headers=AUTH, timeout=120.0) as client:
         plain_latency(client)  # warm, and the grammar backend loaded (the tokenizer's index: once per worker)
         assert client.post("/v1/completions", json=structured(random_schema(3, seed=0))).status_code == 200
-        # alone, beside a slow grammar, alone, beside another: the machine's other load drifts
-        alone, beside = [], []
+        # Up to two rounds, each with a schema of its own: a machine shared with other work
+        # can stretch one round's plain requests by chance (a step that waited for the compile
+        # stretched them by its whole ~16 s, every round).
+        rounds = []
         for seed in (1, 2):
-            alone += [plain_latency(client) for _ in range(8)]
-            latencies, response, seconds = latencies_beside_slow_grammar(client, seed)
-            beside += latencies
+            alone = [plain_latency(client) for _ in range(10)]
+            beside, response, seconds = latencies_beside_slow_grammar(client, seed)
             # refused once past the limit (it takes ~16 s alone): a 400 naming the limit, in about that time
             assert response.status_code == 400 and "--grammar-compile-timeout" in response.json()["error"]["message"]
             assert COMPILE_TIMEOUT_S <= seconds < COMPILE_TIMEOUT_S + 5
-        assert len(beside) >= 20, "the plain requests were not timed while the grammars compiled"
-        delay = statistics.median(beside) - statistics.median(alone)
-        assert delay <= 0.1, (f"plain requests took {delay * 1e3:.0f} ms longer while a grammar compiled "
-                              f"(alone {sorted(alone)}, beside {sorted(beside)})")
+            assert len(beside) >= 10, "the plain requests were not timed while the grammar compiled"
+            rounds.append((statistics.median(beside) - statistics.median(alone), sorted(alone), sorted(beside)))
+            if rounds[-1][0] <= 0.1:
+                return
+        raise AssertionError(f"plain requests took longer while a grammar compiled: (delay, alone, beside) {rounds}")
 
 
 def test_a_schema_past_the_byte_limit_is_refused_naming_the_field(smollm2_server):
     with httpx.Client(base_url=smollm2_server.url, headers=AUTH, timeout=60.0) as client:
         started = time.perf_counter()
-        response = client.post("/v1/completions", json=structured(random_schema(3000, seed=2)))  # ~108 KB
+        response = client.post("/v1/completions", json=structured(random_schema(4000, seed=2)))  # ~132 KB as compact JSON
         assert response.status_code == 400, response.text
         error = response.json()["error"]
         assert "--max-grammar-bytes" in error["message"] and error["param"], error
