@@ -20,8 +20,9 @@ addresses; a rank on another node gets tcp addresses, on the driver node's IP fo
 sockets it connects to (the frontend's and the scheduler's inboxes, its plan socket:
 each bound on tcp as well) and on its own node's IP for its inbox; and torch.distributed
 meets at rank 0's node. Every tcp socket authenticates with the engine's secret, made at
-start-up and handed to each rank in its spec through Ray (messages/engine_auth.py). A cluster that can never hold the placement group is refused at
-once, naming what it lacks; one that is busy gets a bounded wait."""
+start-up and handed to each rank in its spec through Ray (messages/engine_auth.py). A
+cluster that can never hold the placement group is refused at once, naming what it lacks;
+one that is busy gets a bounded wait."""
 
 from __future__ import annotations
 

@@ -2,15 +2,16 @@
 
 Receives StepPlans, WorkerControls (sleep, wake-up) and CompileGrammars from the scheduler's
 executor; rank 0 sends each plan's StepResult, says when a WorkerControl is done and when a
-grammar is compiled (GrammarCompiled), straight to the scheduler. Owns the model shard, the KV cache tensors and each request's state between
-steps (the ModelRunner). Reports its KV block count with its ready message: the launcher
-sizes the scheduler's block pool from it."""
+grammar is compiled (GrammarCompiled), straight to the scheduler. Owns the model shard, the
+KV cache tensors and each request's state between steps (the ModelRunner). Reports its KV
+block count with its ready message: the launcher sizes the scheduler's block pool from it."""
 
 from __future__ import annotations
 
 import logging
 
 from actors.actor import Actor, ActorSpec
+from actors.structured_output.limits import DEFAULT_COMPILE_TIMEOUT_S
 from messages.control import WorkerControl, WorkerControlDone
 from messages.transport import Sockets
 from actors.worker.gpu_idle import GpuIdleProfile
@@ -26,7 +27,8 @@ class WorkerActor(Actor):
     inbox_type = WorkerInbox
 
     def __init__(self, name: str, addresses: dict[str, str], sockets: Sockets, runner, num_kv_blocks: int,
-                 rank: int = 0, output_rank: int = 0, grammar_compile_timeout: float = 30.0) -> None:
+                 rank: int = 0, output_rank: int = 0,
+                 grammar_compile_timeout: float = DEFAULT_COMPILE_TIMEOUT_S) -> None:
         super().__init__(name, addresses, sockets)
         self.inbox.also(addresses[f"plans{rank}"], bind=False)  # the scheduler's executor binds it
         self.rank = rank
@@ -134,8 +136,9 @@ def _join_group(engine, rank: int, world_size: int, init_method: str) -> None:
     # a rank that dies leaves the others blocked in a collective: the launcher notices the
     # death and stops them; the timeout only bounds a rendezvous that never completes
     timeout = timedelta(seconds=600)
-    dist.init_process_group("nccl" if on_cuda else "gloo", store=_rendezvous_store(init_method, rank, world_size, timeout),
-                            rank=rank, world_size=world_size, timeout=timeout)
+    store = _rendezvous_store(init_method, rank, world_size, timeout)
+    dist.init_process_group("nccl" if on_cuda else "gloo", store=store, rank=rank, world_size=world_size,
+                            timeout=timeout)
 
 
 def _rendezvous_store(init_method: str, rank: int, world_size: int, timeout):

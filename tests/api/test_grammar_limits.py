@@ -93,7 +93,8 @@ def test_a_slow_grammar_delays_only_its_own_request(smollm2_server):
 def test_a_schema_past_the_byte_limit_is_refused_naming_the_field(smollm2_server):
     with httpx.Client(base_url=smollm2_server.url, headers=AUTH, timeout=60.0) as client:
         started = time.perf_counter()
-        response = client.post("/v1/completions", json=structured(random_schema(4000, seed=2)))  # ~132 KB as compact JSON
+        # ~132 KB as compact JSON, over this server's 100,000 bytes
+        response = client.post("/v1/completions", json=structured(random_schema(4000, seed=2)))
         assert response.status_code == 400, response.text
         error = response.json()["error"]
         assert "--max-grammar-bytes" in error["message"] and error["param"], error

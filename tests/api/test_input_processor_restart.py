@@ -26,8 +26,8 @@ def input_processor_pid(server: ServerProcess) -> int:
 
 @pytest.fixture
 def server(long_context_llama_dir, tmp_path):
-    server = ServerProcess(long_context_llama_dir, tmp_path / "server.log", "--api-key", AUTH["Authorization"].split()[1],
-                           "--max-model-len", "4096")
+    server = ServerProcess(long_context_llama_dir, tmp_path / "server.log", "--api-key",
+                           AUTH["Authorization"].split()[1], "--max-model-len", "4096")
     yield server
     if server.popen.poll() is None:
         server.stop()
