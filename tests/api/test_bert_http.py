@@ -39,9 +39,9 @@ def test_bert_server_embeds_like_sentence_transformers(bert_embedder, tmp_path, 
     monkeypatch.setenv("TROUPE_CACHE", str(cache))
     process = ServerProcess(model_dir, tmp_path / "server.log", "--log-level", "warning",
                             "--quantization", quantization)
-    if quantization == "int8":
-        assert list((cache / "kernels").glob("int8_linear-*.so")), "the int8 kernels were not built at start-up"
     with contextlib.contextmanager(served)(process) as server:
+        if quantization == "int8":
+            assert list((cache / "kernels").glob("int8_linear-*.so")), "the int8 kernels were not built at start-up"
         with openai.OpenAI(base_url=f"{server.url}/v1", api_key="-", max_retries=0, timeout=60.0) as client:
             response = client.embeddings.create(model=client.models.list().data[0].id, input=SENTENCES)
         actual = torch.tensor([item.embedding for item in sorted(response.data, key=lambda item: item.index)])
