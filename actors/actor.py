@@ -38,6 +38,7 @@ class ActorSpec(msgspec.Struct, kw_only=True):
     engine: EngineConfig | None = None
     options: dict[str, Any] = msgspec.field(default_factory=dict)  # actor-specific settings
     log_level: str = "WARNING"
+    secret: bytes | None = None  # the engine's: its tcp sockets authenticate with it (messages/engine_auth.py)
 
 
 class Actor:
@@ -52,7 +53,7 @@ class Actor:
         self.sockets = sockets
         self.inbox: Inbox = sockets.inbox(addresses[name], self.inbox_type, bind=True)
         if f"{name}@tcp" in addresses:  # also reached from other nodes' Ray workers (actors/ray_executor.py)
-            self.inbox.socket.bind(addresses[f"{name}@tcp"])
+            self.inbox.also(addresses[f"{name}@tcp"], bind=True)
         self.to_frontend: Outbox = sockets.outbox(addresses["frontend"])
         self._to_self: Outbox = sockets.outbox(addresses[name])
         self.stopping = False

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from actors.multimodal.config import VisionConfig
 from actors.pooling.config import PoolerConfig
 from actors.spec_decode.config import SpeculativeConfig
+from actors.structured_output.limits import DEFAULT_COMPILE_TIMEOUT_S, DEFAULT_MAX_GRAMMAR_BYTES
 
 _SIZE_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
                "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
@@ -207,7 +208,29 @@ class EngineConfig:
     draft_model: ModelConfig | None = None
     gguf_file: str | None = None  # quantization "gguf": the .gguf whose blocks the worker runs (actors/quantization)
     cuda_graph_sizes: tuple[int, ...] = ()  # on CUDA, decode batch sizes replayed from CUDA graphs; (): eager
-    cuda_graph_mixed_sizes: tuple[int, ...] = ()  # token counts of mixed steps (prefill chunks too) replayed so
+    cuda_graph_mixed_sizes: tuple[int, ...] = ()  # on CUDA, token counts of mixed steps (prefill chunks too)
+    # replayed from CUDA graphs; (): mixed steps run eagerly
+    # custom logits processors a request may name ("module:function"; actors/custom_processors.py)
+    logits_processors: tuple[str, ...] = ()
+    # a request's grammar: the most seconds its compile may take, and the most bytes its
+    # constraint may have (actors/structured_output/limits.py)
+    grammar_compile_timeout: float = DEFAULT_COMPILE_TIMEOUT_S
+    max_grammar_bytes: int = DEFAULT_MAX_GRAMMAR_BYTES
+
+
+# every node of a --nnodes engine is started with the same TROUPE_ENGINE_KEY: its ZeroMQ tcp
+# sockets authenticate with it (messages/engine_auth.py)
+ENGINE_KEY_VARIABLE = "TROUPE_ENGINE_KEY"
+
+
+def engine_key() -> str:
+    """The passphrase the nodes of a multi-node engine share; ValueError when unset or short."""
+    key = os.environ.get(ENGINE_KEY_VARIABLE, "")
+    if len(key) < 16:
+        raise ValueError(f"nnodes > 1: set {ENGINE_KEY_VARIABLE} to the same secret of 16 characters or more on "
+                         f"every node (e.g. {ENGINE_KEY_VARIABLE}=$(python -c 'import secrets; "
+                         "print(secrets.token_hex(32))')); the nodes' sockets authenticate with it")
+    return key
 
 
 def cache_dir() -> str:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import importlib.util
 from typing import Any
 
-from actors.config import ModelConfig
+from actors.config import ModelConfig, engine_key
 from actors.prefix_routing import ROUTING_LOGICS
 
 EXECUTOR_BACKENDS = ("mp", "ray")
@@ -47,6 +47,8 @@ def check_distributed_flags(args: Any) -> None:
                              "(the Ray cluster spans the machines)")
         if importlib.util.find_spec("ray") is None:
             raise ValueError(f"distributed_executor_backend='ray' needs the ray package: {RAY_EXTRA_HINT}")
+    if args.nnodes > 1:
+        engine_key()  # every node needs the shared secret: say so before anything starts
 
 
 def check_distributed(args: Any, model: ModelConfig, pooler: Any) -> None:

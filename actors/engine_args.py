@@ -16,8 +16,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import inspect
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -27,6 +25,7 @@ from actors.config import (CacheConfig, EngineConfig, LoRAConfig, ParallelConfig
                            check_tensor_parallel_size, parse_size)
 from actors.cuda_args import (DEFAULT_GPU_MEMORY_UTILIZATION, check_gpu_memory_utilization, cuda_graph_sizes,
                                on_cuda, parse_capture_sizes_flag)
+from actors.custom_processors import allow_list
 from actors.kv_offload_args import check_kv_offload_dir, host_kv_bytes
 from actors.distributed_args import EXECUTOR_BACKENDS, check_distributed, check_distributed_flags
 from actors.prefix_routing import ROUTING_LOGICS
@@ -38,13 +37,12 @@ from actors.input_args import InputArgs
 from actors.multimodal.config import check_vision_engine
 from actors.spec_decode.config import check_engine_fit, parse_speculative_config
 from actors.spec_decode.draft_config import load_draft_model_config
+from actors.structured_output.limits import DEFAULT_COMPILE_TIMEOUT_S, DEFAULT_MAX_GRAMMAR_BYTES
 from actors.tracing import DETAILED_TRACES, check_tracing_available
 from actors.worker.loader import load_model_config, resolve_model
 
-DTYPES = ("auto", "float32", "bfloat16", "float16")
-DEVICES = ("auto", "cpu", "cuda")
+DTYPES, DEVICES, LOAD_FORMATS = ("auto", "float32", "bfloat16", "float16"), ("auto", "cpu", "cuda"), ("auto", "dummy")
 ATTENTION_BACKENDS = ("auto", "cpu", "torch", "triton")
-LOAD_FORMATS = ("auto", "dummy")
 SCHEDULING_POLICIES = ("fcfs", "priority")  # actors/scheduler/priority.py
 PREEMPTION_MODES = ("recompute", "swap")  # actors/scheduler/kv_tiers.py
 _MAY_BE_NONE = ("device", "reasoning_parser", "quantization", "collect_detailed_traces", "preemption_mode")
@@ -151,6 +149,11 @@ class EngineArgs(InputArgs):
                 "arrival, preempting less urgent requests", choices=SCHEDULING_POLICIES)
     structured_outputs_backend: str = _arg(
         "auto", "the grammar library of structured outputs; 'auto': xgrammar", choices=STRUCTURED_OUTPUTS_BACKENDS)
+    grammar_compile_timeout: float = _arg(
+        DEFAULT_COMPILE_TIMEOUT_S, "seconds a request's grammar may take to compile (on the worker, before the "
+                                   "request is scheduled); past it the request is refused (400)", metavar="SECONDS")
+    max_grammar_bytes: int = _arg(DEFAULT_MAX_GRAMMAR_BYTES, "the largest JSON schema, regex, grammar or choice list "
+                                                             "a request may carry, in bytes (400 past it)", metavar="N")
     speculative_config: str | dict | None = _arg(
         None, "speculative decoding, vLLM's JSON: '{\"method\": \"ngram\", \"num_speculative_tokens\": 5}' "
               "(method ngram or suffix; prompt_lookup_min/max, suffix_decoding_*, disable_by_batch_size)",
@@ -158,6 +161,9 @@ class EngineArgs(InputArgs):
     max_num_encoder_input_tokens: int | None = _arg(
         None, "a vision model: the most image tokens whose encoding one step may start (default: no limit)",
         metavar="TOKENS", parse=int)
+    logits_processors: list | None = _arg(None, "custom logits processors a request may name (package.module:function, "
+                                                "or a class: one per request); workers import these, no others",
+                                          metavar="NAME", nargs="+")
     reasoning_parser: str | None = _arg(
         None, "the model thinks between <think> and </think> first: the API splits that into reasoning_content, "
               "and a request's structured output constrains only what follows", choices=REASONING_PARSERS)
@@ -207,9 +213,8 @@ class EngineArgs(InputArgs):
     def from_keywords(cls, caller: str, model: str | None, keywords: dict[str, Any]) -> EngineArgs:
         """The engine arguments of caller(model, **keywords); a keyword that is no field is
         a TypeError naming it, as Python's own."""
-        for name in keywords:
-            if name not in _FIELD_NAMES:
-                raise TypeError(f"{caller}() got an unexpected keyword argument {name!r}")
+        for name in set(keywords) - _FIELD_NAMES:
+            raise TypeError(f"{caller}() got an unexpected keyword argument {name!r}")
         return cls(model=model, **keywords)
 
     # ---- the command line ----
@@ -243,6 +248,9 @@ class EngineArgs(InputArgs):
             if getattr(self, name) is not None:
                 check_int(name, getattr(self, name), minimum=1)
         check_int("max_logprobs", self.max_logprobs, minimum=0)
+        check_int("max_grammar_bytes", self.max_grammar_bytes, minimum=1)
+        if not isinstance(self.grammar_compile_timeout, (int, float)) or not self.grammar_compile_timeout > 0:
+            raise ValueError(f"grammar_compile_timeout must be positive seconds, got {self.grammar_compile_timeout!r}")
         check_int("max_loras", self.max_loras, minimum=1)
         if self.max_lora_rank not in LORA_RANKS:
             raise ValueError(f"max_lora_rank must be one of {', '.join(map(str, LORA_RANKS))}, got "
@@ -348,7 +356,9 @@ class EngineArgs(InputArgs):
             otlp_traces_endpoint=args.otlp_traces_endpoint or None, collect_detailed_traces=args.collect_detailed_traces,
             lora=args._lora_config(),
             pooler=pooler, speculative=speculative, draft_model=draft_model, gguf_file=gguf_file,
-            inputs=args.input_config(), **cuda_graph_sizes(args))
+            inputs=args.input_config(), **cuda_graph_sizes(args),
+            logits_processors=allow_list(args.logits_processors),
+            grammar_compile_timeout=float(args.grammar_compile_timeout), max_grammar_bytes=args.max_grammar_bytes)
 
     def _lora_config(self) -> LoRAConfig | None:
         if not self.enable_lora:
@@ -375,15 +385,3 @@ class EngineArgs(InputArgs):
 
 
 _FIELD_NAMES = frozenset(spec.name for spec in dataclasses.fields(EngineArgs))
-
-
-def takes_engine_args(init: Callable) -> Callable:
-    """Decorates an __init__(self, model=None, ..., **engine_args): help() and inspect show
-    EngineArgs's fields in place of **engine_args, keyword-only, with their defaults."""
-    signature = inspect.signature(init)
-    kept = [p for p in signature.parameters.values() if p.kind is not inspect.Parameter.VAR_KEYWORD]
-    engine = [inspect.Parameter(spec.name, inspect.Parameter.KEYWORD_ONLY, default=spec.default,
-                                annotation=spec.type)
-              for spec in dataclasses.fields(EngineArgs) if spec.name not in signature.parameters]
-    init.__signature__ = signature.replace(parameters=kept + engine)
-    return init

@@ -4,8 +4,9 @@ It starts the other actors as child processes (supervisor.py) and talks to them 
 the input processors, AbortRequest, GetStats and EngineControl (sleep, wake, cache reset: engine_control.py)
 to the scheduler; it receives RequestOutputs deltas from the detokenizer, RequestRejected from the input
 processors or the scheduler, and Stats. Each request gets an id and an output stream; giving up on a stream
-(breaking out of it, cancelling its task) aborts the request everywhere. When any actor process dies, every
-pending call raises EngineDeadError and new calls fail at once.
+(breaking out of it, cancelling its task) aborts the request everywhere. When an input processor dies, the
+requests it held fail (EngineRequestError) and a new one starts (input_routing.py); when any other actor
+process dies, every pending call raises EngineDeadError and new calls fail at once.
 
     async with AsyncClient(model=path) as client:
         async for delta in client.generate("Hello", SamplingParams(max_tokens=16)):
@@ -22,25 +23,25 @@ import uuid
 from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
-import zmq
-
 from actors.beam_search import AsyncBeamSearch
 from actors.config import EngineConfig
 from actors.detokenizer import merge_delta
 from actors.distributed_args import ReplicasWhenAsked
-from actors.engine_args import EngineArgs, takes_engine_args
+from actors.engine_args import EngineArgs
+from actors.engine_signature import takes_engine_args
 from actors.engine_control import EngineControlMixin
 from actors.lora.client import LoRAClientMixin
 from actors.multimodal.prompt_images import split_prompt_images
 from actors.pooling.client import PoolingClientMixin
 from actors.errors import EngineDeadError, InvalidRequestError
+from actors.input_routing import ActorExits, InputRouter
 from actors.prompts import PromptInput, per_prompt, split_prompt
 from actors.request_stream import LiveRequest, RequestStream, broadcast_params, check_params, rejection_error
-from actors.supervisor import EngineProcesses, engine_addresses
+from actors.supervisor import EngineProcesses, engine_addresses, engine_secret
 from actors.tracing import ClientTracingMixin
 from messages.common import CompletionOutput, Ping, RequestOutput, SamplingParams
 from messages.frontend import (ActorFailed, FrontendInbox, HistogramSnapshot, PoolingOutputs, Pong, RequestOutputs,
-                               RequestRejected, Stats)
+                               RequestRejected, RequestTokenized, Stats)
 from messages.input_processor import AddRequest, ChatOptions
 from messages.lora import LoRARequest, check_lora_request
 from messages.scheduler import AbortRequest, GetStats
@@ -50,7 +51,7 @@ logger = logging.getLogger(__name__)
 
 Prompt = str | list[int]
 class AsyncClient(ReplicasWhenAsked, AsyncBeamSearch, LoRAClientMixin, PoolingClientMixin, EngineControlMixin,
-                  ClientTracingMixin):
+                  ClientTracingMixin, ActorExits):
     """Starts and supervises a troupe engine; generate() streams RequestOutput deltas;
     beam_search() (actors/beam_search.py) returns a prompt's finished beams; add_lora()
     and the rest (actors/lora/client.py) manage LoRA adapters; encode() and embed()
@@ -78,6 +79,7 @@ class AsyncClient(ReplicasWhenAsked, AsyncBeamSearch, LoRAClientMixin, PoolingCl
         self._tokenizer = None
         self._namespace: Namespace | None = None
         self._sockets: Sockets | None = None
+        self._inputs: InputRouter | None = None  # the input processors, which request each holds
 
     # ---- life cycle ----
 
@@ -92,13 +94,15 @@ class AsyncClient(ReplicasWhenAsked, AsyncBeamSearch, LoRAClientMixin, PoolingCl
         self.config = await asyncio.to_thread(self.engine_args.build)
         self._namespace = Namespace(self.transport)
         addresses = engine_addresses(self._namespace, self.num_input_processors, self.config.parallel)
-        self._sockets = Sockets()
+        secret = engine_secret(self.config.parallel)
+        self._sockets = Sockets(secret=secret)
         self._inbox = self._sockets.inbox(addresses["frontend"], FrontendInbox)
-        self._to_input_processors = self._sockets.outbox(addresses["input_processor"], bind=True)
+        self._inputs = InputRouter(self._sockets, addresses, [f"input_processor{index}"
+                                                              for index in range(self.num_input_processors)])
         self._to_scheduler = self._sockets.outbox(addresses["scheduler"])
         self._outboxes = {"scheduler": self._to_scheduler}
         self.processes = EngineProcesses(self.config, addresses, num_input_processors=self.num_input_processors,
-                                         log_level=self.log_level)
+                                         log_level=self.log_level, secret=secret)
         try:
             await self.processes.start(self._inbox, self.startup_timeout)
         except BaseException:
@@ -106,11 +110,6 @@ class AsyncClient(ReplicasWhenAsked, AsyncBeamSearch, LoRAClientMixin, PoolingCl
             raise
         self.processes.watch(self._on_actor_exit)
         self._reader = asyncio.create_task(self._read_inbox(), name="troupe-frontend-reader")
-        # The input processors said they are ready, but their connection to this socket
-        # may still be in its handshake: a request sent now would find no peer.
-        if not await self._to_input_processors.wait_for_peer(min(self.startup_timeout, 30.0)):
-            await self.close()
-            raise EngineDeadError("no input processor connected to the frontend")
 
     async def close(self) -> None:
         """Stops every actor process and fails whatever is still pending. Idempotent."""
@@ -184,15 +183,6 @@ class AsyncClient(ReplicasWhenAsked, AsyncBeamSearch, LoRAClientMixin, PoolingCl
         assert self._dead is not None
         return self._dead
 
-    def _on_actor_exit(self, name: str, returncode: int | None) -> None:
-        if returncode == 0:  # it was told to stop (a signal to every process, as a service manager sends)
-            logger.info("actor %s stopped (exit code 0); the engine stops with it", name)
-        else:
-            logger.error("actor %s exited with code %s; failing every request", name, returncode)
-        self._fail_all(EngineDeadError(f"actor {name} exited with code {returncode}"))
-        if self.processes is not None:
-            asyncio.ensure_future(self.processes.stop())
-
     def _fail_all(self, error: EngineDeadError) -> None:
         if self._dead is not None:
             return
@@ -217,8 +207,8 @@ class AsyncClient(ReplicasWhenAsked, AsyncBeamSearch, LoRAClientMixin, PoolingCl
         the stream early aborts it. prompt: text, token ids, or vLLM's dict prompt
         ({"prompt": text} or {"prompt_token_ids": ids}, with an optional "cache_salt", and a vision
         model's "multi_modal_data": {"image": a PIL image or a list}); lora_request: the adapter."""
-        # the worker is another process: logits processors travel pickled by reference
-        params = check_params(sampling_params).with_pickled_processors()
+        # the worker is another process: logits processors travel by name (--logits-processors)
+        params = check_params(sampling_params).with_named_processors()
         prompt, images = split_prompt_images(prompt)
         prompt, cache_salt = split_prompt(prompt)
         request = AddRequest(request_id=self._new_id(request_id), prompt=prompt, params=params,
@@ -234,8 +224,8 @@ class AsyncClient(ReplicasWhenAsked, AsyncBeamSearch, LoRAClientMixin, PoolingCl
              tools: list[dict[str, Any]] | None = None, lora_request: LoRARequest | None = None) -> RequestStream:
         """generate() for a conversation, rendered with the chat template (chat_template,
         else the model's) with vLLM's options."""
-        # the worker is another process: logits processors travel pickled by reference
-        params = check_params(sampling_params).with_pickled_processors()
+        # the worker is another process: logits processors travel by name (--logits-processors)
+        params = check_params(sampling_params).with_named_processors()
         if not isinstance(messages, list):
             raise InvalidRequestError("messages must be a list of {'role', 'content'} objects", param="messages")
         chat = ChatOptions(add_generation_prompt=add_generation_prompt, continue_final_message=continue_final_message,
@@ -315,10 +305,7 @@ class AsyncClient(ReplicasWhenAsked, AsyncBeamSearch, LoRAClientMixin, PoolingCl
         stream = self._streams[request_id] = LiveRequest(prompt_text, request.params.n)
         finished = False
         try:
-            try:
-                self._to_input_processors.send(request)
-            except zmq.Again as error:  # no input processor is connected any more
-                raise EngineDeadError("no input processor is running") from error
+            self._inputs.send(request)
             while True:
                 item = await stream.queue.get()
                 if isinstance(item, BaseException):
@@ -329,6 +316,7 @@ class AsyncClient(ReplicasWhenAsked, AsyncBeamSearch, LoRAClientMixin, PoolingCl
                 if finished:
                     return
         finally:
+            self._inputs.forget(request_id)
             if not finished:
                 self._streams.pop(request_id, None)
                 self._send_abort(request_id)
@@ -369,7 +357,10 @@ class AsyncClient(ReplicasWhenAsked, AsyncBeamSearch, LoRAClientMixin, PoolingCl
                     stream.queue.put_nowait(output)
             case PoolingOutputs(outputs=outputs):
                 self._deliver_pooled(outputs)
+            case RequestTokenized(request_id=request_id):
+                self._inputs.forget(request_id)
             case RequestRejected(request_id=request_id):
+                self._inputs.forget(request_id)
                 stream = self._streams.pop(request_id, None)
                 if stream is not None:
                     stream.queue.put_nowait(rejection_error(message))
@@ -383,6 +374,8 @@ class AsyncClient(ReplicasWhenAsked, AsyncBeamSearch, LoRAClientMixin, PoolingCl
                     waiting[0].discard(name)
                     if not waiting[0] and not waiting[1].done():
                         waiting[1].set_result(None)
+            case ActorFailed(name=name, error=error) if self._inputs.owns(name):
+                self._inputs.last_error[name] = error  # its exit decides (ActorExits)
             case ActorFailed(name=name, error=error):
                 self._fail_all(EngineDeadError(f"actor {name} failed: {error}"))
 

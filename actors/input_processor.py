@@ -4,7 +4,8 @@ reaches the scheduler.
 InputProcessor is the plain logic (the offline LLM calls it in-process); the actor
 receives AddRequest from the frontend and sends TokenizedRequest to the scheduler, or
 RequestRejected back to the frontend. It owns a tokenizer and nothing else, so several
-can run side by side (the frontend's PUSH socket balances requests across them)."""
+can run side by side (the frontend picks one per request, actors/input_routing.py, which
+knows what each holds: the actor acknowledges each request it passes on)."""
 
 from __future__ import annotations
 
@@ -17,15 +18,17 @@ import msgspec
 from actors.actor import Actor, ActorSpec
 from actors.chat_template import render_chat_text
 from actors.config import DEFAULT_CHAT_TEMPLATE_TIMEOUT_S
+from actors.custom_processors import check_allowed
 from actors.lora.checker import LoRAChecker
 from actors.multimodal.fetch import fetch_message_images, has_http_images
 from actors.multimodal.inputs import ImageInputs, images_of, split_image_parts
 from actors.multimodal.prompt_images import fetch_prompt_images, has_http_prompt_images, multi_modal_data_of
 from actors.pooling.config import PoolerConfig, check_dimensions
 from actors.structured_output import check_constraint
+from actors.structured_output.limits import DEFAULT_MAX_GRAMMAR_BYTES, check_grammar_size
 from actors.structured_output.reasoning import reasoning_marker_ids
 from messages.common import MAX_LOGPROBS, InvalidRequestError, SamplingParams
-from messages.frontend import RequestRejected
+from messages.frontend import RequestRejected, RequestTokenized
 from messages.input_processor import AddRequest, ChatOptions, InputProcessorInbox
 from messages.lora import LoRARequest
 from messages.multimodal import MultiModalInput
@@ -47,6 +50,10 @@ class InputProcessor:
     """Renders, tokenizes and checks requests. process() is the one place every request
     passes (the actor's, and the offline LLM's): whatever a worker reads of a request is
     checked here against the model (vocabulary, context length, max_logprobs)."""
+
+    # the custom logits processors a request may name (the engine's --logits-processors)
+    allowed_processors: tuple[str, ...] = ()
+    max_grammar_bytes: int = DEFAULT_MAX_GRAMMAR_BYTES  # a constraint's text, at most (--max-grammar-bytes)
 
     def __init__(self, tokenizer, vocab_size: int, max_model_len: int, max_logprobs: int = MAX_LOGPROBS,
                  structured_outputs_backend: str = "auto", lora: LoRAChecker | None = None,
@@ -187,7 +194,9 @@ class InputProcessor:
             if bad:
                 raise InvalidRequestError(f"{name} token id {bad[0]} is out of range [0, {self.vocab_size})",
                                           param=name)
+        check_allowed(params, self.allowed_processors)
         if params.structured_outputs is not None:  # a bad schema, regex or grammar is refused before queueing
+            check_grammar_size(params.structured_outputs, self.max_grammar_bytes)
             check_constraint(params.structured_outputs, self.structured_outputs_backend)
         truncate = params.truncate_prompt_tokens
         if truncate is not None and truncate > self.max_model_len:
@@ -295,8 +304,6 @@ class InputProcessorActor(Actor):
 
     def __init__(self, name: str, addresses: dict[str, str], sockets: Sockets, processor: InputProcessor) -> None:
         super().__init__(name, addresses, sockets)
-        # requests arrive on the frontend's shared PUSH socket, balanced across processors
-        self.inbox.socket.connect(addresses["input_processor"])
         self.to_scheduler = sockets.outbox(addresses["scheduler"])
         self.processor = processor
         self._work = ThreadPoolExecutor(max_workers=1, thread_name_prefix="troupe-input-processing")
@@ -314,6 +321,7 @@ class InputProcessorActor(Actor):
                                    LoRAChecker(engine.model, engine.lora), engine.pooler, engine.model.hidden_size,
                                    engine.model.can_generate, engine.scheduler.scheduling_policy == "priority",
                                    image_inputs(engine, tokenizer), engine.inputs.chat_template_timeout)
+        processor.allowed_processors, processor.max_grammar_bytes = engine.logits_processors, engine.max_grammar_bytes
         return cls(spec.name, spec.addresses, sockets, processor)
 
     def handle(self, message: AddRequest) -> None:
@@ -344,6 +352,7 @@ class InputProcessorActor(Actor):
                                                 cache_salt=message.cache_salt, priority=message.priority,
                                                 lora_request=message.lora_request,
                                                 pooling_params=message.pooling_params, mm_inputs=mm_inputs or None))
+        self.to_frontend.send(RequestTokenized(message.request_id))  # the frontend need not fail it if we die
 
     @staticmethod
     async def _fetch(message: AddRequest, images: ImageInputs) -> AddRequest:

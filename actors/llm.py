@@ -11,7 +11,8 @@ import msgspec
 from tqdm import tqdm
 
 from actors.beam_search import BeamPrompt, BeamSearchBatch, BeamSearchOutput, BeamSearchParams
-from actors.engine_args import EngineArgs, takes_engine_args
+from actors.engine_args import EngineArgs
+from actors.engine_signature import takes_engine_args
 from actors.distributed_args import runs_in_process
 from actors.engine_core import EngineCore
 from actors.input_processor import InputProcessor, check_reasoning_markers, image_inputs
@@ -55,6 +56,8 @@ class LLM(LLMPoolingMixin):
                                      self.config.scheduler.scheduling_policy == "priority",
                                      image_inputs(self.config, self.tokenizer),
                                      self.config.inputs.chat_template_timeout)
+        self.inputs.allowed_processors = self.config.logits_processors
+        self.inputs.max_grammar_bytes = self.config.max_grammar_bytes
         self._request_counter = itertools.count()
 
     def get_tokenizer(self):
@@ -131,7 +134,7 @@ class LLM(LLMPoolingMixin):
             if any(mm for _, _, mm in processed):
                 raise InvalidRequestError("images with several devices (LLM over AsyncClient) are not supported yet",
                                           param="multi_modal_data")
-            params_list = [p.with_pickled_processors() for p in params_list]
+            params_list = [p.with_named_processors() for p in params_list]
             tokens_prompts = [{"prompt_token_ids": ids, **({"cache_salt": salt} if salt else {})}
                               for (_, ids, _), (_, salt) in zip(processed, split)]
             outputs = self._remote.generate_batch(tokens_prompts, params_list, use_tqdm, loras, priorities)

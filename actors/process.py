@@ -43,6 +43,7 @@ class ActorProcess:
 
     def __init__(self, spec: ActorSpec, env: dict[str, str] | None = None) -> None:
         self.name = spec.name
+        self.spec = spec
         package_root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
         child_env = dict(os.environ if env is None else env)
         # the child imports this checkout's packages even when troupe is not installed
@@ -137,7 +138,7 @@ def run_spec(spec: ActorSpec, leave=os._exit) -> None:
     from messages.frontend import ActorFailed
     from messages.transport import Sockets
 
-    sockets = Sockets()
+    sockets = Sockets(secret=spec.secret)
     try:
         actor = _load_actor_class(spec.kind).from_spec(spec, sockets)
         import uvloop

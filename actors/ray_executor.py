@@ -19,8 +19,10 @@ chosen per rank (spawn_workers): a rank on the driver's node keeps the engine's 
 addresses; a rank on another node gets tcp addresses, on the driver node's IP for the
 sockets it connects to (the frontend's and the scheduler's inboxes, its plan socket:
 each bound on tcp as well) and on its own node's IP for its inbox; and torch.distributed
-meets at rank 0's node. A cluster that can never hold the placement group is refused at
-once, naming what it lacks; one that is busy gets a bounded wait."""
+meets at rank 0's node. Every tcp socket authenticates with the engine's secret, made at
+start-up and handed to each rank in its spec through Ray (messages/engine_auth.py). A
+cluster that can never hold the placement group is refused at once, naming what it lacks;
+one that is busy gets a bounded wait."""
 
 from __future__ import annotations
 
@@ -112,7 +114,7 @@ class RayPlacement:
         addresses = processes.addresses
         if remote:
             addresses["frontend@tcp"] = control_address = self._tcp_address()
-            control.socket.bind(control_address)
+            control.also(control_address, bind=True)
             addresses["scheduler@tcp"] = self._tcp_address()  # the scheduler binds it too (actor.py)
             logger.info("ranks %s are on other Ray nodes: they talk over tcp to %s", remote, self.node_ip)
         for rank, handle in enumerate(handles):
@@ -125,7 +127,7 @@ class RayPlacement:
                                        f"plans{rank}": addresses[f"plans{rank}"], name: addresses[name]})
             spec = ActorSpec(kind="worker", name=name, addresses=rank_addresses, engine=processes.engine,
                              options={"rank": rank, "distributed_init_method": init_method},
-                             log_level=processes.log_level)
+                             log_level=processes.log_level, secret=processes.secret)
             processes.processes[name] = RayWorkerProcess(spec, handle, local_node_id=self.node_id,
                                                          place=places[rank])
 

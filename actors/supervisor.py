@@ -14,14 +14,16 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import time
 from collections.abc import Callable
 
 from actors.actor import ActorSpec
-from actors.config import EngineConfig, ParallelConfig
+from actors.config import EngineConfig, ParallelConfig, engine_key
 from actors.errors import EngineStartupError
 from actors.process import ActorProcess
 from messages.frontend import ActorFailed, ActorReady
+from messages.engine_auth import secret_from_passphrase
 from messages.transport import Inbox, Namespace, free_tcp_port
 
 logger = logging.getLogger(__name__)
@@ -30,13 +32,12 @@ _POLL_INTERVAL_S = 0.2
 
 
 def engine_addresses(namespace: Namespace, num_input_processors: int, parallel: ParallelConfig) -> dict[str, str]:
-    """Actor name -> inbox address, for the actors of this node. Two are bound sockets
-    that peers connect to: "input_processor" (the frontend's, shared by every input
-    processor) and "plans{rank}" (the scheduler's executor's, one per rank). With several
+    """Actor name -> inbox address, for the actors of this node. "plans{rank}" are bound
+    sockets that peers connect to (the scheduler's executor's, one per rank). With several
     nodes, what other nodes reach (the frontend's inbox, the plan sockets) is on tcp at
     master_addr, on the ports above master_port (and, with pipeline stages, the scheduler's
     inbox for the last stage: world size + 3 ports in all, with the rendezvous)."""
-    names = ["frontend", "input_processor", "scheduler", "detokenizer"]
+    names = ["frontend", "scheduler", "detokenizer"]
     names += [f"input_processor{i}" for i in range(num_input_processors)]
     names += [f"worker{rank}" for rank in parallel.local_ranks]
     addresses = {name: namespace.address(name) for name in names}
@@ -56,6 +57,15 @@ def engine_addresses(namespace: Namespace, num_input_processors: int, parallel: 
     return addresses
 
 
+def engine_secret(parallel: ParallelConfig) -> bytes:
+    """The secret every tcp socket of the engine authenticates with (messages/engine_auth.py):
+    on several nodes the one all were started with (TROUPE_ENGINE_KEY), else made now and
+    handed to the actors (and Ray's workers) in their specs."""
+    if parallel.nnodes > 1:
+        return secret_from_passphrase(engine_key())
+    return os.urandom(32)
+
+
 def distributed_init_method(parallel: ParallelConfig) -> str:
     """Where the workers' torch.distributed rendezvous: as configured, master_addr:master_port
     across nodes, else a free port on this machine."""
@@ -70,8 +80,9 @@ class EngineProcesses:
     """The actor processes of one engine."""
 
     def __init__(self, engine: EngineConfig, addresses: dict[str, str], *, num_input_processors: int = 1,
-                 log_level: str = "WARNING") -> None:
+                 log_level: str = "WARNING", secret: bytes | None = None) -> None:
         self.engine = engine
+        self.secret = secret  # the engine's (engine_secret()), handed to every actor in its spec
         self.addresses = addresses
         self.num_input_processors = num_input_processors
         self.num_workers = engine.parallel.world_size
@@ -83,7 +94,7 @@ class EngineProcesses:
 
     def _spawn(self, kind: str, name: str, **options) -> None:
         spec = ActorSpec(kind=kind, name=name, addresses=self.addresses, engine=self.engine, options=options,
-                         log_level=self.log_level)
+                         log_level=self.log_level, secret=self.secret)
         self.processes[name] = ActorProcess(spec)
 
     def _ray_placement(self):
@@ -141,6 +152,19 @@ class EngineProcesses:
                         logger.debug("%s ready (pid %d)", name, message.pid)
                     case ActorFailed(name=name, error=error):
                         raise EngineStartupError(f"actor {name} failed to start: {error}")
+
+    def restart(self, name: str, on_death: Callable[[str, int | None], None]) -> None:
+        """A new process for a dead actor (an input processor: actors/input_routing.py), under
+        its name and inbox address, watched as the first was; it says it is ready to the
+        frontend, which sends it requests meanwhile (they wait in the socket's queue)."""
+        old = self.processes.pop(name)
+        old.close()
+        spec = old.spec
+        self.processes[name] = process = ActorProcess(spec)
+        if process.pidfd is not None:
+            asyncio.get_running_loop().add_reader(process.pidfd, self._on_exit, name, on_death)
+        else:
+            asyncio.ensure_future(self._poll_exits(on_death))
 
     def watch(self, on_death: Callable[[str, int | None], None]) -> None:
         """Calls on_death(name, returncode) from the running loop when a process ends
@@ -216,7 +240,8 @@ async def run_worker_node(engine: EngineConfig, stop: asyncio.Event, log_level: 
 
     namespace = Namespace("ipc")
     addresses = engine_addresses(namespace, 0, engine.parallel)
-    processes = EngineProcesses(engine, addresses, num_input_processors=0, log_level=log_level)
+    secret = engine_secret(engine.parallel)
+    processes = EngineProcesses(engine, addresses, num_input_processors=0, log_level=log_level, secret=secret)
     deaths: asyncio.Queue[tuple[str, int | None]] = asyncio.Queue()
     try:
         processes.spawn_local_workers()
@@ -231,7 +256,7 @@ async def run_worker_node(engine: EngineConfig, stop: asyncio.Event, log_level: 
         name, returncode = died.result()
         if returncode == 0:
             return 0  # shut down by the scheduler's executor: the others follow
-        sockets = Sockets()
+        sockets = Sockets(secret=secret)
         sockets.outbox(addresses["frontend"]).send(
             ActorFailed(name=name, error=f"exited with code {returncode} on node {engine.parallel.node_rank}"))
         sockets.close()

@@ -27,7 +27,7 @@ from starlette.responses import Response
 from starlette.routing import Route
 from starlette.types import Message, Receive
 
-from actors.errors import EngineDeadError, InvalidRequestError
+from actors.errors import EngineDeadError, EngineRequestError, InvalidRequestError
 from actors.frontend import AsyncClient
 from api.errors import APIError, bad_request, handle_api_error, handle_http_exception, internal_error
 from api.lora_models import ServedModels
@@ -216,6 +216,7 @@ def build_app(client: AsyncClient, settings: ServerSettings, models: ServedModel
         middleware.append(Middleware(ServerLoadMiddleware, serving=serving, paths=_GENERATION_PATHS))
     exception_handlers = {
         APIError: handle_api_error, InvalidRequestError: handle_api_error, EngineDeadError: handle_api_error,
+        EngineRequestError: handle_api_error,
         HTTPException: handle_http_exception, ClientGone: _client_gone, Exception: _unexpected,
     }
     app = Starlette(routes=routes, middleware=middleware, exception_handlers=exception_handlers)

@@ -13,7 +13,7 @@ import msgspec
 from starlette.requests import Request
 from starlette.responses import Response
 
-from actors.errors import EngineDeadError, InvalidRequestError
+from actors.errors import EngineDeadError, EngineRequestError, InvalidRequestError
 
 logger = logging.getLogger(__name__)
 
@@ -88,6 +88,8 @@ def from_exception(error: BaseException) -> APIError:
         return bad_request(str(error), param=error.param)
     if isinstance(error, EngineDeadError):
         return engine_unavailable(error)
+    if isinstance(error, EngineRequestError):  # the engine lost this request, and says why
+        return APIError(500, str(error), type="server_error", code="request_lost")
     logger.error("request failed", exc_info=error)
     return internal_error()
 

@@ -655,29 +655,55 @@ struct LoraStep {
     float* scratch;  // [num_tokens, 3 * max_rank]
 };
 
+// y[rows] (+)= x[rows] · wᵀ with each row summed in one order whatever rows share the call:
+// linear_tile's order, which depends on no other row (linear_few_rows_f32, 4 rows at a time).
+// A LoRA delta must not depend on the step's batch: sgemm's order does (a single row takes
+// another kernel than four), and the next layer's per-block int8 quantization of a GGUF or
+// int8 model turns those last-bit differences into different logprobs (0.12 on SmolLM2).
+static void rowwise_linear(const float* x, int64_t x_stride, int64_t rows, const float* w, int64_t w_stride,
+                           int64_t in_features, int64_t out_features, float* y, int64_t y_stride, bool accumulate,
+                           int num_threads) {
+    constexpr int64_t kRows = 4;
+    const int64_t num_tiles = (rows + kRows - 1) / kRows;
+#pragma omp parallel num_threads(num_threads) if (rows * out_features * in_features >= (int64_t)1 << 20)
+    {
+        std::vector<float> tile(accumulate ? kRows * out_features : 0);  // a tile's products, then added to y
+#pragma omp for schedule(static)
+        for (int64_t t = 0; t < num_tiles; t++) {
+            const int64_t first = t * kRows, n = rows - first < kRows ? rows - first : kRows;
+            float* out = accumulate ? tile.data() : y + first * y_stride;
+            const int64_t out_stride = accumulate ? out_features : y_stride;
+            linear_few_rows_f32(x + first * x_stride, x_stride, n, w, w_stride, nullptr, out, out_stride, in_features,
+                                out_features, 1);
+            if (!accumulate) continue;
+            for (int64_t r = 0; r < n; r++)
+                for (int64_t j = 0; j < out_features; j++) y[(first + r) * y_stride + j] += out[r * out_features + j];
+        }
+    }
+}
+
 // y[segment rows, group columns] += x·Aᵀ·Bᵀ of each segment's adapter: kernels/lora_ref.py's shrink
-// (one sgemm for the group's modules together) and expand (one per adapted module), as the
-// Python forward runs them (LoRABatch.add).
+// (one product for the group's modules together) and expand (one per adapted module), as the
+// Python forward runs them (LoRABatch.add), each row in an order of its own (rowwise_linear).
 static void lora_add(const LoraStep* lora, int64_t layer, int group, int num_modules, const int64_t* out_offsets,
                      const int64_t* out_sizes, const float* x, int64_t x_stride, int64_t in_features, float* y,
-                     int64_t y_stride, int64_t group_out, Sgemm sgemm) {
+                     int64_t y_stride, int64_t group_out, int num_threads) {
     if (lora == nullptr) return;
     const int64_t num_slots = lora->num_slots, max_rank = lora->max_rank, g = layer * 4 + group;
-    const float alpha = 1.0f, zero = 0.0f, one = 1.0f;
-    const int in = (int)in_features, x_ld = (int)x_stride, y_ld = (int)y_stride, b_ld = (int)max_rank;
     for (int64_t i = 0; i < lora->num_segments; i++) {
         const int64_t slot = lora->seg_slot[i], start = lora->seg_start[i];
-        const int rows = lora->rows[g * num_slots + slot], n = lora->seg_len[i];
+        const int64_t rows = lora->rows[g * num_slots + slot], n = lora->seg_len[i];
         if (rows == 0 || n == 0) continue;
         const float* a = lora->a[g] + slot * num_modules * max_rank * in_features;
-        sgemm("T", "N", &rows, &n, &in, &alpha, a, &in, x + start * x_stride, &x_ld, &zero, lora->scratch, &rows);
+        rowwise_linear(x + start * x_stride, x_stride, n, a, in_features, in_features, rows, lora->scratch, rows, false,
+                       num_threads);
         for (int m = 0; m < num_modules; m++) {
             const int64_t meta = (g * 3 + m) * num_slots + slot;
-            const int rank = lora->rank[meta], out = (int)out_sizes[m];
+            const int64_t rank = lora->rank[meta];
             if (rank == 0) continue;
             const float* b = lora->b[g] + (slot * group_out + out_offsets[m]) * max_rank;
-            sgemm("T", "N", &out, &n, &rank, &alpha, b, &b_ld, lora->scratch + lora->col_offset[meta], &rows, &one,
-                  y + start * y_stride + out_offsets[m], &y_ld);
+            rowwise_linear(lora->scratch + lora->col_offset[meta], rows, n, b, max_rank, rank, out_sizes[m],
+                           y + start * y_stride + out_offsets[m], y_stride, true, num_threads);
         }
     }
 }
@@ -741,7 +767,7 @@ int model_step_f32(const DecoderShape* shape_, const DecoderLayer* layers, const
         decoder_linear(shape, sgemm, x, hidden_size, tokens, layer.qkv_proj, layer.qkv_type, hidden_size, qkv_size,
                        layer.qkv_bias, qkv, num_threads);
         lora_add(batch.lora, l, 0, 3, qkv_offsets, qkv_sizes, x, hidden_size, hidden_size, qkv, qkv_size, qkv_size,
-                 sgemm);
+                 num_threads);
         if (layer.q_norm != nullptr)  // Qwen3: each head normed as a row
             for (int64_t t = 0; t < tokens; t++) {
                 float* row = qkv + t * qkv_size;
@@ -774,19 +800,19 @@ int model_step_f32(const DecoderShape* shape_, const DecoderLayer* layers, const
         decoder_linear(shape, sgemm, attn, q_size, tokens, layer.o_proj, layer.o_type, q_size, hidden_size, nullptr,
                        projection, num_threads);
         lora_add(batch.lora, l, 1, 1, whole, &hidden_size, attn, q_size, q_size, projection, hidden_size, hidden_size,
-                 sgemm);
+                 num_threads);
         // 2. MLP block
         rms_norm_f32(projection, hidden_size, hidden, hidden_size, layer.post_attention_norm, x, hidden_size, tokens,
                      (int)hidden_size, shape.eps, num_threads);
         decoder_linear(shape, sgemm, x, hidden_size, tokens, layer.gate_up_proj, layer.gate_up_type, hidden_size,
                        2 * intermediate, nullptr, gate_up, num_threads);
         lora_add(batch.lora, l, 2, 2, gate_up_offsets, gate_up_sizes, x, hidden_size, hidden_size, gate_up,
-                 2 * intermediate, 2 * intermediate, sgemm);
+                 2 * intermediate, 2 * intermediate, num_threads);
         silu_mul_f32(gate_up, 2 * intermediate, tokens, intermediate, num_threads);
         decoder_linear(shape, sgemm, gate_up, 2 * intermediate, tokens, layer.down_proj, layer.down_type, intermediate,
                        hidden_size, nullptr, hidden, num_threads);
         lora_add(batch.lora, l, 3, 1, whole, &hidden_size, gate_up, 2 * intermediate, intermediate, hidden,
-                 hidden_size, hidden_size, sgemm);
+                 hidden_size, hidden_size, num_threads);
     }
     rms_norm_f32(hidden, hidden_size, projection, hidden_size, final_norm, batch.out, hidden_size, tokens,
                  (int)hidden_size, shape.eps, num_threads);

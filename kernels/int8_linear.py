@@ -47,6 +47,11 @@ def _library() -> ctypes.CDLL | None:
     return library
 
 
+def load_kernels() -> bool:
+    """Builds (once per machine) and loads the C++ library now; whether it is there."""
+    return _library() is not None
+
+
 def _native(*tensors: torch.Tensor) -> ctypes.CDLL | None:
     """The C++ library when every tensor is a float32 (or int32) CPU tensor it can read."""
     if any(t.device.type != "cpu" for t in tensors):

@@ -3,8 +3,7 @@ they get back (RequestOutput). No torch, no tokenizer imports here."""
 
 from __future__ import annotations
 
-import pickle
-import pickletools
+import re
 from typing import Any
 
 import msgspec
@@ -55,8 +54,10 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     bad_words_token_ids: list[list[int]] | None = None
     # vLLM V0's per-request logits processors, run by the worker on each step's logits row:
     # fn(output_ids, logits_row) -> logits_row or fn(prompt_ids, output_ids, logits_row) ->
-    # logits_row. Callables in this process; pickled (with_pickled_processors) to travel to
-    # a worker process, where they arrive as bytes. Not an HTTP field.
+    # logits_row. Callables in this process; across processes their qualified names
+    # ("module:function", with_named_processors), which a worker imports only when the engine
+    # was started allowing them (--logits-processors). Never bytes: nothing a message carries
+    # is unpickled. Not an HTTP field.
     logits_processors: list[Any] | None = None
     # what the output must look like (a JSON schema, a regex, a grammar, a choice)
     structured_outputs: StructuredOutputsParams | None = None
@@ -76,12 +77,13 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     def is_greedy(self) -> bool:
         return self.temperature == 0.0 or self.top_k == 1
 
-    def with_pickled_processors(self) -> SamplingParams:
-        """These parameters with their logits processors pickled, to cross to a worker process."""
-        if not self.logits_processors or all(isinstance(f, bytes) for f in self.logits_processors):
+    def with_named_processors(self) -> SamplingParams:
+        """These parameters with their logits processors as qualified names, to cross to a
+        worker process (which resolves them from the engine's allow-list)."""
+        if not self.logits_processors or all(isinstance(f, str) for f in self.logits_processors):
             return self
         return msgspec.structs.replace(self, logits_processors=[
-            f if isinstance(f, bytes) else _pickle_processor(f) for f in self.logits_processors])
+            f if isinstance(f, str) else processor_name(f) for f in self.logits_processors])
 
     def validate(self) -> None:
         _check(self.n >= 1, "n", f"must be at least 1, got {self.n}")
@@ -123,8 +125,12 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
         for word in self.bad_words or []:
             _check(isinstance(word, str) and word.strip() != "", "bad_words", f"must be non-empty words, got {word!r}")
         for function in self.logits_processors or []:
-            _check(isinstance(function, bytes) or callable(function), "logits_processors",
-                   f"must be callables, got {function!r}")
+            # bytes are how pickled processors travelled once: refused here, which is also where
+            # a message is decoded, so no worker ever sees them
+            _check(not isinstance(function, (bytes, bytearray, memoryview)), "logits_processors",
+                   "must name processors ('module:function'), not carry them pickled")
+            _check(callable(function) or (isinstance(function, str) and _QUALIFIED_NAME.fullmatch(function)),
+                   "logits_processors", f"must be callables or qualified names ('module:function'), got {function!r}")
         if self.structured_outputs is not None:
             _check(isinstance(self.structured_outputs, StructuredOutputsParams), "structured_outputs",
                    f"must be StructuredOutputsParams, got {type(self.structured_outputs).__name__}")
@@ -134,19 +140,27 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
                    f"must be -1 (the model's limit) or at least 1, got {self.truncate_prompt_tokens}")
 
 
-def _pickle_processor(function: object) -> bytes:
-    """A logits processor as the worker process will load it: pickled by reference, so
-    it must be importable there by module and name (no lambda, no local function, nothing
-    defined in the __main__ script, which the worker does not run)."""
-    try:
-        data = pickle.dumps(function)
-    except (pickle.PicklingError, AttributeError, TypeError) as error:
-        raise InvalidRequestError(f"logits_processors: {function!r} cannot be sent to the worker process ({error}); "
-                                  "define it at the top level of an importable module", "logits_processors") from error
-    _check(not any(arg == "__main__" for _, arg, _ in pickletools.genops(data)), "logits_processors",
+# "package.module:attribute" (or "package.module.attribute"): what a worker imports
+_QUALIFIED_NAME = re.compile(r"[A-Za-z_][\w]*(\.[A-Za-z_][\w]*)*([:.][A-Za-z_][\w]*)")
+
+
+def processor_name(function: object) -> str:
+    """A logits processor's qualified name ("module:function", or "module:Class", of which
+    the worker makes one instance per request), as a worker process imports it: at the top
+    level of an importable module (no lambda, no local function, nothing defined in the
+    __main__ script, which the worker does not run). An instance has no name of its own:
+    name its class, or a module-level instance by string."""
+    _check(isinstance(function, type) or hasattr(function, "__qualname__"), "logits_processors",
+           f"{function!r} is an instance, which cannot be named for the worker process; pass its class "
+           "(one instance per request) or a function")
+    module, qualname = getattr(function, "__module__", None), function.__qualname__
+    _check(module not in (None, "__main__"), "logits_processors",
            f"{function!r} is defined in the __main__ script, which the worker process cannot import; "
            "move it to an importable module")
-    return data
+    _check("<" not in qualname and "." not in qualname, "logits_processors",
+           f"{function!r} cannot be named for the worker process (a lambda, a local function or a method); "
+           "define it at the top level of an importable module")
+    return f"{module}:{qualname}"
 
 
 def _structured_outputs(fields: dict) -> StructuredOutputsParams:

@@ -43,6 +43,13 @@ class RequestRejected(msgspec.Struct, array_like=True, frozen=True, kw_only=True
     param: str | None = None  # the offending field, when one is known
 
 
+class RequestTokenized(msgspec.Struct, array_like=True, frozen=True, tag="tokenized_ack"):
+    """input_processor → frontend: a request has left the input processor for the scheduler
+    (were that processor to die now, the request would not die with it: input_routing.py)."""
+
+    request_id: str
+
+
 class ActorReady(msgspec.Struct, array_like=True, frozen=True, kw_only=True, tag="ready"):
     """any actor → launcher: started, sockets bound, ready for work."""
 
@@ -82,4 +89,5 @@ class Pong(msgspec.Struct, array_like=True, frozen=True, tag="pong"):
     ping_id: int
 
 
-FrontendInbox = RequestOutputs | PoolingOutputs | RequestRejected | ActorReady | ActorFailed | Stats | Pong
+FrontendInbox = (RequestOutputs | PoolingOutputs | RequestRejected | RequestTokenized | ActorReady | ActorFailed
+                 | Stats | Pong)

@@ -79,5 +79,14 @@ class GetStats(msgspec.Struct, array_like=True, frozen=True, tag="get_stats"):
     query_id: int
 
 
+class GrammarCompiled(msgspec.Struct, array_like=True, frozen=True, tag="grammar_compiled"):
+    """worker (the rank that samples) → scheduler: a CompileGrammar's request may be
+    scheduled now (its grammar is ready), or must be refused (error, naming param)."""
+
+    request_id: str
+    error: str | None = None
+    param: str | None = None
+
+
 SchedulerInbox = (StepResult | TokenizedRequest | AbortRequest | FinishRequest | GetStats | EngineControl
-                  | WorkerControlDone | Ping | Shutdown)
+                  | WorkerControlDone | GrammarCompiled | Ping | Shutdown)

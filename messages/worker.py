@@ -16,6 +16,7 @@ from messages.control import WorkerControl
 from messages.lora import LoRARequest
 from messages.multimodal import MultiModalInput
 from messages.pooling import PoolingParams
+from messages.structured_outputs import StructuredOutputsParams
 
 
 class NewRequest(msgspec.Struct, array_like=True, frozen=True, gc=False):
@@ -68,4 +69,13 @@ class StepPlan(msgspec.Struct, array_like=True, frozen=True, gc=False, tag="plan
     blocks_to_load: list[tuple[bytes, int]] = msgspec.field(default_factory=list)
 
 
-WorkerInbox = StepPlan | WorkerControl | Ping | Shutdown
+class CompileGrammar(msgspec.Struct, array_like=True, frozen=True, tag="compile_grammar"):
+    """scheduler (its executor) → every worker rank: compile a request's grammar before the
+    request is scheduled; the rank that samples answers with GrammarCompiled, the others
+    ignore it (actors/worker/grammar_compiles.py)."""
+
+    request_id: str
+    constraint: StructuredOutputsParams
+
+
+WorkerInbox = StepPlan | WorkerControl | CompileGrammar | Ping | Shutdown

@@ -20,7 +20,7 @@ from typing import Protocol
 import torch
 import torch.nn.functional as F
 
-from kernels.int8_linear import dequantize, quantize_rows, quantize_rows_reference
+from kernels.int8_linear import dequantize, load_kernels, quantize_rows, quantize_rows_reference
 
 ROW_BLOCK = 256  # rows quantized, multiplied and scaled at a time (their temporaries stay in cache)
 
@@ -61,6 +61,12 @@ class Int8Linear:
     """W8A8 with dynamic per-token activation scales."""
 
     name = "int8"
+
+    def __init__(self) -> None:
+        # the C++ kernels are built (once per machine) now, as the engine starts: built by the
+        # first request instead, on a loaded machine it waited for the compiler past the
+        # client's timeout (test_bert_http[int8] failed so)
+        load_kernels()
 
     def prepare(self, weight: torch.Tensor) -> Int8Weight:
         qweight, scale = quantize_rows_reference(weight)

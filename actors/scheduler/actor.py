@@ -1,7 +1,9 @@
 """The scheduler actor: a thin shell around Scheduler.
 
 Receives TokenizedRequest (input processors), AbortRequest and GetStats (frontend),
-FinishRequest (detokenizer) and StepResult (worker rank 0). Sends StepPlans to every
+FinishRequest (detokenizer) and StepResult and GrammarCompiled (worker rank 0). A request
+with structured outputs waits here, unscheduled, until the worker that samples has compiled
+its grammar (CompileGrammar, actors/worker/grammar_compiles.py): no step waits for one. Sends StepPlans to every
 worker rank through its Executor (actors/executor.py, in this process); TrackRequest,
 StepOutputs and AbortRequest to the detokenizer, on one pipe so that a request is always
 tracked before its first tokens arrive; Stats, RequestRejected and the pooled outputs of
@@ -26,10 +28,10 @@ from actors.scheduler.step_timing import StepTimer
 from messages.control import EngineControl, WorkerControlDone
 from messages.detokenizer import StepOutputs, TrackRequest
 from messages.frontend import PoolingOutputs, RequestRejected, Stats
-from messages.scheduler import (AbortRequest, FinishRequest, GetStats, SchedulerInbox, StepResult,
-                                TokenizedRequest)
+from messages.scheduler import (AbortRequest, FinishRequest, GetStats, GrammarCompiled, SchedulerInbox,
+                                StepResult, TokenizedRequest)
 from messages.transport import Sockets
-from messages.worker import StepPlan
+from messages.worker import CompileGrammar, StepPlan
 
 logger = logging.getLogger(__name__)
 
@@ -54,6 +56,7 @@ class SchedulerActor(Actor):
         # Set when schedule() found nothing to do; any message may change that.
         self._nothing_to_schedule = False
         self.control = EngineControlState(self)  # sleep, wake-up, prefix-cache reset
+        self._compiling: dict[str, TokenizedRequest] = {}  # request_id -> a request whose grammar compiles
 
     @classmethod
     def from_spec(cls, spec: ActorSpec, sockets: Sockets) -> SchedulerActor:
@@ -83,9 +86,16 @@ class SchedulerActor(Actor):
         match message:
             case StepResult():
                 self._apply_result(message)
+            case TokenizedRequest(params=params) if params.structured_outputs is not None:
+                self._compiling[message.request_id] = message
+                self.executor.submit(CompileGrammar(message.request_id, params.structured_outputs))
             case TokenizedRequest():
                 self._add_request(message)
+            case GrammarCompiled():
+                self._grammar_compiled(message)
             case AbortRequest(request_id=request_id):
+                if self._compiling.pop(request_id, None) is not None:
+                    return  # its grammar's answer finds nothing to schedule
                 if self.scheduler.has_request(request_id):
                     self.scheduler.abort_request(request_id)
                     self.to_detokenizer.send(message)
@@ -118,6 +128,16 @@ class SchedulerActor(Actor):
             return  # no text: its output goes straight to the frontend
         self.to_detokenizer.send(TrackRequest(request_id=request.request_id,
                                               prompt_token_ids=request.prompt_token_ids, params=request.params))
+
+    def _grammar_compiled(self, answer: GrammarCompiled) -> None:
+        request = self._compiling.pop(answer.request_id, None)
+        if request is None:
+            return  # aborted while its grammar compiled
+        if answer.error is not None:
+            self.to_frontend.send(RequestRejected(request_id=request.request_id, message=answer.error,
+                                                  param=answer.param))
+        else:
+            self._add_request(request)
 
     def _apply_result(self, result: StepResult) -> None:
         if not self.plans_in_flight or self.plans_in_flight[0].step_id != result.step_id:

@@ -226,7 +226,7 @@ class KVTiers:
                 break
             host_block_ids.append(block_id)
         if self.disk_hashes and self._load_from_disk(seq.block_hashes[num_device_hit_blocks + len(host_block_ids):
-                                                                      max_hit_blocks]):
+                                                                      max_hit_blocks], len(host_block_ids)):
             return [], -1  # wait: more of its prefix comes from disk into the host tier first
         # from now until the plan goes, a spill must not overwrite them (the plan's
         # swap-outs run before its swap-ins)
@@ -272,10 +272,13 @@ class KVTiers:
             self._save_orders.append((device_block_id, block_hash))
             self.num_blocks_saved += 1
 
-    def _load_from_disk(self, block_hashes: list[BlockHash]) -> bool:
+    def _load_from_disk(self, block_hashes: list[BlockHash], num_host_hits: int) -> bool:
         """Orders the leading hashes with a file loaded into host blocks; whether any of
-        them is (or was already) on its way. Nothing is loaded unless all fit: a host tier
-        too small for the prefix would otherwise evict what it loaded before."""
+        them is (or was already) on its way. Only as many as the host tier holds beside the
+        num_host_hits blocks of the prefix found there (the newest: allocate() evicts older
+        ones first), so a load never evicts another block of the same prefix; the rest of a
+        prefix larger than the host tier is recomputed (all or nothing, a restarted server
+        loaded none of a 2,000-token prefix through a 64 MiB host tier)."""
         to_load, loading = [], False
         for block_hash in block_hashes:
             if block_hash in self._loading:
@@ -284,6 +287,7 @@ class KVTiers:
                 to_load.append(block_hash)
             else:
                 break
+        to_load = to_load[:max(0, self.host.num_free_blocks - num_host_hits)]
         host_block_ids = self.host.allocate(len(to_load)) if to_load else None
         if host_block_ids is None:
             return loading

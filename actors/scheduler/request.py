@@ -78,6 +78,9 @@ class Sequence:
         # Drafts granted to plans in flight (speculative decoding): the worker may be up to
         # this many tokens ahead of num_computed_tokens (actors/scheduler/speculation.py).
         self.num_drafts_in_flight = 0
+        # speculation: decodes to skip granting drafts, after grants the worker found nothing for
+        self.num_dry_grants_to_skip = 0
+        self.dry_backoff = 0  # the last skip's length: doubles while grants stay dry
         self.generation = 0  # bumped when the blocks are released: results of older plans are stale
         self.num_cached_blocks = 0  # leading blocks already offered to the prefix cache
         self.block_hashes: list[BlockHash] = []  # keys of its leading full blocks, grown lazily

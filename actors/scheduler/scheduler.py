@@ -379,7 +379,8 @@ class Scheduler:
             seq.num_pending_tokens -= 1
             seq.num_drafts_in_flight -= entry.num_drafts
             if self.draft_slots is not None:
-                self.draft_slots.observe(result.num_draft_tokens.get(seq.seq_id, 0), len(accepted))
+                self.draft_slots.observe(seq, entry.num_drafts, result.num_draft_tokens.get(seq.seq_id, 0),
+                                         len(accepted))
             new_token_ids, stop = append_until_stop(seq, [*accepted, result.sampled_token_ids[sample_index]],
                                                     self.eos_token_ids)
             if stop is not None:

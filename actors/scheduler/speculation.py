@@ -15,12 +15,21 @@ plus this step's 1 + drafts. The worker is authoritative for where a request sta
 result comes: it appends the accepted drafts and the sampled token one by one with the
 stop checks after each (the tail past a stop or a limit is discarded) and advances its
 num_computed_tokens by the accepted drafts. Prefix caching offers only blocks whose every
-token the scheduler knows verified, so no cached block holds a rejected draft's KV."""
+token the scheduler knows verified, so no cached block holds a rejected draft's KV.
+
+A grant costs the step's budget and KV slots whether or not the worker finds drafts, and
+on a workload with nothing to copy it finds none: k of every decode's budget then went
+unused (at a server's 512-token steps and 64 decodes, 384 of them, which prefills would
+have had). So a sequence whose grant came back with no drafts is granted none for its next
+1, 2, 4, ... up to MAX_DRY_BACKOFF (16) decodes (a probe each time), and as much as ever once the
+worker proposes again."""
 
 from __future__ import annotations
 
 from actors.scheduler.request import Sequence
 from actors.spec_decode.config import SpeculativeConfig, may_speculate
+
+MAX_DRY_BACKOFF = 16  # decodes a sequence goes at most without drafts between two dry probes
 
 
 class DraftSlots:
@@ -52,11 +61,20 @@ class DraftSlots:
             return 0
         if seq.num_total_tokens - seq.num_prompt_tokens < seq.params.min_tokens:
             return 0  # EOS and stop tokens are masked until then: the worker would not draft
+        if seq.num_dry_grants_to_skip:  # its last grant found nothing to draft (the module docstring)
+            seq.num_dry_grants_to_skip -= 1
+            return 0
         # tokens it may emit past this step's one: the worker caps its drafts by the same limit
         room = seq.max_num_tokens - seq.num_total_tokens - 1
         return max(0, min(self.num_speculative_tokens, budget - num_new_tokens, room))
 
-    def observe(self, num_draft_tokens: int, num_accepted: int) -> None:
+    def observe(self, seq: Sequence, num_granted: int, num_draft_tokens: int, num_accepted: int) -> None:
+        """A decode's result: num_granted drafts allowed, num_draft_tokens proposed."""
+        if num_granted and not num_draft_tokens:  # a dry grant: skip the next ones, longer each time
+            seq.dry_backoff = min(MAX_DRY_BACKOFF, max(1, 2 * seq.dry_backoff))
+            seq.num_dry_grants_to_skip = seq.dry_backoff
+        elif num_draft_tokens:
+            seq.dry_backoff = seq.num_dry_grants_to_skip = 0
         if num_draft_tokens <= 0:
             return
         self.num_drafts += 1

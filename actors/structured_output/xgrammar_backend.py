@@ -4,6 +4,9 @@ a GrammarMatcher per request."""
 from __future__ import annotations
 
 import json
+import os
+import threading
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import torch
@@ -136,6 +139,24 @@ def _bounded_strings_as_patterns(schema: Any) -> Any:
     return result
 
 
+def _lowest_cpu_priority() -> None:
+    """A compile thread's initializer: it runs on the CPU time the process's other threads
+    leave (Linux's SCHED_IDLE, set by thread id), so a compile that takes seconds does not
+    slow the worker's steps, whose threads, waking hundreds of times a step, preempt it at
+    once (at nice 19, with xgrammar's 8 threads, plain requests took 2x as long beside a
+    compile). For good: an unprivileged thread may not raise its priority again. The price:
+    a CPU saturated by steps leaves a compile little time, and past --grammar-compile-timeout
+    its request is refused."""
+    thread_id = threading.get_native_id()
+    try:
+        os.sched_setscheduler(thread_id, os.SCHED_IDLE, os.sched_param(0))
+    except (AttributeError, OSError):
+        try:
+            os.setpriority(os.PRIO_PROCESS, thread_id, 19)
+        except (AttributeError, OSError):
+            pass  # neither: the compile shares the CPU as any thread does
+
+
 class XGrammarMatcher:
     def __init__(self, compiled: xgr.CompiledGrammar) -> None:
         self._matcher = xgr.GrammarMatcher(compiled)
@@ -155,11 +176,17 @@ class XGrammarBackend:
 
     def __init__(self, tokenizer, vocab_size: int, stop_token_ids: list[int]) -> None:
         info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size, stop_token_ids=stop_token_ids)
-        self._compiler = xgr.GrammarCompiler(info, cache_limit_bytes=COMPILER_CACHE_BYTES)
+        # one thread a compile (xgrammar's default is 8), the caller's: one of these, of the
+        # lowest priority, which only the C++ compile runs on (it releases the GIL; a thread of
+        # that priority holding the GIL would stall the worker's step loop behind it)
+        self._compiler = xgr.GrammarCompiler(info, max_threads=1, cache_limit_bytes=COMPILER_CACHE_BYTES)
+        self._compile_threads = ThreadPoolExecutor(2, thread_name_prefix="troupe-grammar-idle",
+                                                   initializer=_lowest_cpu_priority)
 
     def compile(self, constraint: StructuredOutputsParams) -> xgr.CompiledGrammar:
         try:
-            return self._compiler.compile_grammar(_grammar(constraint))
+            grammar = _grammar(constraint)  # (Python, which holds the GIL: here, at the caller's priority)
+            return self._compile_threads.submit(self._compiler.compile_grammar, grammar).result()
         except InvalidRequestError:
             raise
         except Exception as error:  # noqa: BLE001

@@ -1,22 +1,25 @@
 """The worker actor: one per device (one on the CPU).
 
-Receives StepPlans and WorkerControls (sleep, wake-up) from the scheduler's executor; rank
-0 sends each plan's StepResult, and says when a WorkerControl is done, straight to the
-scheduler. Owns the model shard, the KV cache tensors and each request's state between
-steps (the ModelRunner). Reports its KV block count with its ready message: the launcher
-sizes the scheduler's block pool from it."""
+Receives StepPlans, WorkerControls (sleep, wake-up) and CompileGrammars from the scheduler's
+executor; rank 0 sends each plan's StepResult, says when a WorkerControl is done and when a
+grammar is compiled (GrammarCompiled), straight to the scheduler. Owns the model shard, the
+KV cache tensors and each request's state between steps (the ModelRunner). Reports its KV
+block count with its ready message: the launcher sizes the scheduler's block pool from it."""
 
 from __future__ import annotations
 
 import logging
 
 from actors.actor import Actor, ActorSpec
+from actors.structured_output.limits import DEFAULT_COMPILE_TIMEOUT_S
 from messages.control import WorkerControl, WorkerControlDone
 from messages.transport import Sockets
 from actors.worker.gpu_idle import GpuIdleProfile
 from actors.worker.host_profile import HostProfile
+from actors.worker.grammar_compiles import PendingCompiles
+from actors.worker.grammar_processor import structured_outputs_of
 from actors.worker.host_kv import host_tier_info
-from messages.worker import StepPlan, WorkerInbox
+from messages.worker import CompileGrammar, StepPlan, WorkerInbox
 
 logger = logging.getLogger(__name__)
 
@@ -28,9 +31,10 @@ class WorkerActor(Actor):
     inbox_type = WorkerInbox
 
     def __init__(self, name: str, addresses: dict[str, str], sockets: Sockets, runner, num_kv_blocks: int,
-                 rank: int = 0, output_rank: int = 0) -> None:
+                 rank: int = 0, output_rank: int = 0,
+                 grammar_compile_timeout: float = DEFAULT_COMPILE_TIMEOUT_S) -> None:
         super().__init__(name, addresses, sockets)
-        self.inbox.socket.connect(addresses[f"plans{rank}"])  # the scheduler's executor binds it
+        self.inbox.also(addresses[f"plans{rank}"], bind=False)  # the scheduler's executor binds it
         self.rank = rank
         self.runner = runner
         self.num_kv_blocks = num_kv_blocks
@@ -43,6 +47,9 @@ class WorkerActor(Actor):
         self.run_ahead = bool(getattr(runner, "engine", None) and runner.engine.scheduler.async_scheduling
                               and getattr(runner, "can_run_ahead", False))
         self.launched = None  # runner_step.LaunchedStep
+        structured = structured_outputs_of(runner) if self.to_scheduler is not None else None
+        # the rank that samples compiles grammars ahead of their requests (grammar_compiles.py)
+        self.compiles = PendingCompiles(structured, grammar_compile_timeout) if structured is not None else None
 
     @classmethod
     def from_spec(cls, spec: ActorSpec, sockets: Sockets) -> WorkerActor:
@@ -57,12 +64,14 @@ class WorkerActor(Actor):
 
             _join_group(engine, rank, engine.parallel.world_size, spec.options["distributed_init_method"])
             runner, num_blocks, output_rank = build_stage_runner(engine, rank)
-            return cls(spec.name, spec.addresses, sockets, runner, num_blocks, rank, output_rank)
+            return cls(spec.name, spec.addresses, sockets, runner, num_blocks, rank, output_rank,
+                       engine.grammar_compile_timeout)
         parallel = TensorParallel(rank, engine.parallel.tensor_parallel_size)
         if parallel.enabled:
             _join_group(engine, rank, parallel.size, spec.options["distributed_init_method"])
         runner, num_blocks = build_model_runner(engine, parallel)
-        return cls(spec.name, spec.addresses, sockets, runner, num_blocks, rank)
+        return cls(spec.name, spec.addresses, sockets, runner, num_blocks, rank,
+                   grammar_compile_timeout=engine.grammar_compile_timeout)
 
     def close(self) -> None:
         self._finish_launched()
@@ -75,10 +84,14 @@ class WorkerActor(Actor):
         return {"num_kv_blocks": self.num_kv_blocks, "rank": self.rank,
                 "weight_bytes": self.runner.num_weight_bytes(), **host_tier_info(self.runner)}
 
-    def handle(self, message: StepPlan | WorkerControl) -> None:
+    def handle(self, message: StepPlan | WorkerControl | CompileGrammar) -> None:
         if isinstance(message, WorkerControl):
             self._finish_launched()
             self._control(message)
+            return
+        if isinstance(message, CompileGrammar):
+            if self.compiles is not None:  # (the ranks that do not sample have no grammars)
+                self.compiles.add(message.request_id, message.constraint)
             return
         started = self.host_profile.begin() if self.host_profile is not None else 0.0
         plan = message
@@ -105,15 +118,23 @@ class WorkerActor(Actor):
             self.host_profile.end(started, "decode only" if decodes else "with a prefill chunk")
 
     def has_work(self) -> bool:
-        """A launched step whose device work is done is finished without waiting for a plan."""
-        return self.launched is not None and self.launched.done()
+        """A launched step whose device work is done is finished without waiting for a plan;
+        grammars compiled (or past their time) are answered."""
+        return ((self.launched is not None and self.launched.done())
+                or (self.compiles is not None and self.compiles.has_answers()))
 
     def step(self) -> None:
-        self._finish_launched()
+        if self.launched is not None and self.launched.done():
+            self._finish_launched()
+        if self.compiles is not None:
+            for answer in self.compiles.take_answers():
+                self.to_scheduler.send(answer)
 
     def wake_after(self) -> float | None:
         """While a launched step runs: look again shortly (the next plan usually comes first)."""
-        return _POLL_S if self.launched is not None else None
+        timers = [t for t in (_POLL_S if self.launched is not None else None,
+                              self.compiles.wake_after() if self.compiles is not None else None) if t is not None]
+        return min(timers) if timers else None
 
     def _finish_launched(self) -> None:
         launched, self.launched = self.launched, None
@@ -161,5 +182,27 @@ def _join_group(engine, rank: int, world_size: int, init_method: str) -> None:
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
     # a rank that dies leaves the others blocked in a collective: the launcher notices the
     # death and stops them; the timeout only bounds a rendezvous that never completes
-    dist.init_process_group("nccl" if on_cuda else "gloo", init_method=init_method, rank=rank,
-                            world_size=world_size, timeout=timedelta(seconds=600))
+    timeout = timedelta(seconds=600)
+    store = _rendezvous_store(init_method, rank, world_size, timeout)
+    dist.init_process_group("nccl" if on_cuda else "gloo", store=store, rank=rank, world_size=world_size,
+                            timeout=timeout)
+
+
+def _rendezvous_store(init_method: str, rank: int, world_size: int, timeout):
+    """torch.distributed's TCPStore at init_method ("tcp://host:port"), listening there only:
+    given a host, TCPStore's server listens on every interface all the same, so rank 0
+    binds the listening socket itself, where the user named, and hands it over."""
+    import socket
+    from urllib.parse import urlsplit
+
+    import torch.distributed as dist
+
+    url = urlsplit(init_method)
+    if url.scheme != "tcp" or url.hostname is None or url.port is None:
+        raise ValueError(f"distributed_init_method must be tcp://host:port, got {init_method!r}")
+    if rank != 0:
+        return dist.TCPStore(url.hostname, url.port, world_size, False, timeout)
+    family = socket.AF_INET6 if ":" in url.hostname else socket.AF_INET
+    listener = socket.create_server((url.hostname, url.port), family=family, backlog=max(128, world_size))
+    return dist.TCPStore(url.hostname, url.port, world_size, True, timeout, wait_for_workers=False,
+                         master_listen_fd=listener.detach())

@@ -41,7 +41,7 @@ MAX_FEW_ROWS = 64
 _TUNING_LAYERS = 4  # layers whose weights are timed (56 MB for SmolLM2): more than the caches hold, as in a step
 
 
-def tune_few_rows(native, layers: list, limit: int = 16) -> int:
+def tune_few_rows(native, layers: list, limit: int = 16, baseline=None, clock=None) -> int:
     """The largest row count (up to limit) at which the C++ linear (linear_few_rows) still
     beats F.linear on these decoder layers' weights, timed here (at least 2, see below).
 
@@ -51,21 +51,26 @@ def tune_few_rows(native, layers: list, limit: int = 16) -> int:
     made to fit AVX2's 16 registers, up to 64 (171 ms against sgemm's 189 for SmolLM2's
     linears; 31 against 100 at 4 rows: benchmarks/cpu_linear.py). Medians of three passes
     over several layers' weights, so that they stream from memory as in a step; the
-    search stops at the first row count where sgemm wins."""
+    search stops at the first row count where sgemm wins. baseline (F.linear) and clock
+    (time.perf_counter) are what is timed against and with: a test's search runs on a
+    clock of its own, which no other load on the machine moves."""
     import statistics
     import time
 
     import torch
     import torch.nn.functional as F
 
+    baseline = baseline or F.linear
+    clock = clock or time.perf_counter
+
     weights = [w for layer in layers[:_TUNING_LAYERS]
                for w in (layer.qkv_proj, layer.o_proj, layer.gate_up_proj, layer.down_proj)]
 
     def seconds(linear, inputs: list) -> float:
-        start = time.perf_counter()
+        start = clock()
         for x, weight in zip(inputs, weights):
             linear(x, weight)
-        return time.perf_counter() - start
+        return clock() - start
 
     best = min(limit, _ALWAYS_FEW_ROWS)
     with torch.inference_mode():
@@ -73,7 +78,7 @@ def tune_few_rows(native, layers: list, limit: int = 16) -> int:
             if rows > limit:
                 break
             inputs = [torch.randn(rows, weight.shape[1]) for weight in weights]
-            times = [(seconds(native.linear_few_rows, inputs), seconds(F.linear, inputs)) for _ in range(3)]
+            times = [(seconds(native.linear_few_rows, inputs), seconds(baseline, inputs)) for _ in range(3)]
             if statistics.median(cpp for cpp, _ in times) > statistics.median(sgemm for _, sgemm in times):
                 break
             best = rows

@@ -2,10 +2,13 @@
 a request's grammar does not allow next (actors/structured_output/ builds the grammars).
 
 The worker that samples owns the matchers, so no grammar state crosses a process:
-- a request's constraint compiles on a thread when the request joins (compiled grammars
-  are kept by key, so a schema seen before is ready at once); the compile overlaps the
-  request's prefill, and a step waits only for what is left of it when the request's
-  first token is due;
+- a request's constraint compiles on a thread (its C++ part at the lowest CPU priority),
+  before the scheduler schedules the request (CompileGrammar, actors/worker/grammar_compiles.py:
+  a slow grammar delays only its own request, and one past --grammar-compile-timeout is
+  refused); compiled grammars are kept by key, up to MAX_CACHED_GRAMMAR_BYTES, so a
+  schema seen before is ready at once. Where nothing compiled ahead (the offline LLM, or
+  a grammar dropped from the cache meanwhile) it compiles when the request joins and a
+  step waits for what is left of it when the request's first token is due;
 - after each step's sampling, a second thread advances the matchers past the sampled
   tokens and fills each request's next bitmask while the next step's forward runs
   (xgrammar's and SGLang's overlap); apply() waits for that and masks the logits on
@@ -28,6 +31,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from actors.structured_output import GrammarBackend, GrammarMatcher, make_backend
+from actors.structured_output.limits import MAX_CACHED_GRAMMAR_BYTES
 from actors.structured_output.reasoning import reasoning_ended, reasoning_marker_ids
 from actors.worker.logits_processors import LogitsProcessor, RequestProcessor, default_processors
 from actors.worker.sampling_batch import StepRows
@@ -41,8 +45,11 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-# compiled grammars kept, by constraint key (least recently used dropped first)
+# compiled grammars kept, by constraint key (least recently used dropped first), at most
+# this many and MAX_CACHED_GRAMMAR_BYTES (structured_output/limits.py) of them
 MAX_CACHED_GRAMMARS = 128
+# compiles at a time: one slow grammar leaves a thread to the others
+_COMPILE_THREADS = 2
 _SLOW_WAIT_S = 0.05  # a step that waits this long for a grammar says so in the log
 
 
@@ -164,6 +171,13 @@ def _advance_all(grammars: list[_RequestGrammar], model: _Model, stop_ids: list[
             grammar.advance(model, stop_ids)
 
 
+def _grammar_bytes(future: Future) -> int:
+    """A compiled grammar's memory (xgrammar's own count; 0 while compiling, or unknown)."""
+    if not future.done() or future.exception() is not None:
+        return 0
+    return int(getattr(future.result(), "memory_size_bytes", 0))
+
+
 def _bit(index: int) -> int:
     """Bit `index` of an int32 word (bit 31 is the sign bit)."""
     return -(2**31) if index == 31 else 1 << index
@@ -179,7 +193,8 @@ class StructuredOutputs(RequestProcessor):
         self.config = config
         self.words = -(-config.vocab_size // 32)
         self.stop_ids = list(config.eos_token_ids)
-        self._compile_thread = ThreadPoolExecutor(1, thread_name_prefix="troupe-grammar-compile")
+        # (a compile's C++ part runs at the lowest CPU priority: xgrammar_backend.py)
+        self._compile_thread = ThreadPoolExecutor(_COMPILE_THREADS, thread_name_prefix="troupe-grammar-compile")
         self._fill_thread = ThreadPoolExecutor(1, thread_name_prefix="troupe-grammar-fill")
         self._model: Future | None = None
         self._compiled: OrderedDict[tuple, Future] = OrderedDict()
@@ -238,8 +253,14 @@ class StructuredOutputs(RequestProcessor):
 
     def _model_future(self) -> Future:
         if self._model is None:
-            self._model = self._compile_thread.submit(_Model, self.config)
+            # on a thread of ordinary priority: every structured request waits for it, once
+            self._model = ThreadPoolExecutor(1, thread_name_prefix="troupe-grammar-model").submit(_Model, self.config)
         return self._model
+
+    def precompile(self, constraint: StructuredOutputsParams) -> Future:
+        """The constraint's compiled grammar (a future: compiling, or done), kept for the
+        request that will join with it."""
+        return self._compile(constraint)
 
     def _compile(self, constraint: StructuredOutputsParams) -> Future:
         key = constraint.key()
@@ -250,9 +271,18 @@ class StructuredOutputs(RequestProcessor):
         model = self._model_future()
         future = self._compile_thread.submit(lambda: model.result().backend.compile(constraint))
         self._compiled[key] = future
-        while len(self._compiled) > MAX_CACHED_GRAMMARS:
-            self._compiled.popitem(last=False)
+        self._evict()
         return future
+
+    def _evict(self) -> None:
+        """Drops the least recently used grammars past MAX_CACHED_GRAMMARS or past
+        MAX_CACHED_GRAMMAR_BYTES of compiled ones (requests that hold one keep it)."""
+        sizes = {key: _grammar_bytes(future) for key, future in self._compiled.items()}
+        total = sum(sizes.values())
+        while len(self._compiled) > 1 and (len(self._compiled) > MAX_CACHED_GRAMMARS
+                                           or total > MAX_CACHED_GRAMMAR_BYTES):
+            key, _ = self._compiled.popitem(last=False)
+            total -= sizes[key]
 
     @staticmethod
     def _wait(future: Future, what: str):
@@ -264,10 +294,16 @@ class StructuredOutputs(RequestProcessor):
         return result
 
 
+def structured_outputs_of(runner) -> StructuredOutputs | None:
+    """The grammar masks of a model runner's sampler, where it samples (rank 0 of its stage)."""
+    processors = getattr(getattr(runner, "sampler", None), "processors", ())
+    return next((processor for processor in processors if isinstance(processor, StructuredOutputs)), None)
+
+
 def sampling_processors(engine: EngineConfig, parallel: TensorParallel) -> list[LogitsProcessor]:
     """The sampler's logits processors: the built-in ones, then (on the rank that samples)
     the structured outputs' grammar masks, last, so nothing lifts them."""
-    processors = default_processors(list(engine.model.eos_token_ids))
+    processors = default_processors(list(engine.model.eos_token_ids), engine.logits_processors)
     if parallel.rank == 0:
         processors.append(StructuredOutputs(GrammarConfig(
             engine.structured_outputs_backend, engine.tokenizer_path or engine.model.model_path,

@@ -12,9 +12,6 @@ device. Adding one (a grammar's bitmask) is a subclass of RequestProcessor with
 
 from __future__ import annotations
 
-import inspect
-import pickle
-from collections.abc import Callable
 from typing import Protocol
 
 import numpy as np
@@ -292,46 +289,14 @@ class BadWords(RequestProcessor):
         _put(logits, row_numbers, endings, float("-inf"))
 
 
-# A per-request custom processor, vLLM V0's offline form: (output_ids, logits_row) -> row
-# or (prompt_ids, output_ids, logits_row) -> row.
-CustomProcessor = Callable[..., torch.Tensor]
+def default_processors(eos_token_ids: list[int], allowed_custom: tuple[str, ...] = ()) -> list[RequestProcessor]:
+    """The built-in processors in the order they apply: custom ones (callables of this
+    process, or names of allowed_custom, the engine's --logits-processors) see the model's
+    logits; the bans come last, so nothing lifts them."""
+    from actors.worker.custom_processors import CustomProcessors
 
-
-class CustomProcessors(RequestProcessor):
-    """SamplingParams.logits_processors: Python callables run row by row, in their order,
-    on each of the request's steps (greedy ones too)."""
-
-    reads_output = True  # its next apply reads the request's output list on the host
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.functions: dict[int, tuple[list[tuple[CustomProcessor, bool]], list[int], list[int]]] = {}
-
-    def needs(self, params: SamplingParams) -> bool:
-        return bool(params.logits_processors)
-
-    def add(self, slot, params, prompt_ids, output_ids) -> None:
-        functions = [pickle.loads(f) if isinstance(f, bytes) else f for f in params.logits_processors]
-        self.functions[slot] = ([(f, _takes_prompt(f)) for f in functions], list(prompt_ids), output_ids)
-
-    def remove(self, slot: int) -> None:
-        del self.functions[slot]
-
-    def apply(self, logits: torch.Tensor, rows: StepRows) -> None:
-        for row in rows.where(self.flags).tolist():
-            functions, prompt_ids, output_ids = self.functions[int(rows.slots[row])]
-            for function, takes_prompt in functions:
-                before = logits[row]
-                after = (function(prompt_ids, list(output_ids), before) if takes_prompt
-                         else function(list(output_ids), before))
-                if after is not before:
-                    logits[row] = after
-
-
-def default_processors(eos_token_ids: list[int]) -> list[RequestProcessor]:
-    """The built-in processors in the order they apply: custom ones see the model's logits;
-    the bans come last, so nothing lifts them."""
-    return [CustomProcessors(), Penalties(), LogitBias(), AllowedTokens(), MinTokens(eos_token_ids), BadWords()]
+    return [CustomProcessors(allowed_custom), Penalties(), LogitBias(), AllowedTokens(), MinTokens(eos_token_ids),
+            BadWords()]
 
 
 def bad_word_endings(bad_words: list[list[int]], output: list[int]) -> list[int]:
@@ -343,13 +308,6 @@ def bad_word_endings(bad_words: list[list[int]], output: list[int]) -> list[int]
         if not prefix or (len(output) >= len(prefix) and output[len(output) - len(prefix):] == prefix):
             endings.append(word[-1])
     return endings
-
-
-def _takes_prompt(function: CustomProcessor) -> bool:
-    try:
-        return len(inspect.signature(function).parameters) == 3
-    except (TypeError, ValueError):  # a builtin without a signature: the two-argument form
-        return False
 
 
 def _ids(token_ids: list[int], vocab: int, device: torch.device) -> torch.Tensor:

@@ -1,7 +1,8 @@
 """Logits processors: vLLM V0's per-request callables (SamplingParams.logits_processors and
 LLM.generate(..., logits_processors=...)), greedy requests included; their trip to a
-worker process (pickled by reference, a typed error for what cannot make it); and the
-batch-level seam a new processor (a grammar's bitmask) plugs into."""
+worker process (by qualified name, from the engine's allow-list; a typed error for what
+cannot make it; never pickled); and the batch-level seam a new processor (a grammar's
+bitmask) plugs into."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ import pytest
 import torch
 
 from actors import LLM, AsyncClient
-from actors.worker.logits_processors import RequestProcessor
+from actors.worker.logits_processors import RequestProcessor, default_processors
 from actors.worker.sampler import Sampler
 from messages.common import InvalidRequestError, SamplingParams
 from messages.worker import NewRequest
@@ -38,9 +39,9 @@ def count_up_from_the_prompt(prompt_ids: list[int], output_ids: list[int], logit
 
 
 class Ban:
-    """A callable instance of an importable class pickles too."""
+    """A class names a processor too: the worker makes one per request."""
 
-    def __init__(self, token_id: int) -> None:
+    def __init__(self, token_id: int = 3) -> None:
         self.token_id = token_id
 
     def __call__(self, output_ids: list[int], logits: torch.Tensor) -> torch.Tensor:
@@ -74,14 +75,53 @@ def test_generate_s_logits_processors_apply_to_every_prompt_after_their_own(llm)
     assert again[0].outputs[0].token_ids != [FORCED] * 4, "a call's processors must not outlive it"
 
 
-def test_processors_travel_pickled_to_a_worker_and_run_there():
-    params = SamplingParams(temperature=0.0, logits_processors=[force_token, Ban(3)]).with_pickled_processors()
-    assert all(isinstance(f, bytes) for f in params.logits_processors)
+NAMES = ("tests.actors.test_logits_processors:force_token", "tests.actors.test_logits_processors:Ban",
+         "tests.actors.test_logits_processors:count_up_from_the_prompt")
+
+
+def test_processors_travel_by_name_to_a_worker_and_run_there():
+    params = SamplingParams(temperature=0.0, logits_processors=[force_token, Ban]).with_named_processors()
+    assert params.logits_processors == list(NAMES[:2])
     wire = msgspec.msgpack.encode(NewRequest("r", [5, 6], 2, params, [0], 0))
     arrived = msgspec.msgpack.decode(wire, type=NewRequest).params
-    sampler = Sampler((0,), seed=0)
+    sampler = Sampler((0,), 0, default_processors([0], NAMES))
     sampler.add_request("r", arrived, [5, 6], [])
     assert sampler.sample(torch.randn(1, 50), ["r"])[0] == [FORCED]
+
+
+def test_a_worker_runs_no_name_outside_its_allow_list():
+    sampler = Sampler((0,), 0, default_processors([0], NAMES[1:]))  # force_token not allowed
+    params = SamplingParams(temperature=0.0, logits_processors=[NAMES[0]])
+    sampler.add_request("r", params, [5, 6], [])
+    logits = torch.zeros(1, 50)
+    logits[0, 4] = 1.0
+    assert sampler.sample(logits, ["r"])[0] == [4]
+
+
+class Explodes:
+    """What a pickled processor could run on the worker: here, a marker file."""
+
+    def __init__(self, marker: str) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        return (open, (self.marker, "w"))
+
+
+def test_a_pickled_processor_is_refused_at_decode_never_run(tmp_path):
+    import pickle
+
+    marker = tmp_path / "ran"
+    # a plan as an old (or forged) sender writes it: SamplingParams with the pickled bytes
+    fields = msgspec.to_builtins(SamplingParams(temperature=0.0))
+    fields["logits_processors"] = [pickle.dumps(Explodes(str(marker)))]
+    wire = msgspec.msgpack.encode([["r", [5, 6], 2, fields, [0], 0]])
+    with pytest.raises(msgspec.ValidationError, match="logits_processors"):
+        msgspec.msgpack.decode(wire, type=list[NewRequest])
+    with pytest.raises(InvalidRequestError) as raised:
+        SamplingParams(logits_processors=[pickle.dumps(force_token)])
+    assert raised.value.param == "logits_processors"
+    assert not marker.exists()
 
 
 def local_function():
@@ -90,11 +130,11 @@ def local_function():
     return keep
 
 
-@pytest.mark.parametrize("function", [lambda output, row: row, local_function()])
+@pytest.mark.parametrize("function", [lambda output, row: row, local_function(), Ban(3)])
 def test_what_cannot_reach_a_worker_process_is_a_typed_error(function):
     params = SamplingParams(logits_processors=[function])  # fine in this process
     with pytest.raises(InvalidRequestError) as raised:
-        params.with_pickled_processors()
+        params.with_named_processors()
     assert raised.value.param == "logits_processors"
 
 
@@ -105,12 +145,13 @@ def test_a_function_of_the_main_script_is_refused_for_a_worker_process(monkeypat
     in_main.__module__, in_main.__qualname__ = "__main__", "in_main"
     monkeypatch.setattr(sys.modules["__main__"], "in_main", in_main, raising=False)
     with pytest.raises(InvalidRequestError, match="__main__"):
-        SamplingParams(logits_processors=[in_main]).with_pickled_processors()
+        SamplingParams(logits_processors=[in_main]).with_named_processors()
 
 
-def test_a_processor_that_is_not_callable_is_refused():
+@pytest.mark.parametrize("entry", [42, "no_module", "os:path:join"])
+def test_a_processor_that_is_neither_callable_nor_a_name_is_refused(entry):
     with pytest.raises(InvalidRequestError) as raised:
-        SamplingParams(logits_processors=[42])
+        SamplingParams(logits_processors=[entry])
     assert raised.value.param == "logits_processors"
 
 
@@ -160,23 +201,39 @@ def test_processor_state_survives_preemption_in_the_engine(tiny_llama_dir):
 
 
 def test_processors_reach_the_workers_of_a_tensor_parallel_engine(tiny_llama_dir):
-    with LLM(tiny_llama_dir, kv_cache_memory="64MiB", tensor_parallel_size=2) as llm:
+    with LLM(tiny_llama_dir, kv_cache_memory="64MiB", tensor_parallel_size=2,
+             logits_processors=[Ban, "tests.actors.test_logits_processors.count_up_from_the_prompt"]) as llm:
         greedy = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
-        forced, counted = llm.generate([[5, 6, 7], [9, 10]], [msgspec.structs.replace(greedy, logits_processors=[Ban(3)]),
+        forced, counted = llm.generate([[5, 6, 7], [9, 10]], [msgspec.structs.replace(greedy, logits_processors=[Ban]),
                                                               greedy], use_tqdm=False,
                                        logits_processors=[count_up_from_the_prompt])
         assert forced.outputs[0].token_ids == [8, 9, 10, 11] and counted.outputs[0].token_ids == [11, 12, 13, 14]
         with pytest.raises(InvalidRequestError, match="logits_processors"):
             llm.generate([[5, 6]], greedy, use_tqdm=False, logits_processors=[lambda output, row: row])
+        with pytest.raises(InvalidRequestError, match="not allowed"):  # importable, but not on the allow-list
+            llm.generate([[5, 6]], greedy, use_tqdm=False, logits_processors=[force_token])
 
 
 @pytest.mark.asyncio
 async def test_async_client_sends_processors_to_its_worker_process(tiny_llama_dir):
-    async with AsyncClient(tiny_llama_dir, kv_cache_memory="64MiB") as client:
+    async with AsyncClient(tiny_llama_dir, kv_cache_memory="64MiB", logits_processors=[force_token]) as client:
         greedy = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
         output = await asyncio.wait_for(
             client.generate([5, 6, 7], msgspec.structs.replace(greedy, logits_processors=[force_token])), 60)
         assert output.outputs[0].token_ids == [FORCED] * 3
-        with pytest.raises(InvalidRequestError, match="logits_processors"):
-            await client.generate([5, 6], msgspec.structs.replace(greedy, logits_processors=[lambda output, row: row]))
+        by_name = await asyncio.wait_for(client.generate([5, 6, 7], msgspec.structs.replace(
+            greedy, logits_processors=["tests.actors.test_logits_processors.force_token"])), 60)
+        assert by_name.outputs[0].token_ids == [FORCED] * 3
+        for refused in ([lambda output, row: row], ["os:system"], [Ban]):
+            with pytest.raises(InvalidRequestError, match="logits_processors"):
+                await client.generate([5, 6], msgspec.structs.replace(greedy, logits_processors=refused))
         assert client.num_unfinished_requests == 0
+
+
+def test_the_allow_list_is_checked_at_start_up():
+    from actors.custom_processors import allow_list
+
+    assert allow_list(["tests.actors.test_logits_processors.Ban", force_token]) == NAMES[1::-1]
+    for bad in (["tests.actors.test_logits_processors:missing"], ["no.such.module:f"], [lambda o, r: r]):
+        with pytest.raises(ValueError, match="logits_processors"):
+            allow_list(bad)

@@ -163,3 +163,21 @@ def test_beam_search_with_adapters_equals_peft_beams(tiny_llama_dir, adapters):
         base = AutoModelForCausalLM.from_pretrained(tiny_llama_dir, dtype="float32")
         peft_model = PeftModel.from_pretrained(base, lora.lora_path).eval()
         assert_same_beams(troupe_beams(output, prompt, params), hf_beams(peft_model, prompt, params))
+
+
+def test_a_lora_delta_on_gguf_weights_does_not_depend_on_the_batch(smollm2_dir, tmp_path):
+    """The default model's Q4_1 blocks quantize each layer's input per block of 32, so a
+    last-bit difference in a LoRA delta can move an int8 rounding and a logprob by 0.1: a
+    prompt alone (two copies: every step has two rows, so the base runs one kernel) and in a
+    batch of eight must get the same logprobs to the bit."""
+    adapter = LoRARequest("smol", 1, build_lora_adapter(smollm2_dir, str(tmp_path / "smol"), rank=8))
+    llm = LLM(enable_lora=True, max_lora_rank=8, kv_cache_memory="256MiB")  # the embedded .gguf, quantized
+    rng = random.Random(0)
+    prompts = [[rng.randrange(5, 3000) for _ in range(length)] for length in (37, 50, 23, 61, 44, 29, 70, 33)]
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=0)
+    batch = llm.generate(prompts, params, use_tqdm=False, lora_request=adapter)
+    for index in (0, 3):
+        pair = llm.generate([prompts[index]] * 2, params, use_tqdm=False, lora_request=adapter)
+        for output in (pair[0].outputs[0], pair[1].outputs[0]):
+            assert output.token_ids == batch[index].outputs[0].token_ids
+            assert output.logprobs == batch[index].outputs[0].logprobs

@@ -288,3 +288,24 @@ def test_free_json_whitespace_comes_in_bounded_runs(backend_name, constraint, do
     assert all(matcher.accept(byte_ids[b]) for b in document.encode()) == accepted
     if accepted:
         assert matcher.accept(0) and matcher.is_terminated()  # the document is whole: the stop token ends it
+
+
+def test_the_workers_compiled_grammars_are_bounded_by_bytes(tiny_llama_dir, monkeypatch):
+    from actors.worker import grammar_processor
+    from actors.worker.grammar_processor import GrammarConfig, StructuredOutputs
+
+    processor = StructuredOutputs(GrammarConfig("xgrammar", tiny_llama_dir, 384, (0,)))
+    constraints = [StructuredOutputsParams(json={"type": "object", "properties": {f"p{i}_{j}": {"type": "string"}
+                                                                                   for j in range(20)}})
+                   for i in range(4)]
+    sizes = [processor.precompile(constraint).result(timeout=60).memory_size_bytes for constraint in constraints]
+    assert len(processor._compiled) == 4  # under the default bound, every one is kept
+    # room for two of them: adding another drops the least recently used first
+    monkeypatch.setattr(grammar_processor, "MAX_CACHED_GRAMMAR_BYTES", sizes[2] + sizes[3] + sizes[0] // 2)
+    processor.precompile(constraints[0])  # used again: the newest
+    processor.precompile(StructuredOutputsParams(regex="a+")).result(timeout=60)
+    processor.precompile(StructuredOutputsParams(regex="b+")).result(timeout=60)
+    kept = [key[1] for key in processor._compiled]
+    assert constraints[1].key()[1] not in kept and constraints[0].key()[1] in kept
+    total = sum(future.result().memory_size_bytes for future in processor._compiled.values())
+    assert total <= grammar_processor.MAX_CACHED_GRAMMAR_BYTES + sizes[0]  # (checked as each one is added)

@@ -1,13 +1,18 @@
 """Clients that give up, and many clients at once, against the shared server: a dropped
-request is aborted in the engine (its KV blocks freed) within a second, a crowd of
-impatient clients leaves nothing behind, and 200 concurrent streams all complete with
-well-formed SSE and exact usage. Sized for a 2-core CI machine: a tiny model, short
-outputs, except where a request must still be running when its client leaves."""
+request is aborted in the engine (its KV blocks freed) long before it could have made its
+tokens, a crowd of impatient clients leaves nothing behind, and 200 concurrent streams all
+complete with well-formed SSE and exact usage. Sized for a 2-core CI machine: a tiny model,
+short outputs, except where a request must still be running when its client leaves.
+
+The bounds are on what the engine did, not on wall time alone: a 2-core machine shared with
+other work stretches every second (a dropped request once took over a second to be seen
+idle under load). A request not aborted would generate its 2,000 tokens; an aborted one
+stops after a handful, however slow the machine, so the tokens generated are the check,
+with generous time bounds around it."""
 
 from __future__ import annotations
 
 import asyncio
-import time
 
 import httpx
 import pytest
@@ -26,29 +31,35 @@ async def aclient(server):
         yield client
 
 
-def seconds_until_idle(http: httpx.Client, since: float) -> float:
-    wait_until_idle(http, timeout=5.0)
-    return time.monotonic() - since
+IDLE_TIMEOUT_S = 30.0  # how long a loaded machine may take to show the engine idle
 
 
-def test_dropped_stream_is_aborted_within_1_s(http):
+def generated_tokens(http: httpx.Client) -> float:
+    return scrape_metrics(http).get("vllm:generation_tokens_total", 0.0)
+
+
+def test_dropped_stream_is_aborted_long_before_its_end(http):
+    wait_until_idle(http, timeout=IDLE_TIMEOUT_S)
+    before = generated_tokens(http)
     with http.stream("POST", "/v1/completions", json={**LONG, "stream": True}) as response:
         assert response.status_code == 200
         lines = response.iter_lines()
         for _ in range(3):
             next(lines)
         assert scrape_metrics(http)["vllm:num_requests_running"] == 1
-        dropped_at = time.monotonic()
     # leaving the block closes the connection with the response half read
-    assert seconds_until_idle(http, dropped_at) < 1.0
+    wait_until_idle(http, timeout=IDLE_TIMEOUT_S)
+    assert generated_tokens(http) - before < LONG["max_tokens"] / 2  # stopped, not run to its end
 
 
-def test_dropped_non_streaming_request_is_aborted_within_1_s(server, http):
+def test_dropped_non_streaming_request_is_aborted_long_before_its_end(server, http):
+    wait_until_idle(http, timeout=IDLE_TIMEOUT_S)
+    before = generated_tokens(http)
     with pytest.raises(httpx.ReadTimeout):
         httpx.post(f"{server.url}/v1/chat/completions", headers=AUTH, timeout=1.0,
                    json={"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2000, "ignore_eos": True})
-    dropped_at = time.monotonic()
-    assert seconds_until_idle(http, dropped_at) < 1.0
+    wait_until_idle(http, timeout=IDLE_TIMEOUT_S)
+    assert generated_tokens(http) - before < 1000  # stopped, not run to its end
 
 
 async def test_200_clients_giving_up_after_half_a_second_leave_nothing_behind(aclient, http):
@@ -66,14 +77,16 @@ async def test_200_clients_giving_up_after_half_a_second_leave_nothing_behind(ac
             return
         raise AssertionError(f"request {i} finished within 0.5 s")
 
+    await asyncio.to_thread(wait_until_idle, http, IDLE_TIMEOUT_S)
+    before = await asyncio.to_thread(generated_tokens, http)
     async with asyncio.timeout(60):
         await asyncio.gather(*[impatient(i) for i in range(200)])
-    given_up_at = time.monotonic()
     response = await aclient.post("/v1/completions", json={"prompt": [9, 10], "max_tokens": 8, "ignore_eos": True})
     assert response.status_code == 200 and response.json()["usage"]["completion_tokens"] == 8
-    assert time.monotonic() - given_up_at < 5.0
-    gauges = await asyncio.to_thread(wait_until_idle, http, 5.0)
+    gauges = await asyncio.to_thread(wait_until_idle, http, IDLE_TIMEOUT_S)
     assert gauges["troupe_kv_cache_blocks_held"] == 0
+    # 200 requests of 2,000 tokens, all stopped early: a few hundred tokens in all, not 400,000
+    assert gauges["vllm:generation_tokens_total"] - before < 200 * LONG["max_tokens"] / 20
 
 
 async def test_200_concurrent_streams_complete_with_well_formed_sse_and_exact_usage(aclient):

@@ -19,9 +19,10 @@ from tests.api.conftest import AUTH, ENGINE_FLAGS, MODEL_NAME, REPO_ROOT, Server
 
 
 @pytest.mark.parametrize("split", ["--tensor-parallel-size", "--pipeline-parallel-size"])
-def test_two_launchers_on_loopback_serve_the_tokens_of_one_rank(tiny_llama_dir, tmp_path, split):
+def test_two_launchers_on_loopback_serve_the_tokens_of_one_rank(tiny_llama_dir, tmp_path, split, monkeypatch):
     # the rendezvous, node 0's frontend inbox, a plan socket per rank, the scheduler's inbox (PP)
     port = free_tcp_port_range(5)
+    monkeypatch.setenv("TROUPE_ENGINE_KEY", "a shared secret of the two nodes")  # (node 0 inherits it)
     flags = [split, "2", "--nnodes", "2", "--master-port", str(port)]
     node1 = subprocess.Popen([sys.executable, "-m", "actors.launch", "--model", tiny_llama_dir, *ENGINE_FLAGS,
                               *flags, "--node-rank", "1"], cwd=REPO_ROOT, stdout=subprocess.PIPE, text=True,

@@ -4,14 +4,11 @@ not, and prefill chunks on the step's own keys and values."""
 
 from __future__ import annotations
 
-import os
 
 import pytest
 import torch
 
-from actors.config import cache_dir
 from kernels.paged_attention_ref import paged_attention_ref
-from kernels.cpu_kernels import load_native_kernels
 from kernels.paged_attention_cpu import paged_attention_cpu, plan_paged_attention_cpu, store_kv_cpu
 from kernels.store_kv import store_kv_ref
 from tests.kernels.naive import make_paged_batch

@@ -9,6 +9,7 @@ from __future__ import annotations
 import random
 import zlib
 
+import msgspec
 import pytest
 
 from actors.config import CacheConfig, SchedulerConfig
@@ -249,3 +250,21 @@ def test_no_drafts_until_min_tokens_are_out():
         scheduler.update(plan, worker.step(plan))
     # outputs before each step: 0 (prompt), 1, 2, 3, ...: drafts from the step after the third
     assert granted[:4] == [0, 0, 0, 2]
+
+
+def test_a_decode_whose_grants_find_nothing_to_draft_is_granted_none_for_longer_and_longer():
+    scheduler = make_speculating_scheduler(k=3, max_num_batched_tokens=64)
+    worker = SpeculatingWorker(4, 64, target, lambda seq_id, position: True)
+    scheduler.add_request("a", [1, 2, 3, 4, 5], make_params(max_tokens=120))
+    granted = []
+    for step in range(42):  # step 0 is the prompt, then one decode a step
+        plan = scheduler.schedule()
+        granted.append(plan.num_lookahead_tokens.get("a", 0))
+        nothing_to_copy = step < 25  # the worker's history offers nothing to draft, then it does
+        scheduler.update(plan, worker.step(msgspec.structs.replace(plan, num_lookahead_tokens={})
+                                           if nothing_to_copy else plan))
+    # a dry grant skips the next 1, 2, 4, 8, 16 (at most) decodes; a fruitful one ends that
+    assert [step for step, drafts in enumerate(granted) if drafts] == [1, 3, 6, 11, 20, 37, 38, 39, 40, 41]
+    assert set(granted) == {0, 3}
+    # the budget went to the probes only, not to 3 phantom drafts a decode
+    assert sum(granted[:37]) == 5 * 3
