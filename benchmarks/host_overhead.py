@@ -86,20 +86,33 @@ def stub_model(runner, max_rows: int, max_tokens: int, seed: int = 0) -> None:
     runner.model.compute_logits = compute_logits
 
 
-def time_messages(plan, result, updates, outputs) -> None:
-    """Encodes and decodes what the actor engine sends around one step, as its actors do."""
-    from messages.detokenizer import DetokenizerInbox, StepOutputs
-    from messages.frontend import FrontendInbox, RequestOutputs
-    from messages.scheduler import SchedulerInbox
-    from messages.transport import encode
-    from messages.worker import WorkerInbox
+class Inboxes:
+    """The decoders of the actors' inboxes, each built once, as each actor builds its own."""
 
-    msgspec.msgpack.decode(encode(plan), type=WorkerInbox)
-    msgspec.msgpack.decode(encode(result), type=SchedulerInbox)
+    def __init__(self) -> None:
+        from messages.detokenizer import DetokenizerInbox
+        from messages.frontend import FrontendInbox
+        from messages.scheduler import SchedulerInbox
+        from messages.worker import WorkerInbox
+
+        self.worker = msgspec.msgpack.Decoder(WorkerInbox)
+        self.scheduler = msgspec.msgpack.Decoder(SchedulerInbox)
+        self.detokenizer = msgspec.msgpack.Decoder(DetokenizerInbox)
+        self.frontend = msgspec.msgpack.Decoder(FrontendInbox)
+
+
+def time_messages(inboxes: Inboxes, plan, result, updates, outputs) -> None:
+    """Encodes and decodes what the actor engine sends around one step, as its actors do."""
+    from messages.detokenizer import StepOutputs
+    from messages.frontend import RequestOutputs
+    from messages.transport import encode
+
+    inboxes.worker.decode(encode(plan))
+    inboxes.scheduler.decode(encode(result))
     if updates:
-        msgspec.msgpack.decode(encode(StepOutputs(step_id=plan.step_id, updates=updates)), type=DetokenizerInbox)
+        inboxes.detokenizer.decode(encode(StepOutputs(step_id=plan.step_id, updates=updates)))
     if outputs:
-        msgspec.msgpack.decode(encode(RequestOutputs(outputs)), type=FrontendInbox)
+        inboxes.frontend.decode(encode(RequestOutputs(outputs)))
 
 
 def run(path: str, batch: int, steps: int, sampling: str, prompt_len: int) -> dict[str, list[float]]:
@@ -137,6 +150,7 @@ def run(path: str, batch: int, steps: int, sampling: str, prompt_len: int) -> di
     request_ids = llm._add_requests((None, p["prompt_token_ids"], params, None, None, None) for p in prompts)
     assert len(request_ids) == batch
     figures: dict[str, list[float]] = defaultdict(list)
+    inboxes = Inboxes()
     decode_steps = 0
     while engine.has_unfinished() and decode_steps < steps:
         clock.take()
@@ -148,7 +162,7 @@ def run(path: str, batch: int, steps: int, sampling: str, prompt_len: int) -> di
         if len(plan.num_scheduled_tokens) != batch or any(n != 1 for n in plan.num_scheduled_tokens.values()):
             continue  # prefill (or a mixed step): not what is measured
         start = time.perf_counter()
-        time_messages(plan, seen["execute"], seen["update"], seen["process"][0])
+        time_messages(inboxes, plan, seen["execute"], seen["update"], seen["process"][0])
         phases["messages"] = time.perf_counter() - start
         decode_steps += 1
         for phase in PHASES:
