@@ -1,23 +1,31 @@
 """Detokenization: the scheduler's NewTokens become RequestOutput deltas.
 
 OutputProcessor is the plain logic (the offline engine calls it in-process). It owns one
-incremental decoder per live completion (incremental_decode.py), which holds back a
-UTF-8 character split across tokens, so the streamed pieces concatenate to exactly the
-decode of all ids. It matches stop strings,
+incremental decoder per live completion (incremental_decode.py; byte_level_decode.py for
+byte-level BPE), which holds back a UTF-8 character split across tokens, so the streamed
+pieces concatenate to exactly the decode of all ids. It matches stop strings,
 holding back text that may be the start of one while streaming, and reports the
 completions a stop string ended so the scheduler can finish them.
+
+Most updates are one token of a request with one completion, no stop strings and no
+logprobs, that goes on: process() gives those their delta at once (append_token), with
+no tokenizer call when the decoder knows the token's text, as it runs once per sequence
+and step.
 
 DetokenizerActor receives TrackRequest, StepOutputs and AbortRequest from the scheduler
 and sends RequestOutputs to the frontend and FinishRequest to the scheduler."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import msgspec
 
 from actors.actor import Actor, ActorSpec
-from actors.incremental_decode import IncrementalDecoder
+from actors.byte_level_decode import ByteLevelDecoder
+from actors.incremental_decode import IncrementalDecoder, decoder_factory
+from actors.merge_outputs import merge_delta  # (re-exported: where callers import it)
 from messages.common import CompletionOutput, Logprob, RequestMetrics, RequestOutput, SamplingParams
 from messages.detokenizer import DetokenizerInbox, NewTokens, StepOutputs, TrackRequest
 from messages.frontend import RequestOutputs
@@ -54,10 +62,12 @@ class TokenTexts:
 class CompletionDecoder:
     """Text, stop-string and delivery state of one completion."""
 
-    def __init__(self, index: int, params: SamplingParams, backend) -> None:
+    def __init__(self, index: int, params: SamplingParams, decoder: IncrementalDecoder | ByteLevelDecoder) -> None:
         self.index = index
         self.params = params
-        self.decoder = IncrementalDecoder(backend, params.skip_special_tokens)
+        self.decoder = decoder
+        # its tokens need no stop-string matching and no logprobs: append_token() may take them
+        self.plain = not params.stop_strings and params.logprobs is None
         self.text = ""  # what may be shown: stable decoded text, cut at a stop string
         self.token_ids: list[int] = []
         self.logprobs: list[dict[int, Logprob]] | None = [] if params.logprobs is not None else None
@@ -87,6 +97,20 @@ class CompletionDecoder:
                     return stop
             return None
         return self._append(token_texts, update)
+
+    def append_token(self, token_id: int) -> CompletionOutput | None:
+        """A plain completion's unfinished step of one token whose text needs no decode
+        (IncrementalDecoder.add_token): appends it and returns the step's delta at once;
+        None, and nothing changed, when append() must take it."""
+        piece = self.decoder.add_token(token_id)
+        if piece is None:
+            return None
+        self.token_ids.append(token_id)
+        self.text += piece
+        # nothing was held back (no stop strings), so the delta is just this token's
+        self.num_sent_chars = len(self.text)
+        self.num_sent_tokens = len(self.token_ids)
+        return CompletionOutput(index=self.index, text=piece, token_ids=[token_id])
 
     def _append(self, token_texts: TokenTexts, update: NewTokens) -> str | None:
         self.token_ids.extend(update.new_token_ids)
@@ -146,11 +170,13 @@ class CompletionDecoder:
 
 class RequestState:
     def __init__(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
-                 params: SamplingParams, backend) -> None:
+                 params: SamplingParams, make_decoder: Callable[[], IncrementalDecoder | ByteLevelDecoder]) -> None:
         self.request_id = request_id
         self.prompt = prompt
         self.prompt_token_ids = prompt_token_ids
-        self.completions = [CompletionDecoder(i, params, backend) for i in range(params.n)]
+        self.completions = [CompletionDecoder(i, params, make_decoder()) for i in range(params.n)]
+        # one completion, no stop strings or logprobs: process() may take its steps the short way
+        self.plain = params.n == 1 and self.completions[0].plain
         self.wants_prompt_logprobs = params.prompt_logprobs is not None
         self.new_prompt_logprobs: list[dict[int, Logprob] | None] = []  # not yet in a delta
         self.got_prompt_logprobs = False
@@ -176,10 +202,16 @@ class OutputProcessor:
         self.backend = getattr(tokenizer, "backend_tokenizer", tokenizer)
         self.token_texts = TokenTexts(self.backend)
         self.requests: dict[str, RequestState] = {}
+        # skip_special_tokens -> what makes a completion's decoder (sharing what it learns of each token)
+        self._decoder_factories: dict[bool, Callable[[], IncrementalDecoder | ByteLevelDecoder]] = {}
 
     def add_request(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
                     params: SamplingParams) -> None:
-        self.requests[request_id] = RequestState(request_id, prompt, prompt_token_ids, params, self.backend)
+        skip = params.skip_special_tokens
+        if skip not in self._decoder_factories:
+            self._decoder_factories[skip] = decoder_factory(self.backend, skip)
+        self.requests[request_id] = RequestState(request_id, prompt, prompt_token_ids, params,
+                                                 self._decoder_factories[skip])
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
         """Forgets the request; returns its last delta, every unfinished completion
@@ -195,12 +227,25 @@ class OutputProcessor:
     def process(self, updates: list[NewTokens]) -> tuple[list[RequestOutput], list[StopMatch]]:
         """Applies one step's updates. Returns the deltas and the stop-string matches the
         scheduler must be told about."""
-        changed: dict[str, list[CompletionDecoder]] = {}
+        deltas: list[RequestOutput | None] = []
+        # requests taking the general path: request_id -> (their delta's place in deltas, completions)
+        changed: dict[str, tuple[int, list[CompletionDecoder]]] = {}
         stops: list[StopMatch] = []
         for update in updates:
             state = self.requests.get(update.request_id)
             if state is None:
                 continue  # aborted meanwhile
+            if (state.plain and state.sent_first and update.finish_reason is None and update.new_logprobs is None
+                    and update.prompt_logprobs is None and update.first_scheduled_time is None
+                    and len(update.new_token_ids) == 1):
+                # most steps: one plain completion gains one token and goes on
+                output = state.completions[0].append_token(update.new_token_ids[0])
+                if output is not None:
+                    if update.num_cached_tokens > state.num_cached_tokens:
+                        state.num_cached_tokens = update.num_cached_tokens
+                    deltas.append(RequestOutput(request_id=state.request_id, prompt=state.prompt, outputs=[output],
+                                                num_cached_tokens=state.num_cached_tokens))
+                    continue
             state.num_cached_tokens = max(state.num_cached_tokens, update.num_cached_tokens)
             if update.first_scheduled_time is not None:
                 state.note_first_scheduled(update.first_scheduled_time)
@@ -209,7 +254,10 @@ class OutputProcessor:
                     state.new_prompt_logprobs.append(None)  # the first prompt token has none
                     state.got_prompt_logprobs = True
                 state.new_prompt_logprobs += [self.token_texts.logprob_dict(e) for e in update.prompt_logprobs]
-            completions = changed.setdefault(update.request_id, [])
+            if update.request_id not in changed:
+                changed[update.request_id] = (len(deltas), [])
+                deltas.append(None)  # (filled below, so deltas keep the order of the updates)
+            completions = changed[update.request_id][1]
             completion = state.completions[update.index]
             if completion.finish_reason is not None:
                 continue
@@ -222,13 +270,12 @@ class OutputProcessor:
                 completion.finish(update.finish_reason, update.stop_reason)
             if completion.finish_reason is not None:
                 state.num_finished += 1
-        deltas = []
-        for request_id, completions in changed.items():
+        for request_id, (position, completions) in changed.items():
             state = self.requests[request_id]
             finished = state.num_finished == len(state.completions)
             if finished:
                 del self.requests[request_id]
-            deltas.append(self._delta(state, completions, finished))
+            deltas[position] = self._delta(state, completions, finished)
         return deltas, stops
 
     @staticmethod
@@ -244,35 +291,6 @@ class OutputProcessor:
         if state.new_metrics is not None:
             delta.metrics, state.new_metrics = state.new_metrics, None
         return delta
-
-
-def merge_delta(accumulated: RequestOutput | None, delta: RequestOutput) -> RequestOutput:
-    """Folds a delta into the request's whole output so far (what offline callers get).
-    The accumulated output is updated in place and returned."""
-    if accumulated is None:
-        accumulated = RequestOutput(request_id=delta.request_id, prompt=delta.prompt)
-    if delta.prompt_token_ids:
-        accumulated.prompt_token_ids = delta.prompt_token_ids
-    if delta.prompt_logprobs:
-        accumulated.prompt_logprobs = (accumulated.prompt_logprobs or []) + delta.prompt_logprobs
-    accumulated.num_cached_tokens = max(accumulated.num_cached_tokens, delta.num_cached_tokens)
-    if delta.metrics is not None:
-        accumulated.metrics = delta.metrics
-    accumulated.finished = delta.finished
-    by_index = {c.index: c for c in accumulated.outputs}
-    for part in delta.outputs:
-        whole = by_index.get(part.index)
-        if whole is None:
-            whole = by_index[part.index] = CompletionOutput(index=part.index)
-            accumulated.outputs.append(whole)
-            accumulated.outputs.sort(key=lambda c: c.index)
-        whole.text += part.text
-        whole.token_ids.extend(part.token_ids)
-        if part.logprobs is not None:
-            whole.logprobs = (whole.logprobs or []) + part.logprobs
-        whole.cumulative_logprob = part.cumulative_logprob
-        whole.finish_reason, whole.stop_reason = part.finish_reason, part.stop_reason
-    return accumulated
 
 
 class DetokenizerActor(Actor):

@@ -9,7 +9,8 @@ import logging
 import torch
 
 from actors.config import EngineConfig
-from actors.detokenizer import OutputProcessor, merge_delta
+from actors.detokenizer import OutputProcessor
+from actors.merge_outputs import OutputMerger
 from actors.pooling.outputs import pooling_request_output
 from actors.scheduler.kv_tiers import make_kv_tiers
 from actors.scheduler.priority import make_scheduler
@@ -42,7 +43,7 @@ class EngineCore:
                                                             engine.collect_detailed_traces is not None),
                                               engine.model.model_path)
         self.sleep_mode = None  # a SleepMode once asked to sleep (actors/worker/sleep_mode.py)
-        self._accumulated: dict[str, RequestOutput] = {}  # request_id -> its output so far
+        self._outputs: dict[str, OutputMerger] = {}  # request_id -> its output so far
         self._pooling_ids: set[str] = set()  # live pooling requests (the output processor never sees them)
         logger.info("KV cache: %d blocks of %d tokens", self.num_blocks, engine.cache.block_size)
 
@@ -71,9 +72,11 @@ class EngineCore:
         if request_id in self._pooling_ids:
             self._pooling_ids.discard(request_id)
             return None
+        merger = self._outputs.pop(request_id, None) or OutputMerger()
         delta = self.outputs.abort_request(request_id)
-        accumulated = self._accumulated.pop(request_id, None)
-        return merge_delta(accumulated, delta) if delta is not None else accumulated
+        if delta is not None:
+            merger.add(delta)
+        return merger.result()
 
     def sleep(self, level: int = 1) -> None:
         """Preempts every request (each resumes after wake_up, recomputed), forgets the
@@ -131,13 +134,15 @@ class EngineCore:
         deltas, stops = self.outputs.process(updates)
         for stop in stops:
             self.scheduler.finish_sequence(stop.request_id, stop.index, "stop", stop.stop)
+        outputs = self._outputs
         for delta in deltas:
             if self.traces is not None:
                 self.traces.delta(delta)
-            whole = merge_delta(self._accumulated.get(delta.request_id), delta)
+            merger = outputs.get(delta.request_id)
+            if merger is None:
+                merger = outputs[delta.request_id] = OutputMerger()
+            merger.add(delta)
             if delta.finished:
-                self._accumulated.pop(delta.request_id, None)
-                finished.append(whole)
-            else:
-                self._accumulated[delta.request_id] = whole
+                del outputs[delta.request_id]
+                finished.append(merger.result())
         return finished

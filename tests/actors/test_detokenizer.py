@@ -7,10 +7,11 @@ from __future__ import annotations
 import random
 
 import pytest
-from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers
+from tokenizers import AddedToken, Tokenizer, decoders, models, normalizers, pre_tokenizers
 
+from actors.byte_level_decode import ByteLevelDecoder, TokenBytes, is_byte_level
 from actors.detokenizer import OutputProcessor, merge_delta
-from actors.incremental_decode import IncrementalDecoder
+from actors.incremental_decode import IncrementalDecoder, TokenPieces, decoder_factory
 from messages.common import SamplingParams
 from messages.detokenizer import NewTokens
 from tests.conftest import build_tiny_tokenizer
@@ -31,23 +32,87 @@ def sentencepiece_style_tokenizer() -> Tokenizer:
     return tokenizer
 
 
-@pytest.mark.parametrize("make_tokenizer", [lambda: build_tiny_tokenizer().backend_tokenizer,
-                                            sentencepiece_style_tokenizer], ids=["byte-level-bpe", "sentencepiece"])
+def byte_level_tokenizer_with_added_tokens() -> Tokenizer:
+    """The tiny byte-level BPE with added tokens: special and not, one whose characters are
+    all in the byte table (decoded through it) and ones with characters outside it (their
+    own UTF-8 bytes)."""
+    tokenizer = build_tiny_tokenizer().backend_tokenizer
+    tokenizer.add_tokens([AddedToken("猫cat", special=False), AddedToken(" hello", special=False),
+                          AddedToken("Ġx", special=False)])
+    tokenizer.add_special_tokens(["<sp é>"])
+    return tokenizer
+
+
+@pytest.mark.parametrize("make_tokenizer", [byte_level_tokenizer_with_added_tokens, sentencepiece_style_tokenizer],
+                         ids=["byte-level-bpe", "sentencepiece"])
 @pytest.mark.parametrize("skip_special_tokens", [True, False])
-def test_incremental_text_is_always_a_prefix_and_ends_as_the_whole_decode(make_tokenizer, skip_special_tokens):
+@pytest.mark.parametrize("decoders_made_by", ["IncrementalDecoder", "decoder_factory"])
+def test_incremental_text_is_always_a_prefix_and_ends_as_the_whole_decode(make_tokenizer, skip_special_tokens,
+                                                                          decoders_made_by):
+    # decoder_factory's decoders (ByteLevelDecoder, or IncrementalDecoder with TokenPieces)
+    # also take single tokens without decoding (add_token): fed token by token or in chunks,
+    # the text shown only grows and ends as the whole decode, ids the vocabulary lacks included
     tokenizer = make_tokenizer()
+    make_decoder = decoder_factory(tokenizer, skip_special_tokens) if decoders_made_by == "decoder_factory" \
+        else lambda: IncrementalDecoder(tokenizer, skip_special_tokens)
     rng = random.Random(1)
     for _ in range(300):
-        ids = [rng.randrange(tokenizer.get_vocab_size()) for _ in range(rng.randint(1, 50))]
-        decoder = IncrementalDecoder(tokenizer, skip_special_tokens)
+        ids = [rng.randrange(tokenizer.get_vocab_size() + 2) for _ in range(rng.randint(1, 50))]
+        decoder = make_decoder()
         shown, position = "", 0
         while position < len(ids):
             step = rng.randint(1, 3)
-            decoder.add(ids[position:position + step])
+            added = decoder.add_token(ids[position]) if step == 1 else None
+            if added is None:
+                decoder.add(ids[position:position + step])
+            else:
+                assert decoder.stable_text == shown + added
             position += step
             assert decoder.stable_text.startswith(shown)
             shown = decoder.stable_text
         assert decoder.text == tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
+
+
+def test_only_a_byte_level_decoder_alone_is_decoded_byte_by_byte():
+    assert is_byte_level(build_tiny_tokenizer().backend_tokenizer)
+    assert not is_byte_level(sentencepiece_style_tokenizer())
+    assert isinstance(decoder_factory(build_tiny_tokenizer().backend_tokenizer, True)(), ByteLevelDecoder)
+    tokenizer = byte_level_tokenizer_with_added_tokens()
+    token_bytes = TokenBytes(tokenizer, skip_special_tokens=True)
+    assert token_bytes(tokenizer.token_to_id("Ġx")) == b" x"  # through the byte table
+    assert token_bytes(tokenizer.token_to_id(" hello")) == b" hello"  # its own bytes
+    assert token_bytes(tokenizer.token_to_id("<sp é>")) == b""  # skipped
+
+
+def test_token_pieces_take_no_byte_fallback_token_and_no_decoder_that_looks_across_tokens():
+    tokenizer = sentencepiece_style_tokenizer()
+    pieces = TokenPieces(tokenizer, skip_special_tokens=True)
+    assert pieces(tokenizer.token_to_id("▁cat")) == " cat"
+    assert pieces(tokenizer.token_to_id("猫")) == "猫"
+    assert pieces(tokenizer.token_to_id("<0x41>")) is None  # its text depends on the bytes around it
+    decoder = IncrementalDecoder(tokenizer, True, pieces)
+    assert decoder.add_token(tokenizer.token_to_id("▁cat")) is None  # the first token: its space is stripped
+    decoder.add([tokenizer.token_to_id("▁cat")])
+    assert decoder.add_token(tokenizer.token_to_id("▁sat")) == " sat" and decoder.text == "cat sat"
+    tokenizer.decoder = decoders.WordPiece()
+    assert TokenPieces(tokenizer, skip_special_tokens=True)(tokenizer.token_to_id("▁cat")) is None
+
+
+def test_a_plain_step_gives_the_same_deltas_as_the_general_path():
+    # n == 1 without stop strings or logprobs takes process()'s short path after the first
+    # delta; a request with a stop string that never matches takes the general one
+    tokenizer = build_tiny_tokenizer()
+    ids = tokenizer.encode("The dog sleeps in the sun. 猫 é") + [0, 300, 1]
+    processors = []
+    for stop in (None, ["\u2603"]):
+        processor = OutputProcessor(tokenizer)
+        processor.add_request("r", None, [1], SamplingParams(max_tokens=50, stop=stop))
+        processors.append(processor)
+    for i, token_id in enumerate(ids):
+        update = NewTokens("r", 0, [token_id], finish_reason="length" if i == len(ids) - 1 else None,
+                           num_cached_tokens=4, first_scheduled_time=1.0 if i == 0 else None)
+        short, general = (processor.process([update])[0] for processor in processors)
+        assert short == general
 
 
 def test_a_run_of_byte_fallback_tokens_is_held_back_until_it_ends():
