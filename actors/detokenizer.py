@@ -175,8 +175,9 @@ class RequestState:
         self.prompt = prompt
         self.prompt_token_ids = prompt_token_ids
         self.completions = [CompletionDecoder(i, params, make_decoder()) for i in range(params.n)]
-        # one completion, no stop strings or logprobs: process() may take its steps the short way
-        self.plain = params.n == 1 and self.completions[0].plain
+        # its one completion when plain, once the request's first delta went out: process()
+        # gives that completion's one-token steps their deltas the short way
+        self.plain_completion: CompletionDecoder | None = None
         self.wants_prompt_logprobs = params.prompt_logprobs is not None
         self.new_prompt_logprobs: list[dict[int, Logprob] | None] = []  # not yet in a delta
         self.got_prompt_logprobs = False
@@ -224,28 +225,37 @@ class OutputProcessor:
                 completion.finish("abort", None)
         return self._delta(state, state.completions, finished=True)
 
-    def process(self, updates: list[NewTokens]) -> tuple[list[RequestOutput], list[StopMatch]]:
-        """Applies one step's updates. Returns the deltas and the stop-string matches the
+    def process(self, step: StepOutputs) -> tuple[list[RequestOutput], list[StopMatch]]:
+        """Applies one step's outputs. Returns the deltas and the stop-string matches the
         scheduler must be told about."""
-        deltas: list[RequestOutput | None] = []
-        # requests taking the general path: request_id -> (their delta's place in deltas, completions)
+        deltas: list[RequestOutput] = []
+        updates = step.updates
+        requests = self.requests
+        for request_id, index, token_id in zip(step.decode_request_ids, step.decode_indexes, step.decode_token_ids):
+            state = requests.get(request_id)
+            if state is None:
+                continue  # aborted meanwhile
+            # most of a step: a plain completion gains one token and goes on; its delta at once
+            completion = state.plain_completion
+            if completion is not None and (output := completion.append_token(token_id)) is not None:
+                deltas.append(RequestOutput(request_id=request_id, prompt=state.prompt, outputs=[output],
+                                            num_cached_tokens=state.num_cached_tokens))
+                continue
+            if updates is step.updates:
+                updates = list(updates)
+            updates.append(NewTokens(request_id, index, [token_id]))
+        return deltas, self._apply_updates(updates, deltas)
+
+    def _apply_updates(self, updates: list[NewTokens], deltas: list[RequestOutput]) -> list[StopMatch]:
+        """The general path: each update applied to its completion, one delta per request
+        (appended to deltas); the stop strings that matched."""
+        # request_id -> (its delta's place in deltas, its completions that changed)
         changed: dict[str, tuple[int, list[CompletionDecoder]]] = {}
         stops: list[StopMatch] = []
         for update in updates:
             state = self.requests.get(update.request_id)
             if state is None:
                 continue  # aborted meanwhile
-            if (state.plain and state.sent_first and update.finish_reason is None and update.new_logprobs is None
-                    and update.prompt_logprobs is None and update.first_scheduled_time is None
-                    and len(update.new_token_ids) == 1):
-                # most steps: one plain completion gains one token and goes on
-                output = state.completions[0].append_token(update.new_token_ids[0])
-                if output is not None:
-                    if update.num_cached_tokens > state.num_cached_tokens:
-                        state.num_cached_tokens = update.num_cached_tokens
-                    deltas.append(RequestOutput(request_id=state.request_id, prompt=state.prompt, outputs=[output],
-                                                num_cached_tokens=state.num_cached_tokens))
-                    continue
             state.num_cached_tokens = max(state.num_cached_tokens, update.num_cached_tokens)
             if update.first_scheduled_time is not None:
                 state.note_first_scheduled(update.first_scheduled_time)
@@ -256,7 +266,7 @@ class OutputProcessor:
                 state.new_prompt_logprobs += [self.token_texts.logprob_dict(e) for e in update.prompt_logprobs]
             if update.request_id not in changed:
                 changed[update.request_id] = (len(deltas), [])
-                deltas.append(None)  # (filled below, so deltas keep the order of the updates)
+                deltas.append(None)  # (filled below)
             completions = changed[update.request_id][1]
             completion = state.completions[update.index]
             if completion.finish_reason is not None:
@@ -276,7 +286,7 @@ class OutputProcessor:
             if finished:
                 del self.requests[request_id]
             deltas[position] = self._delta(state, completions, finished)
-        return deltas, stops
+        return stops
 
     @staticmethod
     def _delta(state: RequestState, completions: list[CompletionDecoder], finished: bool) -> RequestOutput:
@@ -286,6 +296,8 @@ class OutputProcessor:
         if not state.sent_first:
             delta.prompt_token_ids = state.prompt_token_ids
             state.sent_first = True
+            if len(state.completions) == 1 and state.completions[0].plain:
+                state.plain_completion = state.completions[0]
         if state.new_prompt_logprobs:
             delta.prompt_logprobs, state.new_prompt_logprobs = state.new_prompt_logprobs, []
         if state.new_metrics is not None:
@@ -314,8 +326,8 @@ class DetokenizerActor(Actor):
 
     def handle(self, message) -> None:
         match message:
-            case StepOutputs(updates=updates):
-                deltas, stops = self.processor.process(updates)
+            case StepOutputs():
+                deltas, stops = self.processor.process(message)
                 for stop in stops:
                     self.to_scheduler.send(FinishRequest(stop.request_id, stop.index, stop.stop))
                 if deltas:

@@ -126,12 +126,12 @@ class EngineCore:
         """One model step; returns the requests that finished in it."""
         plan = self.scheduler.schedule()
         result = self.runner.execute(plan)
-        updates = self.scheduler.update(plan, result)
+        step_outputs = self.scheduler.update(plan, result)
         finished: list[RequestOutput | PoolingRequestOutput] = []
         for pooled in self.scheduler.take_pooling_results():
             self._pooling_ids.discard(pooled.request_id)
             finished.append(pooling_request_output(pooled))
-        deltas, stops = self.outputs.process(updates)
+        deltas, stops = self.outputs.process(step_outputs)
         for stop in stops:
             self.scheduler.finish_sequence(stop.request_id, stop.index, "stop", stop.stop)
         outputs = self._outputs

@@ -101,16 +101,15 @@ class Inboxes:
         self.frontend = msgspec.msgpack.Decoder(FrontendInbox)
 
 
-def time_messages(inboxes: Inboxes, plan, result, updates, outputs) -> None:
+def time_messages(inboxes: Inboxes, plan, result, step_outputs, outputs) -> None:
     """Encodes and decodes what the actor engine sends around one step, as its actors do."""
-    from messages.detokenizer import StepOutputs
     from messages.frontend import RequestOutputs
     from messages.transport import encode
 
     inboxes.worker.decode(encode(plan))
     inboxes.scheduler.decode(encode(result))
-    if updates:
-        inboxes.detokenizer.decode(encode(StepOutputs(step_id=plan.step_id, updates=updates)))
+    if not step_outputs.is_empty():
+        inboxes.detokenizer.decode(encode(step_outputs))
     if outputs:
         inboxes.frontend.decode(encode(RequestOutputs(outputs)))
 

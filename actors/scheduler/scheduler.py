@@ -202,6 +202,7 @@ class Scheduler(SchedulerUpdates):
         running, block_size = self.running, self.kv_cache_manager.block_size
         speculates = self.draft_slots is not None and self.draft_slots.step_allows(running)
         continuing_requests, num_scheduled_tokens = plan.continuing_requests, plan.num_scheduled_tokens
+        entries, sampling_ids = plan.in_flight.entries, plan.in_flight.sampling_ids
         index = 0
         while index < len(running) and budget > 0:
             seq = running[index]
@@ -211,7 +212,9 @@ class Scheduler(SchedulerUpdates):
             if num_pending and (num_total_tokens >= seq.max_num_tokens or self.skip_sampling_in_flight):
                 continue  # it finishes when that result comes (under pipeline parallelism: its next input)
             num_computed = seq.num_computed_tokens
-            num_new_tokens = min(num_total_tokens - num_computed, budget)
+            num_new_tokens = num_total_tokens - num_computed
+            if num_new_tokens > budget:
+                num_new_tokens = budget
             if seq.mm_inputs and self.encoder_budget and not (num_new_tokens := self.encoder_budget.fit(
                     seq, num_computed, num_new_tokens, self._next_step_id)):
                 continue  # its next image waits for a step with encoder budget left
@@ -226,9 +229,17 @@ class Scheduler(SchedulerUpdates):
             assert seq.sent_to_worker, f"running {seq} unknown to the worker"
             continuing_requests.append(ContinuingRequest(seq.seq_id, new_block_ids, num_computed))
             num_scheduled_tokens[seq.seq_id] = num_new_tokens
-            advance(plan.in_flight, seq, num_new_tokens, num_drafts)
+            # in_flight.advance(), inline: the step's tokens count as computed now; reaching
+            # the end, it samples a token the scheduler sees when the result comes
+            seq.num_computed_tokens = num_computed + num_new_tokens
+            samples = seq.num_computed_tokens == num_total_tokens
+            if samples:
+                seq.num_pending_tokens = num_pending + 1
+                sampling_ids.add(seq.seq_id)
             if num_drafts:
+                seq.num_drafts_in_flight += num_drafts
                 plan.num_lookahead_tokens[seq.seq_id] = num_drafts
+            entries.append((seq, seq.generation, num_computed, num_new_tokens, samples, num_drafts))
             budget -= num_new_tokens + num_drafts
         return budget
 

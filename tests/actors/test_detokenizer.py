@@ -13,8 +13,12 @@ from actors.byte_level_decode import ByteLevelDecoder, TokenBytes, is_byte_level
 from actors.detokenizer import OutputProcessor, merge_delta
 from actors.incremental_decode import IncrementalDecoder, TokenPieces, decoder_factory
 from messages.common import SamplingParams
-from messages.detokenizer import NewTokens
+from messages.detokenizer import NewTokens, StepOutputs
 from tests.conftest import build_tiny_tokenizer
+
+
+def one_step(*updates: NewTokens) -> StepOutputs:
+    return StepOutputs(0, list(updates))
 
 
 def sentencepiece_style_tokenizer() -> Tokenizer:
@@ -98,21 +102,23 @@ def test_token_pieces_take_no_byte_fallback_token_and_no_decoder_that_looks_acro
     assert TokenPieces(tokenizer, skip_special_tokens=True)(tokenizer.token_to_id("▁cat")) is None
 
 
-def test_a_plain_step_gives_the_same_deltas_as_the_general_path():
-    # n == 1 without stop strings or logprobs takes process()'s short path after the first
-    # delta; a request with a stop string that never matches takes the general one
+def test_a_plain_decode_gives_the_same_deltas_as_a_new_tokens_update():
+    # a step's plain decodes come as columns (StepOutputs.decode_*): a request with one
+    # completion, no stop strings and no logprobs gets their delta the short way, any
+    # other the general way; both give the deltas a NewTokens each would
     tokenizer = build_tiny_tokenizer()
     ids = tokenizer.encode("The dog sleeps in the sun. 猫 é") + [0, 300, 1]
-    processors = []
-    for stop in (None, ["\u2603"]):
-        processor = OutputProcessor(tokenizer)
-        processor.add_request("r", None, [1], SamplingParams(max_tokens=50, stop=stop))
-        processors.append(processor)
-    for i, token_id in enumerate(ids):
-        update = NewTokens("r", 0, [token_id], finish_reason="length" if i == len(ids) - 1 else None,
-                           num_cached_tokens=4, first_scheduled_time=1.0 if i == 0 else None)
-        short, general = (processor.process([update])[0] for processor in processors)
-        assert short == general
+    for params in (SamplingParams(max_tokens=50), SamplingParams(max_tokens=50, stop=["\u2603"]),
+                   SamplingParams(max_tokens=50, n=2)):
+        as_columns, as_updates = OutputProcessor(tokenizer), OutputProcessor(tokenizer)
+        for processor in (as_columns, as_updates):
+            processor.add_request("r", None, [1], params)
+            processor.process(one_step(NewTokens("r", 0, [ids[0]], num_cached_tokens=4, first_scheduled_time=1.0)))
+        for token_id in ids[1:]:
+            columns = as_columns.process(StepOutputs(0, [], ["r"], [0], [token_id]))
+            assert columns == as_updates.process(one_step(NewTokens("r", 0, [token_id])))
+        last = one_step(NewTokens("r", 0, [5], finish_reason="length"))
+        assert as_columns.process(last) == as_updates.process(last)
 
 
 def test_a_run_of_byte_fallback_tokens_is_held_back_until_it_ends():
@@ -134,7 +140,8 @@ def stream_text(processor: OutputProcessor, token_ids: list[int], finish_at_end:
     pieces = []
     for i, token_id in enumerate(token_ids):
         last = finish_at_end and i == len(token_ids) - 1
-        deltas, stops = processor.process([NewTokens("r", 0, [token_id], finish_reason="length" if last else None)])
+        update = NewTokens("r", 0, [token_id], finish_reason="length" if last else None)
+        deltas, stops = processor.process(one_step(update))
         for delta in deltas:
             pieces.append(delta.outputs[0].text)
         if stops:
@@ -160,7 +167,7 @@ def test_a_stop_string_cuts_the_text_and_is_reported():
     processor.add_request("r", None, [1], SamplingParams(stop=["in the"], max_tokens=50))
     whole = None
     for token_id in ids:
-        deltas, stops = processor.process([NewTokens("r", 0, [token_id])])
+        deltas, stops = processor.process(one_step(NewTokens("r", 0, [token_id])))
         for delta in deltas:
             whole = merge_delta(whole, delta)
         if stops:
@@ -176,12 +183,12 @@ def test_a_request_is_scheduled_when_its_first_completion_was_and_deltas_say_so_
     processor = OutputProcessor(tokenizer)
     processor.add_request("r", None, [1], SamplingParams(n=2, max_tokens=50))
     # completion 1 reports first, though completion 0 was scheduled earlier
-    [delta], _ = processor.process([NewTokens("r", 1, [5], first_scheduled_time=5.0)])
+    [delta], _ = processor.process(one_step(NewTokens("r", 1, [5], first_scheduled_time=5.0)))
     assert delta.metrics.first_scheduled_time == 5.0
-    [delta], _ = processor.process([NewTokens("r", 0, [5], first_scheduled_time=3.0)])
+    [delta], _ = processor.process(one_step(NewTokens("r", 0, [5], first_scheduled_time=3.0)))
     assert delta.metrics.first_scheduled_time == 3.0
     # nothing new: no metrics on the next deltas
-    [delta], _ = processor.process([NewTokens("r", 0, [6]), NewTokens("r", 1, [6])])
+    [delta], _ = processor.process(one_step(NewTokens("r", 0, [6]), NewTokens("r", 1, [6])))
     assert delta.metrics is None
     whole = merge_delta(None, delta)
     assert whole.metrics is None
@@ -200,12 +207,12 @@ def test_a_stop_string_completed_inside_a_multi_token_step_drops_the_tokens_afte
     one_by_one.add_request("r", None, [1], params)
     whole_one = None
     for token_id in ids[:stop_end]:
-        deltas, _ = one_by_one.process([NewTokens("r", 0, [token_id])])
+        deltas, _ = one_by_one.process(one_step(NewTokens("r", 0, [token_id])))
         whole_one = merge_delta(whole_one, deltas[0])
     in_chunks = OutputProcessor(tokenizer)
     in_chunks.add_request("r", None, [1], params)
-    whole = merge_delta(None, in_chunks.process([NewTokens("r", 0, ids[:2])])[0][0])
-    deltas, stops = in_chunks.process([NewTokens("r", 0, ids[2:])])  # the stop, then three more tokens
+    whole = merge_delta(None, in_chunks.process(one_step(NewTokens("r", 0, ids[:2])))[0][0])
+    deltas, stops = in_chunks.process(one_step(NewTokens("r", 0, ids[2:])))  # the stop, then three more tokens
     whole = merge_delta(whole, deltas[0])
     assert [s.stop for s in stops] == ["in the"]
     assert whole.outputs[0].text == whole_one.outputs[0].text == ("The dog sleeps in the" if include_stop
