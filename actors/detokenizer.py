@@ -98,19 +98,19 @@ class CompletionDecoder:
             return None
         return self._append(token_texts, update)
 
-    def append_token(self, token_id: int) -> CompletionOutput | None:
+    def append_token(self, token_id: int) -> str | None:
         """A plain completion's unfinished step of one token whose text needs no decode
-        (IncrementalDecoder.add_token): appends it and returns the step's delta at once;
+        (IncrementalDecoder.add_token): appends it and returns its text, which is the whole
+        of the step's delta (nothing is held back without stop strings), counted as sent;
         None, and nothing changed, when append() must take it."""
         piece = self.decoder.add_token(token_id)
         if piece is None:
             return None
         self.token_ids.append(token_id)
         self.text += piece
-        # nothing was held back (no stop strings), so the delta is just this token's
         self.num_sent_chars = len(self.text)
         self.num_sent_tokens = len(self.token_ids)
-        return CompletionOutput(index=self.index, text=piece, token_ids=[token_id])
+        return piece
 
     def _append(self, token_texts: TokenTexts, update: NewTokens) -> str | None:
         self.token_ids.extend(update.new_token_ids)
@@ -167,6 +167,13 @@ class CompletionDecoder:
         self.num_sent_tokens = len(self.token_ids)
         return delta
 
+    def whole(self) -> CompletionOutput:
+        """Everything so far, as its deltas add up once it finished (then none is held back)."""
+        return CompletionOutput(index=self.index, text=self.text, token_ids=list(self.token_ids),
+                                cumulative_logprob=self.cumulative_logprob,
+                                logprobs=list(self.logprobs) if self.logprobs is not None else None,
+                                finish_reason=self.finish_reason, stop_reason=self.stop_reason)
+
 
 class RequestState:
     def __init__(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
@@ -180,6 +187,7 @@ class RequestState:
         self.plain_completion: CompletionDecoder | None = None
         self.wants_prompt_logprobs = params.prompt_logprobs is not None
         self.new_prompt_logprobs: list[dict[int, Logprob] | None] = []  # not yet in a delta
+        self.prompt_logprobs: list[dict[int, Logprob] | None] = []  # all of them, for whole_output()
         self.got_prompt_logprobs = False
         self.num_cached_tokens = 0
         self.num_finished = 0
@@ -193,12 +201,28 @@ class RequestState:
             self.first_scheduled_time = first_scheduled_time
             self.new_metrics = RequestMetrics(first_scheduled_time=first_scheduled_time)
 
+    def whole_output(self) -> RequestOutput:
+        """The request's whole output once it finished or was aborted: what merging all its
+        deltas gives (merge_delta), built from the state instead."""
+        metrics = RequestMetrics(first_scheduled_time=self.first_scheduled_time) \
+            if self.first_scheduled_time is not None else None
+        return RequestOutput(request_id=self.request_id, prompt=self.prompt, prompt_token_ids=self.prompt_token_ids,
+                             prompt_logprobs=self.prompt_logprobs or None,
+                             outputs=[completion.whole() for completion in self.completions],
+                             finished=all(c.finish_reason is not None for c in self.completions),
+                             num_cached_tokens=self.num_cached_tokens, metrics=metrics)
+
 
 class OutputProcessor:
     """Keeps the decoding state of every live request and turns each step's NewTokens into
-    one RequestOutput delta per request that changed."""
+    one RequestOutput delta per request that changed.
 
-    def __init__(self, tokenizer) -> None:
+    makes_deltas=False is for a caller that wants each request's whole output when it ends
+    (RequestState.whole_output; the offline engine), not the text step by step: a plain
+    step then makes no delta (the others still do, one carries the finish)."""
+
+    def __init__(self, tokenizer, makes_deltas: bool = True) -> None:
+        self.makes_deltas = makes_deltas
         # a transformers tokenizer or a `tokenizers` Tokenizer: only the latter's decode is used
         self.backend = getattr(tokenizer, "backend_tokenizer", tokenizer)
         self.token_texts = TokenTexts(self.backend)
@@ -230,16 +254,18 @@ class OutputProcessor:
         scheduler must be told about."""
         deltas: list[RequestOutput] = []
         updates = step.updates
-        requests = self.requests
+        requests, makes_deltas = self.requests, self.makes_deltas
         for request_id, index, token_id in zip(step.decode_request_ids, step.decode_indexes, step.decode_token_ids):
             state = requests.get(request_id)
             if state is None:
                 continue  # aborted meanwhile
             # most of a step: a plain completion gains one token and goes on; its delta at once
             completion = state.plain_completion
-            if completion is not None and (output := completion.append_token(token_id)) is not None:
-                deltas.append(RequestOutput(request_id=request_id, prompt=state.prompt, outputs=[output],
-                                            num_cached_tokens=state.num_cached_tokens))
+            if completion is not None and (text := completion.append_token(token_id)) is not None:
+                if makes_deltas:
+                    output = CompletionOutput(index=completion.index, text=text, token_ids=[token_id])
+                    deltas.append(RequestOutput(request_id=request_id, prompt=state.prompt, outputs=[output],
+                                                num_cached_tokens=state.num_cached_tokens))
                 continue
             if updates is step.updates:
                 updates = list(updates)
@@ -262,8 +288,11 @@ class OutputProcessor:
             if update.prompt_logprobs and state.wants_prompt_logprobs:
                 if not state.got_prompt_logprobs:
                     state.new_prompt_logprobs.append(None)  # the first prompt token has none
+                    state.prompt_logprobs.append(None)
                     state.got_prompt_logprobs = True
-                state.new_prompt_logprobs += [self.token_texts.logprob_dict(e) for e in update.prompt_logprobs]
+                new = [self.token_texts.logprob_dict(e) for e in update.prompt_logprobs]
+                state.new_prompt_logprobs += new
+                state.prompt_logprobs += new
             if update.request_id not in changed:
                 changed[update.request_id] = (len(deltas), [])
                 deltas.append(None)  # (filled below)

@@ -9,8 +9,7 @@ import logging
 import torch
 
 from actors.config import EngineConfig
-from actors.detokenizer import OutputProcessor
-from actors.merge_outputs import OutputMerger
+from actors.detokenizer import OutputProcessor, RequestState
 from actors.pooling.outputs import pooling_request_output
 from actors.scheduler.kv_tiers import make_kv_tiers
 from actors.scheduler.priority import make_scheduler
@@ -34,7 +33,6 @@ class EngineCore:
                                         pooling_type=engine.pooler.pooling_type if engine.pooler else None,
                                         generates=engine.model.can_generate, speculative=engine.speculative,
                                         kv_tiers=make_kv_tiers(engine.cache, **host_tier_info(self.runner)))
-        self.outputs = OutputProcessor(tokenizer)
         self.traces = None  # request spans, with otlp_traces_endpoint
         if engine.otlp_traces_endpoint:
             from actors.tracing import EngineRequestTraces, RequestTracer
@@ -42,8 +40,11 @@ class EngineCore:
             self.traces = EngineRequestTraces(RequestTracer(engine.otlp_traces_endpoint,
                                                             engine.collect_detailed_traces is not None),
                                               engine.model.model_path)
+        # each request's whole output comes from its state when it ends (RequestState.whole_output):
+        # the step-by-step deltas are made only for the traces, which count their tokens
+        self.outputs = OutputProcessor(tokenizer, makes_deltas=self.traces is not None)
+        self._states: dict[str, RequestState] = {}  # request_id -> its output processor state, till it ends
         self.sleep_mode = None  # a SleepMode once asked to sleep (actors/worker/sleep_mode.py)
-        self._outputs: dict[str, OutputMerger] = {}  # request_id -> its output so far
         self._pooling_ids: set[str] = set()  # live pooling requests (the output processor never sees them)
         logger.info("KV cache: %d blocks of %d tokens", self.num_blocks, engine.cache.block_size)
 
@@ -62,6 +63,7 @@ class EngineCore:
             self._pooling_ids.add(request_id)
         else:
             self.outputs.add_request(request_id, prompt, prompt_token_ids, params)
+            self._states[request_id] = self.outputs.requests[request_id]
             if self.traces is not None:
                 self.traces.added(request_id, params, len(prompt_token_ids))
 
@@ -72,11 +74,9 @@ class EngineCore:
         if request_id in self._pooling_ids:
             self._pooling_ids.discard(request_id)
             return None
-        merger = self._outputs.pop(request_id, None) or OutputMerger()
-        delta = self.outputs.abort_request(request_id)
-        if delta is not None:
-            merger.add(delta)
-        return merger.result()
+        self.outputs.abort_request(request_id)
+        state = self._states.pop(request_id, None)
+        return state.whole_output() if state is not None else None
 
     def sleep(self, level: int = 1) -> None:
         """Preempts every request (each resumes after wake_up, recomputed), forgets the
@@ -134,15 +134,9 @@ class EngineCore:
         deltas, stops = self.outputs.process(step_outputs)
         for stop in stops:
             self.scheduler.finish_sequence(stop.request_id, stop.index, "stop", stop.stop)
-        outputs = self._outputs
         for delta in deltas:
             if self.traces is not None:
                 self.traces.delta(delta)
-            merger = outputs.get(delta.request_id)
-            if merger is None:
-                merger = outputs[delta.request_id] = OutputMerger()
-            merger.add(delta)
             if delta.finished:
-                del outputs[delta.request_id]
-                finished.append(merger.result())
+                finished.append(self._states.pop(delta.request_id).whole_output())
         return finished

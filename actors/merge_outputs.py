@@ -59,7 +59,7 @@ class OutputMerger:
             completion.cumulative_logprob = part.cumulative_logprob
             completion.finish_reason, completion.stop_reason = part.finish_reason, part.stop_reason
 
-    def result(self) -> RequestOutput:
+    def result(self) -> RequestOutput | None:
         """The whole output so far (None before any delta)."""
         for index, pieces in self._texts.items():
             self._by_index[index].text = "".join(pieces)

@@ -14,6 +14,7 @@ from actors.detokenizer import OutputProcessor, merge_delta
 from actors.incremental_decode import IncrementalDecoder, TokenPieces, decoder_factory
 from messages.common import SamplingParams
 from messages.detokenizer import NewTokens, StepOutputs
+from messages.scheduler import TokenLogprobs
 from tests.conftest import build_tiny_tokenizer
 
 
@@ -219,3 +220,53 @@ def test_a_stop_string_completed_inside_a_multi_token_step_drops_the_tokens_afte
                                                                   else "The dog sleeps ")
     assert list(whole.outputs[0].token_ids) == list(whole_one.outputs[0].token_ids) == ids[:stop_end]
     assert whole.outputs[0].finish_reason == "stop"
+
+
+@pytest.mark.parametrize("abort", [False, True])
+def test_the_whole_output_from_the_state_is_what_merging_every_delta_gives(abort):
+    # the offline engine takes RequestState.whole_output() when a request ends; a streamed
+    # request's caller merges its deltas: n = 2, logprobs, prompt logprobs, a stop string,
+    # first-scheduled times and a cached prefix, both ways
+    tokenizer = build_tiny_tokenizer()
+    ids = tokenizer.encode("The dog sleeps in the sun. 猫 é")
+    params = SamplingParams(n=2, max_tokens=50, stop=["sun"], logprobs=1, prompt_logprobs=1)
+    entry = TokenLogprobs([5], [-0.5], [1])
+    for makes_deltas in (True, False):
+        processor = OutputProcessor(tokenizer, makes_deltas=makes_deltas)
+        processor.add_request("r", "a prompt", [1, 2, 3], params)
+        state, whole = processor.requests["r"], None
+        steps = [one_step(NewTokens("r", 0, [], prompt_logprobs=[entry, entry], num_cached_tokens=2,
+                                    first_scheduled_time=2.0))]
+        steps += [one_step(NewTokens("r", 0, [t], new_logprobs=[entry]),
+                           NewTokens("r", 1, [t], new_logprobs=[entry], first_scheduled_time=1.0 if i == 0 else None))
+                  for i, t in enumerate(ids[:4 if abort else len(ids)])]
+        for step in steps:
+            for delta in processor.process(step)[0]:
+                whole = merge_delta(whole, delta)
+        if abort:
+            whole = merge_delta(whole, processor.abort_request("r"))
+        if makes_deltas:
+            merged = whole
+        assert whole.finished
+    assert state.whole_output() == merged
+    assert merged.outputs[0].finish_reason == ("abort" if abort else "stop")
+
+
+def test_a_plain_request_without_deltas_still_ends_with_its_whole_output():
+    tokenizer = build_tiny_tokenizer()
+    ids = tokenizer.encode("The dog sleeps in the sun. 猫 é")
+    outputs = []
+    for makes_deltas in (True, False):
+        processor = OutputProcessor(tokenizer, makes_deltas=makes_deltas)
+        processor.add_request("r", None, [1, 2], SamplingParams(max_tokens=50))
+        state, whole = processor.requests["r"], None
+        steps = [one_step(NewTokens("r", 0, [ids[0]], num_cached_tokens=1, first_scheduled_time=1.0))]
+        steps += [StepOutputs(0, [], ["r"], [0], [t]) for t in ids[1:-1]]
+        steps += [one_step(NewTokens("r", 0, [ids[-1]], finish_reason="length"))]
+        num_deltas = 0
+        for step in steps:
+            for delta in processor.process(step)[0]:
+                whole, num_deltas = merge_delta(whole, delta), num_deltas + 1
+        assert num_deltas == (len(ids) if makes_deltas else 2)  # without: the first and the last only
+        outputs.append(whole if makes_deltas else state.whole_output())
+    assert outputs[0] == outputs[1] and outputs[0].outputs[0].text == "The dog sleeps in the sun. 猫 é"
