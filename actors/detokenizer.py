@@ -68,7 +68,8 @@ class CompletionDecoder:
         self.decoder = decoder
         # its tokens need no stop-string matching and no logprobs: append_token() may take them
         self.plain = not params.stop_strings and params.logprobs is None
-        self.text = ""  # what may be shown: stable decoded text, cut at a stop string
+        self._text = ""  # what may be shown: stable decoded text, cut at a stop string (the text property)
+        self._text_is_behind = False  # append_token() added to the decoder's stable text only
         self.token_ids: list[int] = []
         self.logprobs: list[dict[int, Logprob]] | None = [] if params.logprobs is not None else None
         self.cumulative_logprob: float | None = 0.0 if params.logprobs is not None else None
@@ -107,10 +108,22 @@ class CompletionDecoder:
         if piece is None:
             return None
         self.token_ids.append(token_id)
-        self.text += piece
-        self.num_sent_chars = len(self.text)
+        # text catches up with the decoder when read: copying the text so far each step
+        # would make a step's cost grow with the output's length
+        self._text_is_behind = True
+        self.num_sent_chars += len(piece)
         self.num_sent_tokens = len(self.token_ids)
         return piece
+
+    @property
+    def text(self) -> str:
+        if self._text_is_behind:  # (a plain completion: its text is all of the decoder's stable text)
+            self._text, self._text_is_behind = self.decoder.stable_text, False
+        return self._text
+
+    @text.setter
+    def text(self, text: str) -> None:
+        self._text, self._text_is_behind = text, False
 
     def _append(self, token_texts: TokenTexts, update: NewTokens) -> str | None:
         self.token_ids.extend(update.new_token_ids)

@@ -47,8 +47,8 @@ class SchedulerUpdates:
         decode_indexes: list[int] = []
         decode_token_ids: list[int] = []
         num_step_tokens = 0
-        kv_cache, eos_token_ids = self.kv_cache_manager, self.eos_token_ids
-        caches_blocks = kv_cache.enable_prefix_caching
+        kv_cache, eos_token_ids, sampled_token_ids = self.kv_cache_manager, self.eos_token_ids, result.sampled_token_ids
+        caches_blocks, block_size = kv_cache.enable_prefix_caching, kv_cache.block_size
         for seq, generation, num_computed_before, num_new_tokens, samples, num_drafts in in_flight.entries:
             if seq.generation != generation:
                 continue  # finished, aborted or preempted since the plan was built (each bumps it)
@@ -67,10 +67,10 @@ class SchedulerUpdates:
             # pooling): what _apply_step does, in the same order, minus what cannot apply.
             num_computed_after = num_computed_before + num_new_tokens
             seq.prompt_computed = True
-            if caches_blocks and num_computed_after >= (seq.num_cached_blocks + 1) * kv_cache.block_size:
+            if caches_blocks and num_computed_after >= (seq.num_cached_blocks + 1) * block_size:
                 kv_cache.cache_blocks(seq, num_computed_after)  # it filled a block
             seq.num_pending_tokens -= 1
-            token_id = result.sampled_token_ids[sample_index[seq.seq_id]]
+            token_id = sampled_token_ids[sample_index[seq.seq_id]]
             token_ids = seq.token_ids
             token_ids.append(token_id)
             num_step_tokens += 1
