@@ -80,11 +80,10 @@ class TokenPieces:
         self._probes = self._find_probes() if decodes_token_by_token(backend) else []
 
     def __call__(self, token_id: int) -> str | None:
-        try:
-            return self._pieces[token_id]
-        except KeyError:
+        piece = self._pieces.get(token_id, _UNKNOWN)
+        if piece is _UNKNOWN:
             piece = self._pieces[token_id] = self._learn(token_id)
-            return piece
+        return piece
 
     def _decode(self, ids: list[int]) -> str:
         return self.backend.decode(ids, skip_special_tokens=self.skip_special_tokens)
@@ -95,7 +94,7 @@ class TokenPieces:
 
     def _find_probes(self) -> list[int]:
         """Two contexts to learn pieces after: tokens of plain text, each decoding to text
-        of its own (no U+FFFD), neither special nor byte-fallback."""
+        of its own (no U+FFFD), not byte-fallback tokens."""
         probes: list[int] = []
         for token_id in self.backend.encode("The cat, a dog.", add_special_tokens=False).ids:
             text = self._decode([token_id])
