@@ -1,23 +1,31 @@
 """Detokenization: the scheduler's NewTokens become RequestOutput deltas.
 
 OutputProcessor is the plain logic (the offline engine calls it in-process). It owns one
-incremental decoder per live completion (incremental_decode.py), which holds back a
-UTF-8 character split across tokens, so the streamed pieces concatenate to exactly the
-decode of all ids. It matches stop strings,
+incremental decoder per live completion (incremental_decode.py; byte_level_decode.py for
+byte-level BPE), which holds back a UTF-8 character split across tokens, so the streamed
+pieces concatenate to exactly the decode of all ids. It matches stop strings,
 holding back text that may be the start of one while streaming, and reports the
 completions a stop string ended so the scheduler can finish them.
+
+Most updates are one token of a request with one completion, no stop strings and no
+logprobs, that goes on: process() gives those their delta at once (append_token), with
+no tokenizer call when the decoder knows the token's text, as it runs once per sequence
+and step.
 
 DetokenizerActor receives TrackRequest, StepOutputs and AbortRequest from the scheduler
 and sends RequestOutputs to the frontend and FinishRequest to the scheduler."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import msgspec
 
 from actors.actor import Actor, ActorSpec
-from actors.incremental_decode import IncrementalDecoder
+from actors.byte_level_decode import ByteLevelDecoder
+from actors.incremental_decode import IncrementalDecoder, decoder_factory
+from actors.merge_outputs import merge_delta  # (re-exported: where callers import it)
 from actors.stop_strings import StopStrings
 from messages.common import CompletionOutput, Logprob, RequestMetrics, RequestOutput, SamplingParams
 from messages.detokenizer import DetokenizerInbox, NewTokens, StepOutputs, TrackRequest
@@ -55,11 +63,14 @@ class TokenTexts:
 class CompletionDecoder:
     """Text, stop-string and delivery state of one completion."""
 
-    def __init__(self, index: int, params: SamplingParams, backend) -> None:
+    def __init__(self, index: int, params: SamplingParams, decoder: IncrementalDecoder | ByteLevelDecoder) -> None:
         self.index = index
         self.params = params
-        self.decoder = IncrementalDecoder(backend, params.skip_special_tokens)
-        self.text = ""  # what may be shown: stable decoded text, cut at a stop string
+        self.decoder = decoder
+        # its tokens need no stop-string matching and no logprobs: append_token() may take them
+        self.plain = not params.stop_strings and params.logprobs is None
+        self._text = ""  # what may be shown: stable decoded text, cut at a stop string (the text property)
+        self._text_is_behind = False  # append_token() added to the decoder's stable text only
         # the stop strings' progress through text, advanced by what each token adds (stop_strings.py)
         self.stop_strings = StopStrings(params.stop_strings) if params.stop_strings else None
         self.token_ids: list[int] = []
@@ -90,6 +101,32 @@ class CompletionDecoder:
                     return stop
             return None
         return self._append(token_texts, update)
+
+    def append_token(self, token_id: int) -> str | None:
+        """A plain completion's unfinished step of one token whose text needs no decode
+        (IncrementalDecoder.add_token): appends it and returns its text, which is the whole
+        of the step's delta (nothing is held back without stop strings), counted as sent;
+        None, and nothing changed, when append() must take it."""
+        piece = self.decoder.add_token(token_id)
+        if piece is None:
+            return None
+        self.token_ids.append(token_id)
+        # text catches up with the decoder when read: copying the text so far each step
+        # would make a step's cost grow with the output's length
+        self._text_is_behind = True
+        self.num_sent_chars += len(piece)
+        self.num_sent_tokens = len(self.token_ids)
+        return piece
+
+    @property
+    def text(self) -> str:
+        if self._text_is_behind:  # (a plain completion: its text is all of the decoder's stable text)
+            self._text, self._text_is_behind = self.decoder.stable_text, False
+        return self._text
+
+    @text.setter
+    def text(self, text: str) -> None:
+        self._text, self._text_is_behind = text, False
 
     def _append(self, token_texts: TokenTexts, update: NewTokens) -> str | None:
         self.token_ids.extend(update.new_token_ids)
@@ -146,16 +183,27 @@ class CompletionDecoder:
         self.num_sent_tokens = len(self.token_ids)
         return delta
 
+    def whole(self) -> CompletionOutput:
+        """Everything so far, as its deltas add up once it finished (then none is held back)."""
+        return CompletionOutput(index=self.index, text=self.text, token_ids=list(self.token_ids),
+                                cumulative_logprob=self.cumulative_logprob,
+                                logprobs=list(self.logprobs) if self.logprobs is not None else None,
+                                finish_reason=self.finish_reason, stop_reason=self.stop_reason)
+
 
 class RequestState:
     def __init__(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
-                 params: SamplingParams, backend) -> None:
+                 params: SamplingParams, make_decoder: Callable[[], IncrementalDecoder | ByteLevelDecoder]) -> None:
         self.request_id = request_id
         self.prompt = prompt
         self.prompt_token_ids = prompt_token_ids
-        self.completions = [CompletionDecoder(i, params, backend) for i in range(params.n)]
+        self.completions = [CompletionDecoder(i, params, make_decoder()) for i in range(params.n)]
+        # its one completion when plain, once the request's first delta went out: process()
+        # gives that completion's one-token steps their deltas the short way
+        self.plain_completion: CompletionDecoder | None = None
         self.wants_prompt_logprobs = params.prompt_logprobs is not None
         self.new_prompt_logprobs: list[dict[int, Logprob] | None] = []  # not yet in a delta
+        self.prompt_logprobs: list[dict[int, Logprob] | None] = []  # all of them, for whole_output()
         self.got_prompt_logprobs = False
         self.num_cached_tokens = 0
         self.num_finished = 0
@@ -169,20 +217,42 @@ class RequestState:
             self.first_scheduled_time = first_scheduled_time
             self.new_metrics = RequestMetrics(first_scheduled_time=first_scheduled_time)
 
+    def whole_output(self) -> RequestOutput:
+        """The request's whole output once it finished or was aborted: what merging all its
+        deltas gives (merge_delta), built from the state instead."""
+        metrics = RequestMetrics(first_scheduled_time=self.first_scheduled_time) \
+            if self.first_scheduled_time is not None else None
+        return RequestOutput(request_id=self.request_id, prompt=self.prompt, prompt_token_ids=self.prompt_token_ids,
+                             prompt_logprobs=self.prompt_logprobs or None,
+                             outputs=[completion.whole() for completion in self.completions],
+                             finished=all(c.finish_reason is not None for c in self.completions),
+                             num_cached_tokens=self.num_cached_tokens, metrics=metrics)
+
 
 class OutputProcessor:
     """Keeps the decoding state of every live request and turns each step's NewTokens into
-    one RequestOutput delta per request that changed."""
+    one RequestOutput delta per request that changed.
 
-    def __init__(self, tokenizer) -> None:
+    makes_deltas=False is for a caller that wants each request's whole output when it ends
+    (RequestState.whole_output; the offline engine), not the text step by step: a plain
+    step then makes no delta (the others still do, one carries the finish)."""
+
+    def __init__(self, tokenizer, makes_deltas: bool = True) -> None:
+        self.makes_deltas = makes_deltas
         # a transformers tokenizer or a `tokenizers` Tokenizer: only the latter's decode is used
         self.backend = getattr(tokenizer, "backend_tokenizer", tokenizer)
         self.token_texts = TokenTexts(self.backend)
         self.requests: dict[str, RequestState] = {}
+        # skip_special_tokens -> what makes a completion's decoder (sharing what it learns of each token)
+        self._decoder_factories: dict[bool, Callable[[], IncrementalDecoder | ByteLevelDecoder]] = {}
 
     def add_request(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
                     params: SamplingParams) -> None:
-        self.requests[request_id] = RequestState(request_id, prompt, prompt_token_ids, params, self.backend)
+        skip = params.skip_special_tokens
+        if skip not in self._decoder_factories:
+            self._decoder_factories[skip] = decoder_factory(self.backend, skip)
+        self.requests[request_id] = RequestState(request_id, prompt, prompt_token_ids, params,
+                                                 self._decoder_factories[skip])
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
         """Forgets the request; returns its last delta, every unfinished completion
@@ -195,10 +265,34 @@ class OutputProcessor:
                 completion.finish("abort", None)
         return self._delta(state, state.completions, finished=True)
 
-    def process(self, updates: list[NewTokens]) -> tuple[list[RequestOutput], list[StopMatch]]:
-        """Applies one step's updates. Returns the deltas and the stop-string matches the
+    def process(self, step: StepOutputs) -> tuple[list[RequestOutput], list[StopMatch]]:
+        """Applies one step's outputs. Returns the deltas and the stop-string matches the
         scheduler must be told about."""
-        changed: dict[str, list[CompletionDecoder]] = {}
+        deltas: list[RequestOutput] = []
+        updates = step.updates
+        requests, makes_deltas = self.requests, self.makes_deltas
+        for request_id, index, token_id in zip(step.decode_request_ids, step.decode_indexes, step.decode_token_ids):
+            state = requests.get(request_id)
+            if state is None:
+                continue  # aborted meanwhile
+            # most of a step: a plain completion gains one token and goes on; its delta at once
+            completion = state.plain_completion
+            if completion is not None and (text := completion.append_token(token_id)) is not None:
+                if makes_deltas:
+                    output = CompletionOutput(index=completion.index, text=text, token_ids=[token_id])
+                    deltas.append(RequestOutput(request_id=request_id, prompt=state.prompt, outputs=[output],
+                                                num_cached_tokens=state.num_cached_tokens))
+                continue
+            if updates is step.updates:
+                updates = list(updates)
+            updates.append(NewTokens(request_id, index, [token_id]))
+        return deltas, self._apply_updates(updates, deltas)
+
+    def _apply_updates(self, updates: list[NewTokens], deltas: list[RequestOutput]) -> list[StopMatch]:
+        """The general path: each update applied to its completion, one delta per request
+        (appended to deltas); the stop strings that matched."""
+        # request_id -> (its delta's place in deltas, its completions that changed)
+        changed: dict[str, tuple[int, list[CompletionDecoder]]] = {}
         stops: list[StopMatch] = []
         for update in updates:
             state = self.requests.get(update.request_id)
@@ -210,9 +304,15 @@ class OutputProcessor:
             if update.prompt_logprobs and state.wants_prompt_logprobs:
                 if not state.got_prompt_logprobs:
                     state.new_prompt_logprobs.append(None)  # the first prompt token has none
+                    state.prompt_logprobs.append(None)
                     state.got_prompt_logprobs = True
-                state.new_prompt_logprobs += [self.token_texts.logprob_dict(e) for e in update.prompt_logprobs]
-            completions = changed.setdefault(update.request_id, [])
+                new = [self.token_texts.logprob_dict(e) for e in update.prompt_logprobs]
+                state.new_prompt_logprobs += new
+                state.prompt_logprobs += new
+            if update.request_id not in changed:
+                changed[update.request_id] = (len(deltas), [])
+                deltas.append(None)  # (filled below)
+            completions = changed[update.request_id][1]
             completion = state.completions[update.index]
             if completion.finish_reason is not None:
                 continue
@@ -225,14 +325,13 @@ class OutputProcessor:
                 completion.finish(update.finish_reason, update.stop_reason)
             if completion.finish_reason is not None:
                 state.num_finished += 1
-        deltas = []
-        for request_id, completions in changed.items():
+        for request_id, (position, completions) in changed.items():
             state = self.requests[request_id]
             finished = state.num_finished == len(state.completions)
             if finished:
                 del self.requests[request_id]
-            deltas.append(self._delta(state, completions, finished))
-        return deltas, stops
+            deltas[position] = self._delta(state, completions, finished)
+        return stops
 
     @staticmethod
     def _delta(state: RequestState, completions: list[CompletionDecoder], finished: bool) -> RequestOutput:
@@ -242,40 +341,13 @@ class OutputProcessor:
         if not state.sent_first:
             delta.prompt_token_ids = state.prompt_token_ids
             state.sent_first = True
+            if len(state.completions) == 1 and state.completions[0].plain:
+                state.plain_completion = state.completions[0]
         if state.new_prompt_logprobs:
             delta.prompt_logprobs, state.new_prompt_logprobs = state.new_prompt_logprobs, []
         if state.new_metrics is not None:
             delta.metrics, state.new_metrics = state.new_metrics, None
         return delta
-
-
-def merge_delta(accumulated: RequestOutput | None, delta: RequestOutput) -> RequestOutput:
-    """Folds a delta into the request's whole output so far (what offline callers get).
-    The accumulated output is updated in place and returned."""
-    if accumulated is None:
-        accumulated = RequestOutput(request_id=delta.request_id, prompt=delta.prompt)
-    if delta.prompt_token_ids:
-        accumulated.prompt_token_ids = delta.prompt_token_ids
-    if delta.prompt_logprobs:
-        accumulated.prompt_logprobs = (accumulated.prompt_logprobs or []) + delta.prompt_logprobs
-    accumulated.num_cached_tokens = max(accumulated.num_cached_tokens, delta.num_cached_tokens)
-    if delta.metrics is not None:
-        accumulated.metrics = delta.metrics
-    accumulated.finished = delta.finished
-    by_index = {c.index: c for c in accumulated.outputs}
-    for part in delta.outputs:
-        whole = by_index.get(part.index)
-        if whole is None:
-            whole = by_index[part.index] = CompletionOutput(index=part.index)
-            accumulated.outputs.append(whole)
-            accumulated.outputs.sort(key=lambda c: c.index)
-        whole.text += part.text
-        whole.token_ids.extend(part.token_ids)
-        if part.logprobs is not None:
-            whole.logprobs = (whole.logprobs or []) + part.logprobs
-        whole.cumulative_logprob = part.cumulative_logprob
-        whole.finish_reason, whole.stop_reason = part.finish_reason, part.stop_reason
-    return accumulated
 
 
 class DetokenizerActor(Actor):
@@ -299,8 +371,8 @@ class DetokenizerActor(Actor):
 
     def handle(self, message) -> None:
         match message:
-            case StepOutputs(updates=updates):
-                deltas, stops = self.processor.process(updates)
+            case StepOutputs():
+                deltas, stops = self.processor.process(message)
                 for stop in stops:
                     self.to_scheduler.send(FinishRequest(stop.request_id, stop.index, stop.stop))
                 if deltas:

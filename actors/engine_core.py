@@ -9,7 +9,7 @@ import logging
 import torch
 
 from actors.config import EngineConfig
-from actors.detokenizer import OutputProcessor, merge_delta
+from actors.detokenizer import OutputProcessor, RequestState
 from actors.pooling.outputs import pooling_request_output
 from actors.scheduler.kv_tiers import make_kv_tiers
 from actors.scheduler.priority import make_scheduler
@@ -33,7 +33,6 @@ class EngineCore:
                                         pooling_type=engine.pooler.pooling_type if engine.pooler else None,
                                         generates=engine.model.can_generate, speculative=engine.speculative,
                                         kv_tiers=make_kv_tiers(engine.cache, **host_tier_info(self.runner)))
-        self.outputs = OutputProcessor(tokenizer)
         # asynchronous scheduling: the next step launched before the last one is finished
         self.run_ahead = engine.scheduler.async_scheduling and self.runner.can_run_ahead
         self._launched = None  # the step launched last and not yet finished (runner_step.LaunchedStep)
@@ -44,8 +43,11 @@ class EngineCore:
             self.traces = EngineRequestTraces(RequestTracer(engine.otlp_traces_endpoint,
                                                             engine.collect_detailed_traces is not None),
                                               engine.model.model_path)
+        # each request's whole output comes from its state when it ends (RequestState.whole_output):
+        # the step-by-step deltas are made only for the traces, which count their tokens
+        self.outputs = OutputProcessor(tokenizer, makes_deltas=self.traces is not None)
+        self._states: dict[str, RequestState] = {}  # request_id -> its output processor state, till it ends
         self.sleep_mode = None  # a SleepMode once asked to sleep (actors/worker/sleep_mode.py)
-        self._accumulated: dict[str, RequestOutput] = {}  # request_id -> its output so far
         self._pooling_ids: set[str] = set()  # live pooling requests (the output processor never sees them)
         logger.info("KV cache: %d blocks of %d tokens", self.num_blocks, engine.cache.block_size)
 
@@ -64,6 +66,7 @@ class EngineCore:
             self._pooling_ids.add(request_id)
         else:
             self.outputs.add_request(request_id, prompt, prompt_token_ids, params)
+            self._states[request_id] = self.outputs.requests[request_id]
             if self.traces is not None:
                 self.traces.added(request_id, params, len(prompt_token_ids))
 
@@ -74,9 +77,9 @@ class EngineCore:
         if request_id in self._pooling_ids:
             self._pooling_ids.discard(request_id)
             return None
-        delta = self.outputs.abort_request(request_id)
-        accumulated = self._accumulated.pop(request_id, None)
-        return merge_delta(accumulated, delta) if delta is not None else accumulated
+        self.outputs.abort_request(request_id)
+        state = self._states.pop(request_id, None)
+        return state.whole_output() if state is not None else None
 
     def sleep(self, level: int = 1) -> None:
         """Preempts every request (each resumes after wake_up, recomputed), forgets the
@@ -155,21 +158,17 @@ class EngineCore:
 
     def _apply(self, plan, result) -> list[RequestOutput | PoolingRequestOutput]:
         """A step's result into the scheduler and the outputs: the requests that finished."""
-        updates = self.scheduler.update(plan, result)
+        step_outputs = self.scheduler.update(plan, result)
         finished: list[RequestOutput | PoolingRequestOutput] = []
         for pooled in self.scheduler.take_pooling_results():
             self._pooling_ids.discard(pooled.request_id)
             finished.append(pooling_request_output(pooled))
-        deltas, stops = self.outputs.process(updates)
+        deltas, stops = self.outputs.process(step_outputs)
         for stop in stops:
             self.scheduler.finish_sequence(stop.request_id, stop.index, "stop", stop.stop)
         for delta in deltas:
             if self.traces is not None:
                 self.traces.delta(delta)
-            whole = merge_delta(self._accumulated.get(delta.request_id), delta)
             if delta.finished:
-                self._accumulated.pop(delta.request_id, None)
-                finished.append(whole)
-            else:
-                self._accumulated[delta.request_id] = whole
+                finished.append(self._states.pop(delta.request_id).whole_output())
         return finished

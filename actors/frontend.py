@@ -25,7 +25,7 @@ from typing import Any
 
 from actors.beam_search import AsyncBeamSearch
 from actors.config import EngineConfig
-from actors.detokenizer import merge_delta
+from actors.merge_outputs import OutputMerger
 from actors.distributed_args import ReplicasWhenAsked
 from actors.engine_args import EngineArgs
 from actors.engine_signature import takes_engine_args
@@ -254,13 +254,13 @@ class AsyncClient(ReplicasWhenAsked, AsyncBeamSearch, LoRAClientMixin, PoolingCl
         async def run_one(prompt: PromptInput, params: SamplingParams, priority: int,
                           lora: LoRARequest | None) -> RequestOutput:
             nonlocal num_output_tokens
-            whole = None
+            merger = OutputMerger()  # (each completion's text joined once, at the end)
             async for delta in self.generate(prompt, params, priority=priority, lora_request=lora):
-                whole = merge_delta(whole, delta)
+                merger.add(delta)
                 num_output_tokens += sum(len(c.token_ids) for c in delta.outputs)
             progress.update(1)
             progress.set_postfix_str(f"{num_output_tokens / max(time.perf_counter() - start, 1e-9):.1f} tok/s out")
-            return whole
+            return merger.result()
 
         tasks = [asyncio.ensure_future(run_one(*args)) for args in zip(prompts, params_list, priorities, loras)]
         try:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator, Sequence
 
-from actors.detokenizer import merge_delta
+from actors.merge_outputs import OutputMerger
 from actors.errors import InvalidRequestError
 from messages.common import RequestOutput, SamplingParams
 from messages.frontend import RequestRejected
@@ -42,10 +42,10 @@ class RequestStream:
         return self._collect().__await__()
 
     async def _collect(self) -> RequestOutput:
-        whole = None
+        merger = OutputMerger()  # (each completion's text joined once, at the end)
         async for delta in self._deltas:
-            whole = merge_delta(whole, delta)
-        return whole
+            merger.add(delta)
+        return merger.result()
 
 
 def rejection_error(rejection: RequestRejected) -> Exception:

@@ -49,7 +49,9 @@ class PhaseClock:
         self._depth = 0
 
     def wrap(self, owner, name: str, phase: str) -> None:
-        inner = getattr(owner, name)
+        inner = getattr(owner, name, None)
+        if inner is None:  # (a checkout without this method: another one holds the phase)
+            return
 
         def timed(*args, **kwargs):
             if self._depth:  # nested inside another timed phase: counted there
@@ -92,20 +94,35 @@ def stub_model(runner, max_rows: int, max_tokens: int, seed: int = 0) -> None:
     runner.model.compute_logits = compute_logits
 
 
-def time_messages(plan, result, updates, outputs) -> None:
-    """Encodes and decodes what the actor engine sends around one step, as its actors do."""
-    from messages.detokenizer import DetokenizerInbox, StepOutputs
-    from messages.frontend import FrontendInbox, RequestOutputs
-    from messages.scheduler import SchedulerInbox
-    from messages.transport import encode
-    from messages.worker import WorkerInbox
+class Inboxes:
+    """The decoders of the actors' inboxes, each built once, as each actor builds its own."""
 
-    msgspec.msgpack.decode(encode(plan), type=WorkerInbox)
-    msgspec.msgpack.decode(encode(result), type=SchedulerInbox)
-    if updates:
-        msgspec.msgpack.decode(encode(StepOutputs(step_id=plan.step_id, updates=updates)), type=DetokenizerInbox)
+    def __init__(self) -> None:
+        from messages.detokenizer import DetokenizerInbox
+        from messages.frontend import FrontendInbox
+        from messages.scheduler import SchedulerInbox
+        from messages.worker import WorkerInbox
+
+        self.worker = msgspec.msgpack.Decoder(WorkerInbox)
+        self.scheduler = msgspec.msgpack.Decoder(SchedulerInbox)
+        self.detokenizer = msgspec.msgpack.Decoder(DetokenizerInbox)
+        self.frontend = msgspec.msgpack.Decoder(FrontendInbox)
+
+
+def time_messages(inboxes: Inboxes, plan, result, step_outputs, outputs) -> None:
+    """Encodes and decodes what the actor engine sends around one step, as its actors do."""
+    from messages.detokenizer import StepOutputs
+    from messages.frontend import RequestOutputs
+    from messages.transport import encode
+
+    if isinstance(step_outputs, list):  # (checkouts up to 84b5935 give a list of NewTokens: measured the same)
+        step_outputs = StepOutputs(step_id=plan.step_id, updates=step_outputs)
+    inboxes.worker.decode(encode(plan))
+    inboxes.scheduler.decode(encode(result))
+    if step_outputs.updates or step_outputs.decode_request_ids:
+        inboxes.detokenizer.decode(encode(step_outputs))
     if outputs:
-        msgspec.msgpack.decode(encode(RequestOutputs(outputs)), type=FrontendInbox)
+        inboxes.frontend.decode(encode(RequestOutputs(outputs)))
 
 
 def run(path: str, batch: int, steps: int, sampling: str, prompt_len: int,
@@ -118,6 +135,9 @@ def run(path: str, batch: int, steps: int, sampling: str, prompt_len: int,
               max_model_len=prompt_len + steps + 64, kv_cache_memory="1GiB", seed=0,
               async_scheduling=async_scheduling)
     engine = llm.engine
+    # what the served engine's detokenizer does: a delta a step for every request (the
+    # offline engine's own output processor builds each whole output at the end instead)
+    engine.outputs.makes_deltas = True
     stub_model(engine.runner, max(batch, 256), max_tokens)
     clock = PhaseClock()
     clock.wrap(engine.scheduler, "schedule", "schedule")
@@ -127,16 +147,19 @@ def run(path: str, batch: int, steps: int, sampling: str, prompt_len: int,
     clock.wrap(engine.runner, "_logit_rows", "input preparation")
     clock.wrap(engine.runner.sampler, "launch", "sampling")
     clock.wrap(engine.runner.sampler, "finish", "sampling")
+    clock.wrap(engine.runner.sampler, "sample", "sampling")  # (checkouts before sampling launched and finished)
     clock.wrap(engine.scheduler, "update", "output processing")
     clock.wrap(engine.outputs, "process", "output processing")
     seen: dict[str, object] = {}
-    for owner, name in ((engine.scheduler, "schedule"), (engine.runner, "finish"), (engine.scheduler, "update"),
-                        (engine.outputs, "process")):
+    # a step's result comes from finish() (execute() in checkouts before asynchronous steps)
+    finish = "finish" if hasattr(engine.runner, "finish") else "execute"
+    for owner, name, key in ((engine.scheduler, "schedule", "schedule"), (engine.runner, finish, "finish"),
+                             (engine.scheduler, "update", "update"), (engine.outputs, "process", "process")):
         inner = getattr(owner, name)
 
-        def keep(*args, _inner=inner, _name=name, **kwargs):
+        def keep(*args, _inner=inner, _key=key, **kwargs):
             value = _inner(*args, **kwargs)
-            seen[_name] = value
+            seen[_key] = value
             return value
 
         setattr(owner, name, keep)
@@ -146,6 +169,7 @@ def run(path: str, batch: int, steps: int, sampling: str, prompt_len: int,
     request_ids = llm._add_requests((None, p["prompt_token_ids"], params, None, None, None) for p in prompts)
     assert len(request_ids) == batch
     figures: dict[str, list[float]] = defaultdict(list)
+    inboxes = Inboxes()
     decode_steps = 0
     while engine.has_unfinished() and decode_steps < steps:
         clock.take()
@@ -157,7 +181,7 @@ def run(path: str, batch: int, steps: int, sampling: str, prompt_len: int,
         if len(plan.num_scheduled_tokens) != batch or any(n != 1 for n in plan.num_scheduled_tokens.values()):
             continue  # prefill (or a mixed step): not what is measured
         start = time.perf_counter()
-        time_messages(plan, seen["finish"], seen["update"], seen["process"][0])
+        time_messages(inboxes, plan, seen["finish"], seen["update"], seen["process"][0])
         phases["messages"] = time.perf_counter() - start
         decode_steps += 1
         for phase in PHASES:

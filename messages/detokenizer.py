@@ -28,10 +28,27 @@ class NewTokens(msgspec.Struct, array_like=True, frozen=True, gc=False, tag="new
 
 
 class StepOutputs(msgspec.Struct, array_like=True, frozen=True, gc=False, tag="step_outputs"):
-    """scheduler → detokenizer: every NewTokens of one step, in one message."""
+    """scheduler → detokenizer: what one step gave each completion, in one message.
+
+    Most completions of a step are plain decodes: one token, no logprobs, not their first
+    token and not finished. Those travel as columns (decode_*), one entry each, rather
+    than a NewTokens each (which would say the same: NewTokens(request_id, index,
+    [token_id])); the others as NewTokens. Field order is the wire format: append fields,
+    never reorder."""
 
     step_id: int
     updates: list[NewTokens]
+    decode_request_ids: list[str] = msgspec.field(default_factory=list)  # the user's request ids
+    decode_indexes: list[int] = msgspec.field(default_factory=list)  # which of the request's n completions
+    decode_token_ids: list[int] = msgspec.field(default_factory=list)  # the one token each gained
+
+    def new_tokens(self) -> list[NewTokens]:
+        """Every completion's update as a NewTokens: the updates, then the decodes."""
+        return self.updates + [NewTokens(request_id, index, [token_id]) for request_id, index, token_id
+                               in zip(self.decode_request_ids, self.decode_indexes, self.decode_token_ids)]
+
+    def is_empty(self) -> bool:
+        return not self.updates and not self.decode_request_ids
 
 
 class TrackRequest(msgspec.Struct, array_like=True, frozen=True, kw_only=True, tag="track"):

@@ -26,7 +26,7 @@ from actors.scheduler.control import EngineControlState
 from actors.scheduler.scheduler import Scheduler
 from actors.scheduler.step_timing import StepTimer
 from messages.control import EngineControl, WorkerControlDone
-from messages.detokenizer import StepOutputs, TrackRequest
+from messages.detokenizer import TrackRequest
 from messages.frontend import PoolingOutputs, RequestRejected, Stats
 from messages.scheduler import (AbortRequest, FinishRequest, GetStats, GrammarCompiled, SchedulerInbox,
                                 StepResult, TokenizedRequest)
@@ -145,9 +145,9 @@ class SchedulerActor(Actor):
             raise RuntimeError(f"StepResult for step {result.step_id}, expected step {expected}")
         plan = self.plans_in_flight.popleft()
         self.step_timer.finished(plan.step_id, time.monotonic())
-        updates = self.scheduler.update(plan, result)
-        if updates:
-            self.to_detokenizer.send(StepOutputs(step_id=plan.step_id, updates=updates))
+        outputs = self.scheduler.update(plan, result)
+        if not outputs.is_empty():
+            self.to_detokenizer.send(outputs)
         pooled = self.scheduler.take_pooling_results()
         if pooled:
             self.to_frontend.send(PoolingOutputs(pooled))

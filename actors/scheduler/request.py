@@ -103,6 +103,11 @@ class Sequence:
         self.next_prompt_logprob_pos = 1  # first prompt position whose logprob is not yet delivered
         self.finish_reason: str | None = None
         self.stop_reason: int | str | None = None
+        # the scheduler's per-step shortcuts (updates.py), set when it adds the sequence: the
+        # token ids that may stop it (a sampled token outside them cannot), and whether its
+        # samples need nothing but the token (no logprobs, no pooling)
+        self.stopping_token_ids: frozenset[int] = frozenset()
+        self.decodes_plainly = False
 
     def must_wait(self, ids_to_drop: dict[str, None]) -> bool:
         """Whether its admission must wait: its id is reused and the worker has yet to drop
@@ -165,6 +170,11 @@ class Sequence:
 
     def append_token(self, token_id: int) -> None:
         self.token_ids.append(token_id)
+
+    def params_stop_token_ids(self, eos_token_ids: tuple[int, ...]) -> frozenset[int]:
+        """The token ids stop_condition() may stop at: the stop token ids, and EOS unless ignored."""
+        eos = () if self.params.ignore_eos else eos_token_ids
+        return frozenset((*(self.params.stop_token_ids or ()), *eos))
 
     def stop_condition(self, eos_token_ids: tuple[int, ...]) -> tuple[str, int | None] | None:
         """(finish_reason, stop_reason) when the last sampled token ends the sequence.

@@ -23,24 +23,23 @@ from collections import deque
 
 from actors.config import CacheConfig, SchedulerConfig
 from actors.scheduler.encoder_budget import EncoderBudget
-from actors.scheduler.in_flight import ScheduledSequence, advance, check_result
+from actors.scheduler.in_flight import PlanInFlight, advance
 from actors.scheduler.kv_cache_manager import KVCacheManager
 from actors.scheduler.kv_tiers import KVTiers
 from actors.scheduler.lora_admission import AdapterAdmission
 from actors.scheduler.request import ExtraHashKeys, Sequence, SequenceStatus, check_prompt_fits, make_sequences
-from actors.scheduler.speculation import DraftSlots, append_until_stop
+from actors.scheduler.speculation import DraftSlots
 from actors.scheduler.stats import ITERATION_TOKENS_BOUNDS, CountHistogram, scheduler_stats
+from actors.scheduler.updates import SchedulerUpdates
 from actors.spec_decode.config import SpeculativeConfig
 from messages.common import SamplingParams
-from messages.detokenizer import NewTokens
 from messages.frontend import HistogramSnapshot, PoolingResult
 from messages.lora import LoRARequest
 from messages.pooling import PER_TOKEN_TASKS, PoolingParams
-from messages.scheduler import StepResult, TokenLogprobs
 from messages.worker import ContinuingRequest, NewRequest, StepPlan
 
 
-class Scheduler:
+class Scheduler(SchedulerUpdates):
     """Owns every live sequence and the KV-cache manager; builds StepPlans, applies StepResults."""
     kv_tiers: KVTiers | None = None  # the host KV tier, when there is one (make_scheduler sets it)
     encoder_budget: EncoderBudget | None = None  # image tokens one step may start encoding (make_scheduler sets it)
@@ -72,8 +71,8 @@ class Scheduler:
         self._request_id_to_seq_ids: dict[str, list[str]] = {}  # live request -> seq ids by index
         # seq ids whose worker state must be dropped, for the next plan (dict: ordered set).
         self._ids_to_drop: dict[str, None] = {}
-        # step_id -> seq_id -> what the step computes, for plans whose result is not applied yet
-        self._in_flight: dict[int, dict[str, ScheduledSequence]] = {}
+        # step_id -> what the plan asked of each sequence, for plans whose result is not applied yet
+        self._in_flight: dict[int, PlanInFlight] = {}
         self._next_step_id = 0
 
         self.num_preemptions = 0
@@ -111,6 +110,8 @@ class Scheduler:
         sequences = make_sequences(request_id, prompt_token_ids, params, self.max_seq_len,
                                    kv_cache.enable_prefix_caching, extra_hash_keys)
         for seq in sequences:
+            seq.stopping_token_ids = seq.params_stop_token_ids(self.eos_token_ids)
+            seq.decodes_plainly = pooling_params is None and seq.params.logprobs is None
             seq.lora_request = lora_request
             seq.pooling_params = pooling_params
             seq.mm_inputs = mm_inputs
@@ -174,88 +175,114 @@ class Scheduler:
     def schedule(self) -> StepPlan:
         """The next step's plan. Send it when it schedules tokens, lists ids to drop or has
         disk loads; update() must get the result of those that schedule tokens or load."""
-        budget = self.max_num_batched_tokens
-        new_requests: list[NewRequest] = []
-        continuing_requests: list[ContinuingRequest] = []
-        num_scheduled_tokens: dict[str, int] = {}
-        num_lookahead_tokens: dict[str, int] = {}  # seq_id -> drafts granted (speculative decoding)
-        scheduled: dict[str, ScheduledSequence] = {}
+        plan = _PlanParts()
         num_preemptions_before = self.num_preemptions
-        speculates = self.draft_slots is not None and self.draft_slots.step_allows(self.running)
+        budget = self._schedule_running(plan, self.max_num_batched_tokens)
+        # after a preemption the pool is short: admitting now would just thrash
+        if self.num_preemptions == num_preemptions_before:
+            self._schedule_waiting(plan, budget)
+        step_plan = StepPlan(step_id=self._next_step_id, new_requests=plan.new_requests,
+                             continuing_requests=plan.continuing_requests,
+                             num_scheduled_tokens=plan.num_scheduled_tokens,
+                             finished_request_ids=list(self._ids_to_drop),
+                             num_lookahead_tokens=plan.num_lookahead_tokens)
+        if self.kv_tiers is not None:  # the step's copies between the tiers
+            step_plan = self.kv_tiers.with_orders(step_plan)
+        self._ids_to_drop.clear()
+        self._next_step_id += 1
+        if plan.in_flight.entries:
+            self._in_flight[step_plan.step_id] = plan.in_flight
+        return step_plan
 
-        # 1. Running sequences first: each already holds KV, so advancing it frees its
-        #    blocks soonest and keeps inter-token latency steady; a decode costs 1 token.
+    def _schedule_running(self, plan: _PlanParts, budget: int) -> int:
+        """1. Running sequences first: each already holds KV, so advancing it frees its
+        blocks soonest and keeps inter-token latency steady; a decode costs 1 token.
+        Returns the budget left. The loop runs once per running sequence and step, so it
+        reads each sequence's fields once and calls out only when something changes."""
+        running, block_size = self.running, self.kv_cache_manager.block_size
+        speculates = self.draft_slots is not None and self.draft_slots.step_allows(running)
+        continuing_requests, num_scheduled_tokens = plan.continuing_requests, plan.num_scheduled_tokens
+        entries, sampling_ids = plan.in_flight.entries, plan.in_flight.sampling_ids
         index = 0
-        while index < len(self.running) and budget > 0:
-            seq = self.running[index]
-            if seq.last_token_in_flight or (self.skip_sampling_in_flight and seq.num_pending_tokens):
-                index += 1  # it finishes when that result comes (under pipeline parallelism: its next input)
-                continue
-            num_new_tokens = min(seq.num_total_tokens - seq.num_computed_tokens, budget)
+        while index < len(running) and budget > 0:
+            seq = running[index]
+            index += 1
+            num_pending = seq.num_pending_tokens
+            num_total_tokens = len(seq.token_ids) + num_pending
+            if num_pending and (num_total_tokens >= seq.max_num_tokens or self.skip_sampling_in_flight):
+                continue  # it finishes when that result comes (under pipeline parallelism: its next input)
+            num_computed = seq.num_computed_tokens
+            num_new_tokens = num_total_tokens - num_computed
+            if num_new_tokens > budget:
+                num_new_tokens = budget
             if seq.mm_inputs and self.encoder_budget and not (num_new_tokens := self.encoder_budget.fit(
-                    seq, seq.num_computed_tokens, num_new_tokens, self._next_step_id)):
-                index += 1  # its next image waits for a step with encoder budget left
-                continue
+                    seq, num_computed, num_new_tokens, self._next_step_id)):
+                continue  # its next image waits for a step with encoder budget left
             assert num_new_tokens > 0, f"running {seq} has nothing to compute"
             # a decode charges its drafts too; its slots cover where the worker may already be
             num_drafts = self.draft_slots.grant(seq, num_new_tokens, budget) if speculates else 0
             lookahead = seq.num_drafts_in_flight + num_drafts
-            new_block_ids = self.kv_cache_manager.allocate_slots(seq, num_new_tokens, lookahead)
-            while new_block_ids is None:
-                victim = self.running.pop()  # the newest: it has had the least service
-                self._preempt(victim)
-                if victim is seq:
-                    break
-                new_block_ids = self.kv_cache_manager.allocate_slots(seq, num_new_tokens, lookahead)
-            if new_block_ids is None:
+            if num_computed + num_new_tokens + lookahead <= len(seq.block_ids) * block_size:
+                new_block_ids = []  # most steps: its last block has room (allocate_slots would say so)
+            elif (new_block_ids := self._grow(seq, num_new_tokens, lookahead)) is None:
                 break  # seq was the newest running sequence: nothing after it to schedule
             assert seq.sent_to_worker, f"running {seq} unknown to the worker"
-            continuing_requests.append(ContinuingRequest(seq.seq_id, new_block_ids, seq.num_computed_tokens))
-            scheduled[seq.seq_id] = advance(seq, num_new_tokens, num_drafts)
+            continuing_requests.append(ContinuingRequest(seq.seq_id, new_block_ids, num_computed))
             num_scheduled_tokens[seq.seq_id] = num_new_tokens
+            # in_flight.advance(), inline: the step's tokens count as computed now; reaching
+            # the end, it samples a token the scheduler sees when the result comes
+            seq.num_computed_tokens = num_computed + num_new_tokens
+            samples = seq.num_computed_tokens == num_total_tokens
+            if samples:
+                seq.num_pending_tokens = num_pending + 1
+                sampling_ids.add(seq.seq_id)
             if num_drafts:
-                num_lookahead_tokens[seq.seq_id] = num_drafts
+                seq.num_drafts_in_flight += num_drafts
+                plan.num_lookahead_tokens[seq.seq_id] = num_drafts
+            entries.append((seq, seq.generation, num_computed, num_new_tokens, samples, num_drafts))
             budget -= num_new_tokens + num_drafts
-            index += 1
+        return budget
 
-        # 2. Waiting sequences, first come first served, only while their blocks are free.
-        #    After a preemption the pool is short: admitting now would just thrash.
-        if self.num_preemptions == num_preemptions_before:
-            held_back: list[Sequence] = []
-            adapters = AdapterAdmission(self.running, self.max_loras, self.max_num_seqs) if self.max_loras else None
-            while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
-                seq = self.waiting[0]
-                if seq.must_wait(self._ids_to_drop) or (adapters is not None and adapters.holds_back(seq)):
-                    held_back.append(self.waiting.popleft())
-                    continue
-                num_new_tokens = self._admit(seq, budget)
-                if num_new_tokens is None:
-                    break  # the head does not fit; later ones must not overtake it
-                self.waiting.popleft()
-                self.running.append(seq)
-                if adapters is not None:
-                    adapters.admitted(seq)
-                new_requests.append(NewRequest(
-                    request_id=seq.seq_id, token_ids=list(seq.token_ids),
-                    num_prompt_tokens=seq.num_prompt_tokens, params=seq.params,
-                    block_ids=list(seq.block_ids), num_computed_tokens=seq.num_computed_tokens,
-                    lora_request=seq.lora_request, pooling_params=seq.pooling_params, mm_inputs=seq.mm_inputs))
-                seq.sent_to_worker = True
-                scheduled[seq.seq_id] = advance(seq, num_new_tokens)
-                num_scheduled_tokens[seq.seq_id] = num_new_tokens
-                budget -= num_new_tokens
-            self.waiting.extendleft(reversed(held_back))
+    def _grow(self, seq: Sequence, num_new_tokens: int, lookahead: int) -> list[int] | None:
+        """A running sequence's new blocks for the step; while the pool is short, the newest
+        running sequences are preempted (they have had the least service). None when seq
+        itself was."""
+        new_block_ids = self.kv_cache_manager.allocate_slots(seq, num_new_tokens, lookahead)
+        while new_block_ids is None:
+            victim = self.running.pop()
+            self._preempt(victim)
+            if victim is seq:
+                return None
+            new_block_ids = self.kv_cache_manager.allocate_slots(seq, num_new_tokens, lookahead)
+        return new_block_ids
 
-        plan = StepPlan(step_id=self._next_step_id, new_requests=new_requests,
-                        continuing_requests=continuing_requests, num_scheduled_tokens=num_scheduled_tokens,
-                        finished_request_ids=list(self._ids_to_drop), num_lookahead_tokens=num_lookahead_tokens)
-        if self.kv_tiers is not None:  # the step's copies between the tiers
-            plan = self.kv_tiers.with_orders(plan)
-        self._ids_to_drop.clear()
-        self._next_step_id += 1
-        if scheduled:
-            self._in_flight[plan.step_id] = scheduled
-        return plan
+    def _schedule_waiting(self, plan: _PlanParts, budget: int) -> None:
+        """2. Waiting sequences, first come first served, while the budget, max_num_seqs and
+        their blocks allow; ones that must wait (must_wait, max_loras) stay at the head."""
+        held_back: list[Sequence] = []
+        adapters = AdapterAdmission(self.running, self.max_loras, self.max_num_seqs) if self.max_loras else None
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            seq = self.waiting[0]
+            if seq.must_wait(self._ids_to_drop) or (adapters is not None and adapters.holds_back(seq)):
+                held_back.append(self.waiting.popleft())
+                continue
+            num_new_tokens = self._admit(seq, budget)
+            if num_new_tokens is None:
+                break  # the head does not fit; later ones must not overtake it
+            self.waiting.popleft()
+            self.running.append(seq)
+            if adapters is not None:
+                adapters.admitted(seq)
+            plan.new_requests.append(NewRequest(
+                request_id=seq.seq_id, token_ids=list(seq.token_ids),
+                num_prompt_tokens=seq.num_prompt_tokens, params=seq.params,
+                block_ids=list(seq.block_ids), num_computed_tokens=seq.num_computed_tokens,
+                lora_request=seq.lora_request, pooling_params=seq.pooling_params, mm_inputs=seq.mm_inputs))
+            seq.sent_to_worker = True
+            advance(plan.in_flight, seq, num_new_tokens)
+            plan.num_scheduled_tokens[seq.seq_id] = num_new_tokens
+            budget -= num_new_tokens
+        self.waiting.extendleft(reversed(held_back))
 
     def _admit(self, seq: Sequence, budget: int) -> int | None:
         """Gives a waiting sequence its blocks (prefix-cache hits first) for its first
@@ -320,81 +347,13 @@ class Scheduler:
         if all(seq_id not in self.sequences for seq_id in seq_ids):
             del self._request_id_to_seq_ids[seq.request_id]
 
-    # ---- results ----
 
-    def update(self, plan: StepPlan, result: StepResult) -> list[NewTokens]:
-        """Applies one step's result: computed tokens, sampled tokens, finished sequences.
-        One NewTokens per sequence that gained tokens, prompt logprobs or finished.
-        Raises ValueError when the result does not answer the plan."""
-        if plan.blocks_to_load:
-            self.kv_tiers.loaded(plan, result.failed_loads)
-        if not plan.num_scheduled_tokens:
-            return []
-        scheduled = self._in_flight.get(plan.step_id)
-        if scheduled is None:
-            raise ValueError(f"update() for step {plan.step_id}, which has no plan in flight")
-        check_result(plan, result, scheduled)
-        del self._in_flight[plan.step_id]
-        sample_index = {seq_id: i for i, seq_id in enumerate(result.request_ids)}
-        outputs = []
-        num_step_tokens = 0
-        for seq_id, entry in scheduled.items():
-            seq = entry.seq
-            if self.sequences.get(seq_id) is not seq or seq.generation != entry.generation:
-                continue  # finished, aborted or preempted since the plan was built
-            output = self._apply_step(seq, entry, result, sample_index.get(seq_id))
-            if output is not None:
-                outputs.append(output)
-                num_step_tokens += len(output.new_token_ids)
-                if output.first_scheduled_time is not None and output.index == 0:
-                    num_step_tokens += output.num_prompt_tokens  # the request's first token: its prompt, once
-        if num_step_tokens:
-            self.iteration_tokens.observe(num_step_tokens)
-        return outputs
+class _PlanParts:
+    """The lists and maps of the plan being built, and what it asks of each sequence."""
 
-    def _apply_step(self, seq: Sequence, entry: ScheduledSequence, result: StepResult,
-                    sample_index: int | None) -> NewTokens | None:
-        num_computed_before = entry.num_computed_before
-        num_computed_after = num_computed_before + entry.num_new_tokens
-        if num_computed_before < seq.num_prompt_tokens:
-            self.num_computed_prefill_tokens += min(num_computed_after, seq.num_prompt_tokens) - num_computed_before
-        if num_computed_after >= seq.num_prompt_tokens:
-            seq.prompt_computed = True
-        self.kv_cache_manager.cache_blocks(seq, num_computed_after)
-        prompt_logprobs = seq.take_prompt_logprobs(num_computed_before,
-                                                     result.prompt_logprobs.get(seq.seq_id))
-
-        new_token_ids: list[int] = []
-        new_logprobs: list[TokenLogprobs] | None = None
-        if entry.samples and seq.pooling_params is not None:  # its prompt is done: so is the request
-            self.pooling_results.append(PoolingResult(seq.request_id, result.pooled[seq.seq_id], seq.token_ids,
-                                                      seq.num_cached_tokens))
-            self._retire(seq, "stop", None)
-            return None
-        if entry.samples:
-            # accepted drafts come before the sampled token; none unless drafts were granted
-            accepted = result.accepted_token_ids.get(seq.seq_id, []) if entry.num_drafts else []
-            if seq.params.logprobs is not None and result.logprobs is not None:
-                new_logprobs = [result.logprobs[sample_index]]  # a request with logprobs never speculates
-            seq.num_pending_tokens -= 1
-            seq.num_drafts_in_flight -= entry.num_drafts
-            if self.draft_slots is not None:
-                self.draft_slots.observe(seq, entry.num_drafts, result.num_draft_tokens.get(seq.seq_id, 0),
-                                         len(accepted))
-            new_token_ids, stop = append_until_stop(seq, [*accepted, result.sampled_token_ids[sample_index]],
-                                                    self.eos_token_ids)
-            if stop is not None:
-                self._retire(seq, *stop)
-            elif accepted:  # their KV is verified: the scheduler catches up with the worker
-                seq.num_computed_tokens += len(accepted)
-                self.kv_cache_manager.cache_blocks(seq, num_computed_after + len(accepted))
-
-        if not new_token_ids and prompt_logprobs is None:
-            return None
-        is_first_token = bool(new_token_ids) and seq.num_output_tokens == 1
-        return NewTokens(request_id=seq.request_id, index=seq.index, new_token_ids=new_token_ids,
-                         new_logprobs=new_logprobs, prompt_logprobs=prompt_logprobs,
-                         finish_reason=seq.finish_reason, stop_reason=seq.stop_reason,
-                         num_prompt_tokens=seq.num_prompt_tokens, num_cached_tokens=seq.num_cached_tokens,
-                         first_scheduled_time=seq.first_scheduled_time if is_first_token else None)
-
+    def __init__(self) -> None:
+        self.new_requests: list[NewRequest] = []
+        self.continuing_requests: list[ContinuingRequest] = []
+        self.num_scheduled_tokens: dict[str, int] = {}
+        self.num_lookahead_tokens: dict[str, int] = {}  # seq_id -> drafts granted (speculative decoding)
+        self.in_flight = PlanInFlight()

@@ -104,14 +104,15 @@ class Completion:
 
 def run_step(scheduler: Scheduler, worker: FakeWorker, completions: dict | None = None) -> StepPlan:
     plan = scheduler.schedule()
-    for output in scheduler.update(plan, worker.step(plan)):
+    for output in scheduler.update(plan, worker.step(plan)).new_tokens():
         if completions is not None:
             completion = completions.setdefault((output.request_id, output.index), Completion())
             assert completion.finish_reason is None, "tokens after the finish"
             completion.token_ids += output.new_token_ids
             completion.finish_reason, completion.stop_reason = output.finish_reason, output.stop_reason
             completion.prompt_logprob_positions += [e.ranks[0] for e in output.prompt_logprobs or []]
-            completion.num_cached_tokens = output.num_cached_tokens
+            # (a plain decode, a StepOutputs column, does not repeat it: it is on the first token)
+            completion.num_cached_tokens = max(completion.num_cached_tokens, output.num_cached_tokens)
     return plan
 
 
@@ -202,7 +203,7 @@ def soak(scheduler: Scheduler, worker, rng: random.Random, plans_in_flight: int,
         if len(in_flight) < plans_in_flight and plan.num_scheduled_tokens:
             continue
         plan, step_result = in_flight.pop(0)
-        for output in scheduler.update(plan, step_result):
+        for output in scheduler.update(plan, step_result).new_tokens():
             completion = result.completions.setdefault((output.request_id, output.index), Completion())
             assert completion.finish_reason is None, "tokens after the finish"
             completion.token_ids += output.new_token_ids

@@ -7,13 +7,19 @@ from __future__ import annotations
 import random
 
 import pytest
-from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers
+from tokenizers import AddedToken, Tokenizer, decoders, models, normalizers, pre_tokenizers
 
+from actors.byte_level_decode import ByteLevelDecoder, TokenBytes, is_byte_level
 from actors.detokenizer import OutputProcessor, merge_delta
-from actors.incremental_decode import IncrementalDecoder
+from actors.incremental_decode import IncrementalDecoder, TokenPieces, decoder_factory
 from messages.common import SamplingParams
-from messages.detokenizer import NewTokens
+from messages.detokenizer import NewTokens, StepOutputs
+from messages.scheduler import TokenLogprobs
 from tests.conftest import build_tiny_tokenizer
+
+
+def one_step(*updates: NewTokens) -> StepOutputs:
+    return StepOutputs(0, list(updates))
 
 
 def sentencepiece_style_tokenizer() -> Tokenizer:
@@ -31,23 +37,89 @@ def sentencepiece_style_tokenizer() -> Tokenizer:
     return tokenizer
 
 
-@pytest.mark.parametrize("make_tokenizer", [lambda: build_tiny_tokenizer().backend_tokenizer,
-                                            sentencepiece_style_tokenizer], ids=["byte-level-bpe", "sentencepiece"])
+def byte_level_tokenizer_with_added_tokens() -> Tokenizer:
+    """The tiny byte-level BPE with added tokens: special and not, one whose characters are
+    all in the byte table (decoded through it) and ones with characters outside it (their
+    own UTF-8 bytes)."""
+    tokenizer = build_tiny_tokenizer().backend_tokenizer
+    tokenizer.add_tokens([AddedToken("猫cat", special=False), AddedToken(" hello", special=False),
+                          AddedToken("Ġx", special=False)])
+    tokenizer.add_special_tokens(["<sp é>"])
+    return tokenizer
+
+
+@pytest.mark.parametrize("make_tokenizer", [byte_level_tokenizer_with_added_tokens, sentencepiece_style_tokenizer],
+                         ids=["byte-level-bpe", "sentencepiece"])
 @pytest.mark.parametrize("skip_special_tokens", [True, False])
-def test_incremental_text_is_always_a_prefix_and_ends_as_the_whole_decode(make_tokenizer, skip_special_tokens):
+@pytest.mark.parametrize("decoders_made_by", ["IncrementalDecoder", "decoder_factory"])
+def test_incremental_text_is_always_a_prefix_and_ends_as_the_whole_decode(make_tokenizer, skip_special_tokens,
+                                                                          decoders_made_by):
+    # decoder_factory's decoders (ByteLevelDecoder, or IncrementalDecoder with TokenPieces)
+    # also take single tokens without decoding (add_token): fed token by token or in chunks,
+    # the text shown only grows and ends as the whole decode, ids the vocabulary lacks included
     tokenizer = make_tokenizer()
+    make_decoder = decoder_factory(tokenizer, skip_special_tokens) if decoders_made_by == "decoder_factory" \
+        else lambda: IncrementalDecoder(tokenizer, skip_special_tokens)
     rng = random.Random(1)
     for _ in range(300):
-        ids = [rng.randrange(tokenizer.get_vocab_size()) for _ in range(rng.randint(1, 50))]
-        decoder = IncrementalDecoder(tokenizer, skip_special_tokens)
+        ids = [rng.randrange(tokenizer.get_vocab_size() + 2) for _ in range(rng.randint(1, 50))]
+        decoder = make_decoder()
         shown, position = "", 0
         while position < len(ids):
             step = rng.randint(1, 3)
-            decoder.add(ids[position:position + step])
+            added = decoder.add_token(ids[position]) if step == 1 else None
+            if added is None:
+                decoder.add(ids[position:position + step])
+            else:
+                assert decoder.stable_text == shown + added
             position += step
             assert decoder.stable_text.startswith(shown)
             shown = decoder.stable_text
         assert decoder.text == tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
+
+
+def test_only_a_byte_level_decoder_alone_is_decoded_byte_by_byte():
+    assert is_byte_level(build_tiny_tokenizer().backend_tokenizer)
+    assert not is_byte_level(sentencepiece_style_tokenizer())
+    assert isinstance(decoder_factory(build_tiny_tokenizer().backend_tokenizer, True)(), ByteLevelDecoder)
+    tokenizer = byte_level_tokenizer_with_added_tokens()
+    token_bytes = TokenBytes(tokenizer, skip_special_tokens=True)
+    assert token_bytes(tokenizer.token_to_id("Ġx")) == b" x"  # through the byte table
+    assert token_bytes(tokenizer.token_to_id(" hello")) == b" hello"  # its own bytes
+    assert token_bytes(tokenizer.token_to_id("<sp é>")) == b""  # skipped
+
+
+def test_token_pieces_take_no_byte_fallback_token_and_no_decoder_that_looks_across_tokens():
+    tokenizer = sentencepiece_style_tokenizer()
+    pieces = TokenPieces(tokenizer, skip_special_tokens=True)
+    assert pieces(tokenizer.token_to_id("▁cat")) == " cat"
+    assert pieces(tokenizer.token_to_id("猫")) == "猫"
+    assert pieces(tokenizer.token_to_id("<0x41>")) is None  # its text depends on the bytes around it
+    decoder = IncrementalDecoder(tokenizer, True, pieces)
+    assert decoder.add_token(tokenizer.token_to_id("▁cat")) is None  # the first token: its space is stripped
+    decoder.add([tokenizer.token_to_id("▁cat")])
+    assert decoder.add_token(tokenizer.token_to_id("▁sat")) == " sat" and decoder.text == "cat sat"
+    tokenizer.decoder = decoders.WordPiece()
+    assert TokenPieces(tokenizer, skip_special_tokens=True)(tokenizer.token_to_id("▁cat")) is None
+
+
+def test_a_plain_decode_gives_the_same_deltas_as_a_new_tokens_update():
+    # a step's plain decodes come as columns (StepOutputs.decode_*): a request with one
+    # completion, no stop strings and no logprobs gets their delta the short way, any
+    # other the general way; both give the deltas a NewTokens each would
+    tokenizer = build_tiny_tokenizer()
+    ids = tokenizer.encode("The dog sleeps in the sun. 猫 é") + [0, 300, 1]
+    for params in (SamplingParams(max_tokens=50), SamplingParams(max_tokens=50, stop=["\u2603"]),
+                   SamplingParams(max_tokens=50, n=2)):
+        as_columns, as_updates = OutputProcessor(tokenizer), OutputProcessor(tokenizer)
+        for processor in (as_columns, as_updates):
+            processor.add_request("r", None, [1], params)
+            processor.process(one_step(NewTokens("r", 0, [ids[0]], num_cached_tokens=4, first_scheduled_time=1.0)))
+        for token_id in ids[1:]:
+            columns = as_columns.process(StepOutputs(0, [], ["r"], [0], [token_id]))
+            assert columns == as_updates.process(one_step(NewTokens("r", 0, [token_id])))
+        last = one_step(NewTokens("r", 0, [5], finish_reason="length"))
+        assert as_columns.process(last) == as_updates.process(last)
 
 
 def test_a_run_of_byte_fallback_tokens_is_held_back_until_it_ends():
@@ -69,7 +141,8 @@ def stream_text(processor: OutputProcessor, token_ids: list[int], finish_at_end:
     pieces = []
     for i, token_id in enumerate(token_ids):
         last = finish_at_end and i == len(token_ids) - 1
-        deltas, stops = processor.process([NewTokens("r", 0, [token_id], finish_reason="length" if last else None)])
+        update = NewTokens("r", 0, [token_id], finish_reason="length" if last else None)
+        deltas, stops = processor.process(one_step(update))
         for delta in deltas:
             pieces.append(delta.outputs[0].text)
         if stops:
@@ -95,7 +168,7 @@ def test_a_stop_string_cuts_the_text_and_is_reported():
     processor.add_request("r", None, [1], SamplingParams(stop=["in the"], max_tokens=50))
     whole = None
     for token_id in ids:
-        deltas, stops = processor.process([NewTokens("r", 0, [token_id])])
+        deltas, stops = processor.process(one_step(NewTokens("r", 0, [token_id])))
         for delta in deltas:
             whole = merge_delta(whole, delta)
         if stops:
@@ -111,12 +184,12 @@ def test_a_request_is_scheduled_when_its_first_completion_was_and_deltas_say_so_
     processor = OutputProcessor(tokenizer)
     processor.add_request("r", None, [1], SamplingParams(n=2, max_tokens=50))
     # completion 1 reports first, though completion 0 was scheduled earlier
-    [delta], _ = processor.process([NewTokens("r", 1, [5], first_scheduled_time=5.0)])
+    [delta], _ = processor.process(one_step(NewTokens("r", 1, [5], first_scheduled_time=5.0)))
     assert delta.metrics.first_scheduled_time == 5.0
-    [delta], _ = processor.process([NewTokens("r", 0, [5], first_scheduled_time=3.0)])
+    [delta], _ = processor.process(one_step(NewTokens("r", 0, [5], first_scheduled_time=3.0)))
     assert delta.metrics.first_scheduled_time == 3.0
     # nothing new: no metrics on the next deltas
-    [delta], _ = processor.process([NewTokens("r", 0, [6]), NewTokens("r", 1, [6])])
+    [delta], _ = processor.process(one_step(NewTokens("r", 0, [6]), NewTokens("r", 1, [6])))
     assert delta.metrics is None
     whole = merge_delta(None, delta)
     assert whole.metrics is None
@@ -135,12 +208,12 @@ def test_a_stop_string_completed_inside_a_multi_token_step_drops_the_tokens_afte
     one_by_one.add_request("r", None, [1], params)
     whole_one = None
     for token_id in ids[:stop_end]:
-        deltas, _ = one_by_one.process([NewTokens("r", 0, [token_id])])
+        deltas, _ = one_by_one.process(one_step(NewTokens("r", 0, [token_id])))
         whole_one = merge_delta(whole_one, deltas[0])
     in_chunks = OutputProcessor(tokenizer)
     in_chunks.add_request("r", None, [1], params)
-    whole = merge_delta(None, in_chunks.process([NewTokens("r", 0, ids[:2])])[0][0])
-    deltas, stops = in_chunks.process([NewTokens("r", 0, ids[2:])])  # the stop, then three more tokens
+    whole = merge_delta(None, in_chunks.process(one_step(NewTokens("r", 0, ids[:2])))[0][0])
+    deltas, stops = in_chunks.process(one_step(NewTokens("r", 0, ids[2:])))  # the stop, then three more tokens
     whole = merge_delta(whole, deltas[0])
     assert [s.stop for s in stops] == ["in the"]
     assert whole.outputs[0].text == whole_one.outputs[0].text == ("The dog sleeps in the" if include_stop
@@ -187,9 +260,59 @@ def test_sixty_long_stop_strings_cost_the_detokenizer_less_than_twice_none():
             processor.add_request(f"r{request}", None, [1], params)
         start = time.process_time()
         for token_id in ids:
-            processor.process([NewTokens(f"r{request}", 0, [token_id]) for request in range(20)])
+            processor.process(one_step(*[NewTokens(f"r{request}", 0, [token_id]) for request in range(20)]))
         return time.process_time() - start
 
     none = min(run(SamplingParams(max_tokens=1000)) for _ in range(3))
     with_stops = min(run(SamplingParams(max_tokens=1000, stop=stops)) for _ in range(3))
     assert with_stops < 2 * none + 0.05, (with_stops, none)
+
+
+@pytest.mark.parametrize("abort", [False, True])
+def test_the_whole_output_from_the_state_is_what_merging_every_delta_gives(abort):
+    # the offline engine takes RequestState.whole_output() when a request ends; a streamed
+    # request's caller merges its deltas: n = 2, logprobs, prompt logprobs, a stop string,
+    # first-scheduled times and a cached prefix, both ways
+    tokenizer = build_tiny_tokenizer()
+    ids = tokenizer.encode("The dog sleeps in the sun. 猫 é")
+    params = SamplingParams(n=2, max_tokens=50, stop=["sun"], logprobs=1, prompt_logprobs=1)
+    entry = TokenLogprobs([5], [-0.5], [1])
+    for makes_deltas in (True, False):
+        processor = OutputProcessor(tokenizer, makes_deltas=makes_deltas)
+        processor.add_request("r", "a prompt", [1, 2, 3], params)
+        state, whole = processor.requests["r"], None
+        steps = [one_step(NewTokens("r", 0, [], prompt_logprobs=[entry, entry], num_cached_tokens=2,
+                                    first_scheduled_time=2.0))]
+        steps += [one_step(NewTokens("r", 0, [t], new_logprobs=[entry]),
+                           NewTokens("r", 1, [t], new_logprobs=[entry], first_scheduled_time=1.0 if i == 0 else None))
+                  for i, t in enumerate(ids[:4 if abort else len(ids)])]
+        for step in steps:
+            for delta in processor.process(step)[0]:
+                whole = merge_delta(whole, delta)
+        if abort:
+            whole = merge_delta(whole, processor.abort_request("r"))
+        if makes_deltas:
+            merged = whole
+        assert whole.finished
+    assert state.whole_output() == merged
+    assert merged.outputs[0].finish_reason == ("abort" if abort else "stop")
+
+
+def test_a_plain_request_without_deltas_still_ends_with_its_whole_output():
+    tokenizer = build_tiny_tokenizer()
+    ids = tokenizer.encode("The dog sleeps in the sun. 猫 é")
+    outputs = []
+    for makes_deltas in (True, False):
+        processor = OutputProcessor(tokenizer, makes_deltas=makes_deltas)
+        processor.add_request("r", None, [1, 2], SamplingParams(max_tokens=50))
+        state, whole = processor.requests["r"], None
+        steps = [one_step(NewTokens("r", 0, [ids[0]], num_cached_tokens=1, first_scheduled_time=1.0))]
+        steps += [StepOutputs(0, [], ["r"], [0], [t]) for t in ids[1:-1]]
+        steps += [one_step(NewTokens("r", 0, [ids[-1]], finish_reason="length"))]
+        num_deltas = 0
+        for step in steps:
+            for delta in processor.process(step)[0]:
+                whole, num_deltas = merge_delta(whole, delta), num_deltas + 1
+        assert num_deltas == (len(ids) if makes_deltas else 2)  # without: the first and the last only
+        outputs.append(whole if makes_deltas else state.whole_output())
+    assert outputs[0] == outputs[1] and outputs[0].outputs[0].text == "The dog sleeps in the sun. 猫 é"

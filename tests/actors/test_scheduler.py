@@ -208,7 +208,7 @@ def test_result_for_a_request_aborted_after_schedule_is_dropped():
     scheduler.add_request("a", [1, 2, 3], make_params())
     plan = scheduler.schedule()
     scheduler.abort_request("a")
-    assert scheduler.update(plan, worker.step(plan)) == []
+    assert scheduler.update(plan, worker.step(plan)).new_tokens() == []
     assert scheduler.schedule().finished_request_ids == ["a"]
     assert scheduler.block_pool.num_free_blocks == 64
 
@@ -291,4 +291,4 @@ def test_mismatched_results_raise():
         scheduler.update(plan, StepResult(plan.step_id + 1, ["a"], [SAMPLED]))
     with pytest.raises(ValueError, match="no sampled token"):
         scheduler.update(plan, StepResult(plan.step_id, [], []))
-    assert len(scheduler.update(plan, worker.step(plan))) == 1
+    assert len(scheduler.update(plan, worker.step(plan)).new_tokens()) == 1

@@ -22,7 +22,8 @@ def test_next_plan_decodes_the_pending_token_before_the_result_arrives():
     assert second.continuing_requests[0].num_computed_tokens == 3
     # its second token is the last allowed one: nothing more until a result comes
     assert scheduler.schedule().num_scheduled_tokens == {}
-    outputs = scheduler.update(first, worker.step(first)) + scheduler.update(second, worker.step(second))
+    outputs = (scheduler.update(first, worker.step(first)).new_tokens()
+               + scheduler.update(second, worker.step(second)).new_tokens())
     assert [o.new_token_ids for o in outputs] == [[SAMPLED], [SAMPLED]]
     assert outputs[-1].finish_reason == "length" and not scheduler.has_unfinished()
 
@@ -33,9 +34,9 @@ def test_a_token_sampled_after_the_finish_is_discarded():
     scheduler.add_request("a", [1, 2, 3], make_params(max_tokens=10, ignore_eos=False))
     first, second = scheduler.schedule(), scheduler.schedule()
     results = worker.step(first), worker.step(second)
-    outputs = scheduler.update(first, results[0])
+    outputs = scheduler.update(first, results[0]).new_tokens()
     assert outputs[0].finish_reason == "stop" and outputs[0].new_token_ids == [EOS]
-    assert scheduler.update(second, results[1]) == []
+    assert scheduler.update(second, results[1]).new_tokens() == []
     drop = scheduler.schedule()
     assert drop.finished_request_ids == ["a"] and not drop.num_scheduled_tokens
     worker.step(drop)

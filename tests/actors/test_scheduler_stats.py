@@ -38,7 +38,7 @@ def test_first_scheduled_time_comes_with_a_sequences_first_token_only():
     stamps = []
     while scheduler.has_unfinished():
         plan = scheduler.schedule()
-        stamps += [output.first_scheduled_time for output in scheduler.update(plan, worker.step(plan))]
+        stamps += [output.first_scheduled_time for output in scheduler.update(plan, worker.step(plan)).new_tokens()]
     # chunks of 8 and 4, then two decodes: three outputs, the first carries the stamp of
     # the first chunk's admission
     assert len(stamps) == 3 and stamps[1:] == [None, None]

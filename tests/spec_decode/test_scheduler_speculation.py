@@ -117,7 +117,7 @@ def test_a_decode_is_granted_k_drafts_charged_to_the_budget_with_slots_for_them(
     assert decode.num_scheduled_tokens == {"a": 1} and decode.num_lookahead_tokens == {"a": 3}
     # computed 5, this step's token and 3 drafts: 9 slots, 3 blocks of 4
     assert len(scheduler.sequences["a"].block_ids) == 3
-    outputs = scheduler.update(decode, worker.step(decode))
+    outputs = scheduler.update(decode, worker.step(decode)).new_tokens()
     assert outputs[0].new_token_ids == [target("a", p) for p in range(6, 10)]  # 3 accepted + the bonus
     seq = scheduler.sequences["a"]
     assert seq.num_computed_tokens == 9 and seq.num_tokens == 10 and seq.num_drafts_in_flight == 0
@@ -136,7 +136,7 @@ def test_the_second_plan_in_flight_reserves_slots_for_the_drafts_of_the_first():
     assert len(scheduler.sequences["a"].block_ids) * 4 >= 15
     results = worker.step(first), worker.step(second)
     assert worker.states["a"].num_computed_tokens == 7 + 4 + 4  # each step: its token and 3 accepted drafts
-    outputs = scheduler.update(first, results[0]) + scheduler.update(second, results[1])
+    outputs = scheduler.update(first, results[0]).new_tokens() + scheduler.update(second, results[1]).new_tokens()
     assert [t for o in outputs for t in o.new_token_ids] == [target("a", p) for p in range(8, 16)]
     assert scheduler.sequences["a"].num_computed_tokens == 15
 
@@ -151,7 +151,7 @@ def test_a_stop_token_inside_an_accepted_run_discards_the_tail():
     prefill = scheduler.schedule()
     scheduler.update(prefill, worker.step(prefill))
     decode = scheduler.schedule()
-    outputs = scheduler.update(decode, worker.step(decode))
+    outputs = scheduler.update(decode, worker.step(decode)).new_tokens()
     assert outputs[0].new_token_ids == [target("a", 6), EOS] and outputs[0].finish_reason == "stop"
     assert not scheduler.has_unfinished() and scheduler.block_pool.num_free_blocks == 64
 
@@ -164,7 +164,7 @@ def test_drafts_stop_at_max_tokens_and_the_budget():
     scheduler.update(plan, worker.step(plan))
     decode = scheduler.schedule()
     assert decode.num_lookahead_tokens == {"a": 1}  # 1 output + this step's + 1 draft = max_tokens 3
-    outputs = scheduler.update(decode, worker.step(decode))
+    outputs = scheduler.update(decode, worker.step(decode)).new_tokens()
     assert outputs[0].new_token_ids == [target("a", 3), target("a", 4)] and outputs[0].finish_reason == "length"
 
 
