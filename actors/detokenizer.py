@@ -25,7 +25,7 @@ import msgspec
 from actors.actor import Actor, ActorSpec
 from actors.byte_level_decode import ByteLevelDecoder
 from actors.incremental_decode import IncrementalDecoder, decoder_factory
-from actors.merge_outputs import merge_delta  # (re-exported: where callers import it)
+from actors.merge_outputs import merge_delta  # noqa: F401 - re-exported: where callers import it
 from actors.stop_strings import StopStrings
 from messages.common import CompletionOutput, Logprob, RequestMetrics, RequestOutput, SamplingParams
 from messages.detokenizer import DetokenizerInbox, NewTokens, StepOutputs, TrackRequest
