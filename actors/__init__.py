@@ -4,7 +4,7 @@
 LoRARequest, PoolingParams`. AsyncClient and LLM are imported on first use, so importing a light module such as actors.config does not load
 torch."""
 
-from actors.beam_search import BeamSearchOutput, BeamSearchParams, BeamSearchSequence
+from actors.frontend.beam_search import BeamSearchOutput, BeamSearchParams, BeamSearchSequence
 from actors.errors import EngineDeadError, EngineStartupError, InvalidRequestError
 from messages.common import CompletionOutput, Logprob, RequestOutput, SamplingParams
 from messages.lora import LoRAAdapterError, LoRARequest
@@ -22,11 +22,11 @@ __all__ = ["AsyncClient", "LLM", "SamplingParams", "StructuredOutputsParams", "R
 
 def __getattr__(name: str):
     if name == "LLM":
-        from actors.llm import LLM
+        from actors.frontend.llm import LLM
 
         return LLM
     if name == "AsyncClient":
-        from actors.frontend import AsyncClient
+        from actors.frontend.client import AsyncClient
 
         return AsyncClient
     raise AttributeError(f"module 'actors' has no attribute {name!r}")

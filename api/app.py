@@ -28,7 +28,7 @@ from starlette.routing import Route
 from starlette.types import Message, Receive
 
 from actors.errors import EngineDeadError, EngineRequestError, InvalidRequestError
-from actors.frontend import AsyncClient
+from actors.frontend.client import AsyncClient
 from api.errors import APIError, bad_request, handle_api_error, handle_http_exception, internal_error
 from api.lora_models import ServedModels
 from api.metrics import CONTENT_TYPE
@@ -63,7 +63,7 @@ async def health(ctx: ServingContext, request: Request) -> Response:
     """200 while every actor process is alive, 503 otherwise; with data parallelism, 200
     while a replica serves, with each replica's state ("ok" or why it died)."""
     ctx.check_health()
-    states = getattr(ctx.client, "replica_states", None)  # actors/data_parallel.py
+    states = getattr(ctx.client, "replica_states", None)  # actors/frontend/data_parallel.py
     return json_response({"replicas": states()}) if states is not None else Response(status_code=200)
 
 

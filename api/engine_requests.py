@@ -14,7 +14,7 @@ from collections.abc import AsyncIterator, Callable
 from contextlib import aclosing
 
 from actors.errors import InvalidRequestError
-from actors.tracing import RequestTracer
+from actors.tracing.spans import RequestTracer
 from api.errors import server_busy
 from api.metrics import RequestSpanInfo, RequestStats, ServerMetrics
 from api.responses import Usage

@@ -16,7 +16,7 @@ import asyncio
 import os
 from dataclasses import dataclass
 
-from actors.frontend import AsyncClient
+from actors.frontend.client import AsyncClient
 from actors.lora.adapter_files import CONFIG_FILE, WEIGHTS_FILE
 from api.errors import APIError
 from messages.lora import LoRAAdapterError, LoRARequest

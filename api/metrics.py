@@ -30,7 +30,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Histo
 from prometheus_client.utils import floatToGoString
 
 from actors.config import EngineConfig
-from actors.tracing import RequestTrace, RequestTracer
+from actors.tracing.spans import RequestTrace, RequestTracer
 from messages.common import RequestOutput, SamplingParams
 from messages.frontend import HistogramSnapshot
 

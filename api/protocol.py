@@ -18,7 +18,7 @@ from typing import Any
 
 import msgspec
 
-from actors.beam_search import BeamSearchParams
+from actors.frontend.beam_search import BeamSearchParams
 from actors.errors import InvalidRequestError
 from api.request_limits import check_sampling_fields
 from api.structured_fields import StructuredFields

@@ -20,12 +20,12 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
-from actors.detokenizer import merge_delta
+from actors.detokenizer.output_processor import merge_delta
 from actors.errors import EngineDeadError
-from actors.frontend import AsyncClient
-from actors.input_processor import InputProcessor
-from actors.pooling.config import class_labels
-from actors.tracing import RequestTracer, trace_headers_of
+from actors.frontend.client import AsyncClient
+from actors.input_processor.processor import InputProcessor
+from actors.config.pooler import class_labels
+from actors.tracing.spans import RequestTracer, trace_headers_of
 from api.engine_requests import EngineRequests, RequestGate
 from api import structured_fields
 from api.fields import check_extra_fields

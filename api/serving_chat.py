@@ -21,7 +21,7 @@ from starlette.responses import Response
 
 import msgspec
 
-from actors.chat_template import normalise_message
+from actors.input_processor.chat_template import normalise_message
 from actors.errors import InvalidRequestError
 from api.chat_parsing import ChoiceStream, DeltaParts, OutputParsing, reasoning_markers_of
 from api.engine_requests import EngineRequests

@@ -18,8 +18,8 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from actors.errors import InvalidRequestError
-from actors.pooling.client import PoolingStream, gather_or_cancel
-from actors.pooling.config import PoolerConfig
+from actors.frontend.pooling import PoolingStream, gather_or_cancel
+from actors.config.pooler import PoolerConfig
 from api.errors import bad_request
 from api.metrics import ServerMetrics
 from api.pooling_protocol import (ClassificationData, ClassificationRequest, ClassificationResponse, EmbeddingData,

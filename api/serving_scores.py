@@ -13,8 +13,8 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from actors.errors import InvalidRequestError
-from actors.input_processor import check_request_options
-from actors.pooling.config import PoolerConfig
+from actors.input_processor.processor import check_request_options
+from actors.config.pooler import PoolerConfig
 from actors.pooling.scoring import distinct_texts, score_pairs, scoring_mode
 from api.errors import bad_request
 from api.middleware import route_path

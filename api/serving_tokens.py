@@ -11,7 +11,7 @@ from typing import Any
 from starlette.requests import Request
 from starlette.responses import Response
 
-from actors.chat_template import render_chat_text
+from actors.input_processor.chat_template import render_chat_text
 from api.errors import bad_request
 from api.protocol import DetokenizeRequest, TokenizeRequest
 from api.responses import DetokenizeResponse, TokenizeResponse

@@ -5,7 +5,7 @@ read of the weights at the machine's measured memory bandwidth.
 Shapes (the defaults): SmolLM2-135M's 30 layers (q/k/v fused 960 x 576, o 576 x 576,
 gate/up fused 3072 x 576, down 576 x 1536) and its LM head (49152 x 576), fp32, random
 weights, for a batch of 1 to 64 decode rows. The CPU backend takes the C++ linear up to
-16 rows (actors/worker/attention.py), where this table shows it ahead.
+16 rows (actors/layers/attention.py), where this table shows it ahead.
 
     python benchmarks/cpu_linear.py
     python benchmarks/cpu_linear.py --rows 1,8 --repeats 20

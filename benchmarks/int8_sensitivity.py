@@ -36,7 +36,7 @@ def main() -> None:
     from actors import LLM, SamplingParams
     from actors.quantization.int8_decoder import PROJECTIONS, Int8CpuBackend
     from actors.quantization.int8_smoothing import activation_maxima, calibration_token_ids, smoothed_layer
-    from actors.worker.loader import load_tokenizer, resolve_model
+    from actors.models.loader import load_tokenizer, resolve_model
     from kernels.int8_gemm import int8_gemm_kernels
 
     path = resolve_model(args.model)

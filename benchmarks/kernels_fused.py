@@ -12,9 +12,9 @@ from collections.abc import Callable
 import torch
 
 from actors.config import ModelConfig
-from actors.worker.attention import TritonBackend
+from actors.layers.attention import TritonBackend
 from actors.worker.cuda_graphs import graph_partition_size
-from actors.worker.model import LlamaModel
+from actors.models.llama import LlamaModel
 from benchmarks.kernels import make_decode_batch
 from benchmarks.launch_overhead import step_inputs
 from kernels._triton import cdiv

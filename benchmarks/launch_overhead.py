@@ -20,9 +20,9 @@ import torch
 import torch.nn.functional as F
 
 from actors.config import ModelConfig
-from actors.worker.attention import TritonBackend
-from actors.worker.attention_metadata import AttentionMetadata
-from actors.worker.model import LlamaModel
+from actors.layers.attention import TritonBackend
+from actors.layers.attention_metadata import AttentionMetadata
+from actors.models.llama import LlamaModel
 
 BLOCK = 16
 

@@ -61,7 +61,7 @@ def main() -> None:
     args = parser.parse_args()
 
     from actors import LLM, LoRARequest, SamplingParams
-    from actors.worker.loader import load_model_config, resolve_model
+    from actors.models.loader import load_model_config, resolve_model
 
     model_dir = resolve_model(args.model)
     config = load_model_config(model_dir)

@@ -189,7 +189,7 @@ def main() -> None:
     args = parser.parse_args()
     torch.manual_seed(args.seed)
 
-    from actors.worker.loader import load_model_config, resolve_model
+    from actors.models.loader import load_model_config, resolve_model
 
     model_dir = resolve_model(args.model)
     config = load_model_config(model_dir)

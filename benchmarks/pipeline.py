@@ -81,7 +81,7 @@ def main() -> None:
     parser.add_argument("--ray", action="store_true", help="also PP=2 with distributed_executor_backend='ray'")
     args = parser.parse_args()
 
-    from actors.engine_args import EngineArgs
+    from actors.engine.args import EngineArgs
 
     vocab_size = EngineArgs(args.model).build().model.vocab_size
     prompts = make_workload(args.num_prompts, args.min_input_len, args.max_input_len, vocab_size, seed=0)

@@ -81,7 +81,7 @@ def main() -> None:
                         help="a Python with llama_cpp: llama.cpp's perplexity on the same windows of the same "
                              ".gguf (benchmarks/llama_cpp_peer.py)")
     args = parser.parse_args()
-    from actors.worker.loader import load_tokenizer, resolve_model
+    from actors.models.loader import load_tokenizer, resolve_model
 
     with open(TEXT, encoding="utf-8") as file:
         text = file.read()

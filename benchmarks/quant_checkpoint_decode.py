@@ -20,7 +20,7 @@ if __name__ == "__main__":
     sys.path[0] = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the checkout, not this folder
 
 from actors import LLM, SamplingParams
-from actors.worker.loader import resolve_model
+from actors.models.loader import resolve_model
 from tests.quant_checkpoints import write_quantized_checkpoint
 
 FORMATS = {"gptq-sym-4bit-g64": ("gptq", dict(bits=4, group_size=64, sym=True)),

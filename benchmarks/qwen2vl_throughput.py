@@ -81,7 +81,7 @@ def main() -> None:
     vision = llm.engine.runner.vision
     probes = [llm.inputs.process_media(question, params, multi_modal_data={"image": image})[2][0]
               for image in images[:4]]
-    from actors.multimodal.qwen2_vl import image_patches
+    from actors.models.qwen2_vl import image_patches
 
     start = time.perf_counter()
     vision.encoder.encode_many([image_patches(mm) for mm in probes])  # (as a step starting 4 images does)

@@ -2,7 +2,7 @@
 processes (--distributed-executor-backend mp) and as Ray actors (ray), the two alternated
 --rounds times in one invocation; per backend the fastest and the median seconds a step
 (a shared machine's load swings: compare the minima). Ray should add nothing per step:
-plans and results travel over ZeroMQ as with processes (actors/ray_executor.py).
+plans and results travel over ZeroMQ as with processes (actors/engine/ray_executor.py).
 
     python benchmarks/ray_overhead.py                         # SmolLM2-135M, one worker, 3 rounds
     python benchmarks/ray_overhead.py --tensor-parallel-size 2 --rounds 5 --output-len 256
@@ -93,7 +93,7 @@ def main() -> None:
     parser.add_argument("--kv-cache-memory", default="256MiB")
     args = parser.parse_args()
 
-    from actors.engine_args import EngineArgs
+    from actors.engine.args import EngineArgs
 
     vocab_size = EngineArgs(args.model).build().model.vocab_size
     prompt = make_workload(1, args.input_len, args.input_len, vocab_size, seed=0)[0]

@@ -27,7 +27,7 @@ import time
 
 import torch
 
-from actors.worker.sampler import Sampler
+from actors.layers.sampler import Sampler
 from messages.common import SamplingParams
 
 SMOLLM2_VOCAB = 49152

@@ -97,7 +97,7 @@ def main() -> None:
         draft_dir = save_layer_skip_draft(args.model, scratch.name, args.draft_layers)
         configs["draft"] = {"method": "draft_model", "model": draft_dir, "num_speculative_tokens": args.k}
     if "self_draft" in methods:
-        from actors.worker.loader import resolve_model
+        from actors.models.loader import resolve_model
 
         configs["self_draft"] = {"method": "draft_model", "model": resolve_model(args.model),
                                  "num_speculative_tokens": args.k}

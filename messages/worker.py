@@ -72,7 +72,7 @@ class StepPlan(msgspec.Struct, array_like=True, frozen=True, gc=False, tag="plan
 class CompileGrammar(msgspec.Struct, array_like=True, frozen=True, tag="compile_grammar"):
     """scheduler (its executor) → every worker rank: compile a request's grammar before the
     request is scheduled; the rank that samples answers with GrammarCompiled, the others
-    ignore it (actors/worker/grammar_compiles.py)."""
+    ignore it (actors/structured_output/grammar_compiles.py)."""
 
     request_id: str
     constraint: StructuredOutputsParams

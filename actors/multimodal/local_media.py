@@ -19,17 +19,6 @@ def is_file_url(url: Any) -> bool:
     return isinstance(url, str) and url.startswith("file:")
 
 
-def resolve_allowed_media_path(path: str | None) -> str | None:
-    """--allowed-local-media-path as an absolute, symlink-free directory (None when unset);
-    ValueError naming the flag when it is not a directory."""
-    if not path:
-        return None
-    resolved = os.path.realpath(path)
-    if not os.path.isdir(resolved):
-        raise ValueError(f"allowed_local_media_path: {path!r} is not a directory")
-    return resolved
-
-
 def read_local_image(url: str, allowed_dir: str | None, param: str = "image_url",
                      max_bytes: int = MAX_IMAGE_BYTES) -> bytes:
     """The bytes of a file:// URL's file; InvalidRequestError naming param when file URLs are

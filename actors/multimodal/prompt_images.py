@@ -2,7 +2,7 @@
 "multi_modal_data": {"image": a PIL image or a list}}), as LLM.generate takes them: the
 frontend turns them into PromptImages (msgspec, no pickle) and the input processor back
 into what its image decoding reads. Torch-free, and Pillow is imported only when a PIL
-image is sent: actors.frontend imports this module."""
+image is sent: actors.frontend.client imports this module."""
 
 from __future__ import annotations
 

@@ -12,9 +12,9 @@ import hashlib
 import numpy as np
 
 from actors.config import InputConfig
-from actors.multimodal.config import VisionConfig
+from actors.config.vision import VisionConfig
 from actors.multimodal.inputs import ImageInputs, Processed
-from actors.multimodal.qwen2_vl_config import Qwen2VLVisionConfig
+from actors.config.qwen2_vl import Qwen2VLVisionConfig
 
 
 class Qwen2VLImageInputs(ImageInputs):

@@ -10,8 +10,8 @@ import dataclasses
 import json
 
 from actors.config import ModelConfig
-from actors.json_flags import parse_json_object
-from actors.pooling.config import PoolerConfig, parse_pooler_config_override, read_pooler_config
+from actors.config.json_flags import parse_json_object
+from actors.config.pooler import PoolerConfig, parse_pooler_config_override, read_pooler_config
 from messages.common import SamplingParams
 
 RUNNERS = ("auto", "generate", "pooling")
@@ -75,7 +75,7 @@ def parse_hf_overrides(hf_overrides: str | dict | None) -> dict[str, object]:
 
 def override_architecture(model: ModelConfig, architecture: str) -> ModelConfig:
     """The model read as another architecture of its family (hf_overrides' architectures)."""
-    from actors.worker.loader import SUPPORTED_ARCHITECTURES
+    from actors.models.loader import SUPPORTED_ARCHITECTURES
 
     family = model.architecture.split("For")[0].removesuffix("Model")
     if architecture not in SUPPORTED_ARCHITECTURES or not architecture.startswith(family):

@@ -15,7 +15,7 @@ import numpy as np
 import torch
 
 from actors.pooling.classifier import ScoreHead, reranker_score_head
-from actors.pooling.config import PoolerConfig
+from actors.config.pooler import PoolerConfig
 from actors.pooling.pooler import Pooler, PoolingSpan, finish_embedding, finish_logits
 from messages.pooling import PER_TOKEN_TASKS, PooledData, PoolingParams
 
@@ -92,7 +92,7 @@ def pooling_runner(config: PoolerConfig, hidden_size: int, score_weight: object 
 
 def _token_ids(tokenizer_path: str, tokens: tuple[str, ...]) -> list[int]:
     """Each token's id in the model's vocabulary (ValueError for one it lacks)."""
-    from actors.worker.loader import load_tokenizer
+    from actors.models.loader import load_tokenizer
 
     vocab = load_tokenizer(tokenizer_path).get_vocab()
     missing = [token for token in tokens if token not in vocab]

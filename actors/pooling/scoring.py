@@ -15,7 +15,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Literal
 
-from actors.pooling.config import PoolerConfig
+from actors.config.pooler import PoolerConfig
 from messages.common import InvalidRequestError
 from messages.pooling import PoolingRequestOutput, ScoringOutput, ScoringRequestOutput
 

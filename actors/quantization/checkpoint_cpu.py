@@ -25,7 +25,7 @@ import logging
 import numpy as np
 import torch
 
-from actors.quantization.checkpoint_config import CheckpointQuant
+from actors.config.quantization import CheckpointQuant
 from actors.quantization.checkpoint_weights import FUSED_PROJECTIONS
 from actors.quantization.gguf import GGUFCpuBackend, GGUFWeight
 from kernels.gguf_linear import BLOCK, Q4_0, Q8_0
@@ -113,7 +113,7 @@ def use_gguf_blocks(model, backend, quant: CheckpointQuant, tensors: dict[str, d
 
 
 def can_use_gguf_blocks(model, backend, quant: CheckpointQuant) -> bool:
-    from actors.worker.attention import CpuBackend
+    from actors.layers.attention import CpuBackend
 
     return (block_type(quant) is not None and isinstance(backend, CpuBackend) and backend.native is not None
             and model.dtype == torch.float32 and model.device.type == "cpu" and not model.parallel.enabled

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from actors.quantization.checkpoint_config import CheckpointQuant, QuantConfigError
+from actors.config.quantization import CheckpointQuant, QuantConfigError
 from actors.quantization.checkpoint_weights import FUSED_PROJECTIONS
 from kernels.int8_linear import quantize_rows_reference
 from kernels.quant_ref import group_index

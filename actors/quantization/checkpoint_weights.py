@@ -17,7 +17,7 @@ from collections.abc import Iterable, Iterator
 
 import torch
 
-from actors.quantization.checkpoint_config import CheckpointQuant, QuantConfigError, read_checkpoint_quant
+from actors.config.quantization import CheckpointQuant, QuantConfigError, read_checkpoint_quant
 from kernels.quant_ref import dequantize_awq, dequantize_fp8, dequantize_gptq, dequantize_packed
 
 # the tensors of one quantized linear, by layout ("weight" of fp8 is recognised by its dtype)
@@ -131,7 +131,7 @@ def use_checkpoint_kernels(model, backend, model_dir: str, parallel):
 
 def _projection_tensors(model_dir: str) -> dict[str, dict[str, torch.Tensor]]:
     """The decoder projections' checkpoint tensors: module name -> {part: tensor}."""
-    from actors.worker.loader import iter_weights
+    from actors.models.loader import iter_weights
 
     tensors: dict[str, dict[str, torch.Tensor]] = {}
     for name, tensor in iter_weights(model_dir):

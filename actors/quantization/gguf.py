@@ -17,7 +17,7 @@ from dataclasses import dataclass, replace
 import numpy as np
 import torch
 
-from actors.worker.attention import CpuBackend
+from actors.layers.attention import CpuBackend
 from actors.quantization.gguf_types import KERNEL_TYPES, GGUFError, layer_tensor_names, lm_head_name
 from kernels.gguf_gemm import GGUFTiledKernels, GGUFTiles, gguf_tiled_kernels
 from kernels.gguf_linear import U8X16, GGUFKernels, gguf_kernels
@@ -81,7 +81,7 @@ def _blocks(tensor, kernels: GGUFKernels, unpermute_heads: int | None = None) ->
         raise GGUFError(f"tensor {tensor.name!r}: {in_features} inputs, not whole blocks of 32")
     rows = np.asarray(tensor.data).reshape(out_features, row_bytes)
     if unpermute_heads is not None:
-        from actors.worker.gguf_convert import unpermute_rotary_rows
+        from actors.models.gguf_convert import unpermute_rotary_rows
 
         rows = unpermute_rotary_rows(rows, unpermute_heads)
     return torch.from_numpy(np.array(rows))  # a copy: the reader's arrays map the file read-only

@@ -32,7 +32,7 @@ def lm_head_name(tensor_names) -> str:
 def gguf_source(model: str | None) -> str | None:
     """The .gguf file a --model argument names (the embedded default model's included), else None."""
     if model is None or model == "default":
-        from actors.worker.loader import default_model_path
+        from actors.models.loader import default_model_path
 
         return default_model_path()
     path = os.path.abspath(os.path.expanduser(model))

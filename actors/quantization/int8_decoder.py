@@ -19,7 +19,7 @@ import torch
 
 from actors.quantization.int8_check import Int8Error
 from actors.quantization.int8_smoothing import smooth_model
-from actors.worker.attention import CpuBackend
+from actors.layers.attention import CpuBackend
 from kernels.int8_gemm import Int8GemmKernels, PackedInt8Weight, int8_gemm_kernels
 
 logger = logging.getLogger(__name__)

@@ -26,7 +26,7 @@ import os
 import torch
 import torch.nn.functional as F
 
-from actors.worker.model import DecoderLayerWeights
+from actors.models.llama import DecoderLayerWeights
 
 CALIBRATION_TEXT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "int8_calibration.txt")
 CALIBRATION_TOKENS = 512  # the first tokens of the calibration text that one forward pass sees
@@ -37,7 +37,7 @@ SMOOTHING_ALPHA = 0.5
 
 def calibration_token_ids(tokenizer_path: str) -> list[int]:
     """The calibration text's first CALIBRATION_TOKENS tokens."""
-    from actors.worker.loader import load_tokenizer
+    from actors.models.loader import load_tokenizer
 
     with open(CALIBRATION_TEXT, encoding="utf-8") as file:
         text = file.read()

@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import logging
 
-from actors.cli_flags import cuda_device_count
+from actors.config.cli_flags import cuda_device_count
 from actors.quantization import GGUF_METHODS, check_quantization
-from actors.quantization.checkpoint_config import read_checkpoint_quant, resolve_checkpoint_quantization
+from actors.config.quantization import read_checkpoint_quant, resolve_checkpoint_quantization
 from actors.quantization.gguf_types import GGUFError, gguf_source, resolve_gguf
 from actors.quantization.int8_check import check_int8_decoder
 from actors.quantization.online_check import check_online_fp8, cuda_capability

@@ -53,6 +53,6 @@ def quantized_at_load(engine) -> bool:
     config.json has no quantization_config) rather than reading a quantized checkpoint."""
     if engine.quantization == "int8":
         return True
-    from actors.quantization.checkpoint_config import read_checkpoint_quant
+    from actors.config.quantization import read_checkpoint_quant
 
     return engine.quantization == "fp8" and read_checkpoint_quant(engine.model.model_path) is None

@@ -3,8 +3,8 @@
 Receives TokenizedRequest (input processors), AbortRequest and GetStats (frontend),
 FinishRequest (detokenizer) and StepResult and GrammarCompiled (worker rank 0). A request
 with structured outputs waits here, unscheduled, until the worker that samples has compiled
-its grammar (CompileGrammar, actors/worker/grammar_compiles.py): no step waits for one. Sends StepPlans to every
-worker rank through its Executor (actors/executor.py, in this process); TrackRequest,
+its grammar (CompileGrammar, actors/structured_output/grammar_compiles.py): no step waits for one. Sends StepPlans to every
+worker rank through its Executor (actors/scheduler/executor.py, in this process); TrackRequest,
 StepOutputs and AbortRequest to the detokenizer, on one pipe so that a request is always
 tracked before its first tokens arrive; Stats, RequestRejected and the pooled outputs of
 pooling requests (which have no text, so skip the detokenizer) to the frontend. Owns
@@ -16,9 +16,9 @@ import logging
 import time
 from collections import OrderedDict, deque
 
-from actors.actor import Actor, ActorSpec
+from actors.runtime.actor import Actor, ActorSpec
 from actors.config import SchedulerConfig
-from actors.executor import Executor
+from actors.scheduler.executor import Executor
 from actors.scheduler.kv_tiers import make_kv_tiers
 from actors.scheduler.pipeline_plans import keep_pipeline_full
 from actors.scheduler.priority import make_scheduler

@@ -1,6 +1,6 @@
 """The encoder budget (vLLM's max_num_encoder_input_tokens): how many image tokens' vision
 encoding one step may start. The worker encodes an image whole in the first step whose
-tokens reach its placeholders (actors/multimodal/runner.py), so a step that starts many
+tokens reach its placeholders (actors/models/vision_runner.py), so a step that starts many
 images runs many vision towers on top of its decoder tokens; with a budget, a prefill chunk
 stops just before the first image that would exceed what is left of the step's budget, and
 that image starts in a later step.

@@ -31,7 +31,7 @@ from actors.scheduler.request import ExtraHashKeys, Sequence, SequenceStatus, ch
 from actors.scheduler.speculation import DraftSlots
 from actors.scheduler.stats import ITERATION_TOKENS_BOUNDS, CountHistogram, scheduler_stats
 from actors.scheduler.updates import SchedulerUpdates
-from actors.spec_decode.config import SpeculativeConfig
+from actors.config.speculative import SpeculativeConfig
 from messages.common import SamplingParams
 from messages.frontend import HistogramSnapshot, PoolingResult
 from messages.lora import LoRARequest

@@ -27,7 +27,7 @@ worker proposes again."""
 from __future__ import annotations
 
 from actors.scheduler.request import Sequence
-from actors.spec_decode.config import SpeculativeConfig, may_speculate
+from actors.config.speculative import SpeculativeConfig, may_speculate
 
 MAX_DRY_BACKOFF = 16  # decodes a sequence goes at most without drafts between two dry probes
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 
 from actors.config import ModelConfig
-from actors.worker.loader import load_backend_tokenizer, load_model_config, resolve_model
+from actors.models.loader import load_backend_tokenizer, load_model_config, resolve_model
 
 
 def load_draft_model_config(draft_path: str, target: ModelConfig, *, max_model_len: int,

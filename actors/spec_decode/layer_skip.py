@@ -20,7 +20,7 @@ def save_layer_skip_draft(model: str | None, out_dir: str, num_layers: int) -> s
     .gguf file or None for the embedded default) as a Hugging Face directory."""
     from safetensors.torch import save_file
 
-    from actors.worker.loader import iter_weights, resolve_model
+    from actors.models.loader import iter_weights, resolve_model
 
     model_dir = resolve_model(model)
     with open(os.path.join(model_dir, "config.json")) as f:

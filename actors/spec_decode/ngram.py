@@ -9,7 +9,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from actors.spec_decode.config import SpeculativeConfig
+from actors.config.speculative import SpeculativeConfig
 
 
 def _longest_latest_match(history: np.ndarray, max_n: int) -> tuple[int, int]:

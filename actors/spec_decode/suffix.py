@@ -18,7 +18,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Iterable, Iterator, Sequence
 
-from actors.spec_decode.config import SpeculativeConfig
+from actors.config.speculative import SpeculativeConfig
 
 
 class _Node:

@@ -7,7 +7,7 @@ cached schema compiles in 0.2 ms) and llguidance (`--structured-outputs-backend
 guidance`: nothing to compile ahead, and JSON whitespace patterns). The input processor
 checks a constraint (check_constraint, no tokenizer needed) so a bad one is a 400 before
 the request is queued; the worker that samples compiles it (cached by key, on a thread)
-and owns the matchers (actors/worker/grammar_processor.py)."""
+and owns the matchers (actors/structured_output/grammar_processor.py)."""
 
 from __future__ import annotations
 

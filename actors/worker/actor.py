@@ -10,14 +10,14 @@ from __future__ import annotations
 
 import logging
 
-from actors.actor import Actor, ActorSpec
-from actors.structured_output.limits import DEFAULT_COMPILE_TIMEOUT_S
+from actors.runtime.actor import Actor, ActorSpec
+from actors.config.structured_output import DEFAULT_COMPILE_TIMEOUT_S
 from messages.control import WorkerControl, WorkerControlDone
 from messages.transport import Sockets
 from actors.worker.gpu_idle import GpuIdleProfile
 from actors.worker.host_profile import HostProfile
-from actors.worker.grammar_compiles import PendingCompiles
-from actors.worker.grammar_processor import structured_outputs_of
+from actors.structured_output.grammar_compiles import PendingCompiles
+from actors.structured_output.grammar_processor import structured_outputs_of
 from actors.worker.host_kv import host_tier_info
 from messages.worker import CompileGrammar, StepPlan, WorkerInbox
 
@@ -55,7 +55,7 @@ class WorkerActor(Actor):
     def from_spec(cls, spec: ActorSpec, sockets: Sockets) -> WorkerActor:
         from actors.worker.device_config import resolve_device
         from actors.worker.model_runner import build_model_runner
-        from actors.worker.parallel import TensorParallel
+        from actors.layers.tensor_parallel import TensorParallel
 
         rank = spec.options.get("rank", 0)
         engine = resolve_device(spec.engine, rank)

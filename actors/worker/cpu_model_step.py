@@ -21,15 +21,15 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from actors.worker.attention import AttentionBackend, CpuBackend
-from actors.worker.attention_metadata import AttentionMetadata
+from actors.layers.attention import AttentionBackend, CpuBackend
+from actors.layers.attention_metadata import AttentionMetadata
 from kernels.cpu_kernels import DecoderLayer, DecoderShape, LoraStep, NativeKernels, StepBatch, torch_sgemm
 from kernels.paged_attention_cpu import CpuAttentionPlan
 
 if TYPE_CHECKING:
     from actors.lora.batch import LoRABatch
     from actors.lora.slots import LoRASlots
-    from actors.worker.model import LlamaModel
+    from actors.models.llama import LlamaModel
 
 
 def _address(tensor: torch.Tensor | None) -> int | None:

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 import torch
 
-from actors.worker.attention_metadata import AttentionMetadata
+from actors.layers.attention_metadata import AttentionMetadata
 from actors.worker.graph_inputs import MAX_PREFILLS, GraphInputs
 from actors.worker.step_inputs import StepInputs
 from kernels.paged_attention import PagedAttentionLaunch

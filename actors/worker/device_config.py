@@ -8,7 +8,7 @@ import dataclasses
 import torch
 
 from actors.config import EngineConfig
-from actors.worker.parallel import TensorParallel
+from actors.layers.tensor_parallel import TensorParallel
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 

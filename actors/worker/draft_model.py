@@ -30,12 +30,12 @@ from typing import TYPE_CHECKING
 import torch
 
 from actors.config import EngineConfig
-from actors.worker.attention import AttentionBackend
-from actors.worker.attention_metadata import AttentionMetadata
+from actors.layers.attention import AttentionBackend
+from actors.layers.attention_metadata import AttentionMetadata
 from actors.worker.cpu_model_step import CpuModelStep
-from actors.worker.model import LlamaModel
-from actors.worker.random_sampling import filtered_probs
-from actors.worker.sampler import argmax_tokens, position_seed
+from actors.models.llama import LlamaModel
+from actors.layers.random_sampling import filtered_probs
+from actors.layers.sampler import argmax_tokens, position_seed
 
 if TYPE_CHECKING:
     from actors.worker.model_runner import CachedRequest
@@ -64,7 +64,7 @@ class DraftModel:
         if engine.load_format == "dummy":
             self.model.init_dummy_weights(engine.seed)
         else:
-            from actors.worker.loader import iter_weight_slices
+            from actors.models.loader import iter_weight_slices
 
             self.model.load_weights((name, weight_slice[:]) for name, weight_slice in
                                     iter_weight_slices(config.model_path))

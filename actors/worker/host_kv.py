@@ -15,7 +15,7 @@ import torch
 from actors.config import EngineConfig
 from actors.worker.device_config import kv_block_bytes
 from actors.worker.disk_kv import DiskKV, fingerprint
-from actors.worker.parallel import TensorParallel
+from actors.layers.tensor_parallel import TensorParallel
 from messages.worker import StepPlan
 
 # Rough speeds for the swap-or-recompute rule: recomputing a token costs 2 FLOPs per

@@ -13,24 +13,24 @@ import torch
 from actors.config import EngineConfig
 from actors.lora.batch import LoRABatch
 from actors.lora.slots import LoRASlots
-from actors.multimodal.runner import VisionRunner
+from actors.models.vision_runner import VisionRunner
 from actors.pooling.classifier import SCORE_WEIGHT, split_score_weight
-from actors.pooling.encoder import BertClassifierHead, EncoderStep, build_encoder
+from actors.models.encoder import BertClassifierHead, EncoderStep, build_encoder
 from actors.pooling.runner import PoolingRunner, pooling_runner
 from actors.quantization.swap import checkpoint_weight_stream, quantized_backend
-from actors.worker.attention import make_backend
-from actors.worker.attention_metadata import AttentionMetadata
+from actors.layers.attention import make_backend
+from actors.layers.attention_metadata import AttentionMetadata
 from actors.worker.cpu_model_step import CpuModelStep
 from actors.worker.cpu_tuning import MAX_FEW_ROWS, tune_allocator, tune_few_rows
 from actors.worker.cuda_graphs import DecodeGraphs, StagedStep
 from actors.worker.device_config import DTYPES, kv_block_bytes, num_kv_blocks
 from actors.worker.draft_model import DraftModel
 from actors.worker.gpu_memory import MemorySnapshot, check_free_at_start, profile_num_kv_blocks
-from actors.worker.grammar_processor import sampling_processors
+from actors.structured_output.grammar_processor import sampling_processors
 from actors.worker.host_kv import HostKVCache
-from actors.worker.model import LlamaModel
-from actors.worker.parallel import TensorParallel
-from actors.worker.sampler import Sampler
+from actors.models.llama import LlamaModel
+from actors.layers.tensor_parallel import TensorParallel
+from actors.layers.sampler import Sampler
 from actors.worker.runner_step import StepExecution
 from actors.worker.speculator import Speculator
 from actors.worker.step_inputs import BlockTables, Stager, collect
@@ -143,7 +143,7 @@ class ModelRunner(StepExecution):
             if self.load_format == "dummy":
                 self.model.init_dummy_weights(engine.seed)
             else:
-                from actors.worker.loader import iter_weight_slices
+                from actors.models.loader import iter_weight_slices
 
                 weights = VisionRunner.split(self.vision, iter_weight_slices(engine.model.model_path))
                 weights = checkpoint_weight_stream(weights, engine)  # (a quantized checkpoint's, dequantized)

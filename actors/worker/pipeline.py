@@ -1,7 +1,7 @@
 """Pipeline parallelism: a rank's stage, and the model runner of a stage.
 
 The model's layers are split into pipeline_parallel_size stages of contiguous layers
-(actors/distributed_args.py's stage_layers); each stage has tensor_parallel_size ranks, and
+(actors/config/parallel_flags.py's stage_layers); each stage has tensor_parallel_size ranks, and
 global rank = stage * tensor_parallel_size + tensor-parallel rank. A stage loads only its
 layers' weights (the embedding on the first, the final norm and LM head on the last) and
 allocates KV cache for its layers only: its runner sees a model config of its own layer
@@ -29,10 +29,10 @@ from dataclasses import dataclass
 import torch
 
 from actors.config import EngineConfig
-from actors.distributed_args import stage_layers
-from actors.worker.attention_metadata import AttentionMetadata
+from actors.config.parallel_flags import stage_layers
+from actors.layers.attention_metadata import AttentionMetadata
 from actors.worker.model_runner import ModelRunner
-from actors.worker.parallel import TensorParallel
+from actors.layers.tensor_parallel import TensorParallel
 from actors.worker.stage_link import StageLink
 from messages.scheduler import StepResult
 from messages.worker import StepPlan
@@ -141,7 +141,7 @@ class StageRunner(ModelRunner):
                          parallel)
 
     def load_weights(self, head_weights: dict[str, object] | None = None) -> None:
-        from actors.worker.model import LlamaModel
+        from actors.models.llama import LlamaModel
 
         engine, parallel, stage = self.engine, self.parallel, self.stage
         self.model = LlamaModel(engine.model, self.dtype, self.device, self.backend, parallel)
@@ -150,7 +150,7 @@ class StageRunner(ModelRunner):
         if self.load_format == "dummy":
             self.model.init_dummy_weights(engine.seed)
         else:
-            from actors.worker.loader import iter_weight_slices
+            from actors.models.loader import iter_weight_slices
 
             tied = engine.model.tie_word_embeddings
             self.model.load_weights((name, parallel.shard(name, weight_slice, engine.model)) for name, weight_slice

@@ -23,7 +23,7 @@ import numpy as np
 import torch
 
 from actors.lora.batch import LoRABatch, segments_of
-from actors.worker.sampler import SampledStep, prompt_token_logprobs
+from actors.layers.sampler import SampledStep, prompt_token_logprobs
 from actors.worker.speculator import StepDrafts
 from messages.pooling import PooledData
 from messages.scheduler import StepResult, TokenLogprobs

@@ -26,17 +26,17 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from actors.spec_decode.config import SpeculativeConfig, may_speculate
+from actors.config.speculative import SpeculativeConfig, may_speculate
 from actors.spec_decode.ngram import NgramProposer
 from actors.spec_decode.rejection import greedy_accept, rejection_sample
 from actors.spec_decode.suffix import SuffixDecodingProposer
-from actors.worker.random_sampling import filtered_probs
-from actors.worker.sampler import argmax_tokens, position_seed
+from actors.layers.random_sampling import filtered_probs
+from actors.layers.sampler import argmax_tokens, position_seed
 
 if TYPE_CHECKING:
     from actors.worker.draft_model import DraftModel
     from actors.worker.model_runner import CachedRequest
-    from actors.worker.sampler import Sampler
+    from actors.layers.sampler import Sampler
 
 
 class Speculator:

@@ -11,7 +11,7 @@ import time
 import pytest
 
 from actors import AsyncClient, SamplingParams
-from actors.data_parallel import DataParallelClient
+from actors.frontend.data_parallel import DataParallelClient
 from actors.errors import EngineDeadError
 from tests.actors.test_llm_matches_hf import make_prompts
 from tests.actors.test_supervision import consume, pid_exists

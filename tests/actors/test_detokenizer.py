@@ -9,9 +9,9 @@ import random
 import pytest
 from tokenizers import AddedToken, Tokenizer, decoders, models, normalizers, pre_tokenizers
 
-from actors.byte_level_decode import ByteLevelDecoder, TokenBytes, is_byte_level
-from actors.detokenizer import OutputProcessor, merge_delta
-from actors.incremental_decode import IncrementalDecoder, TokenPieces, decoder_factory
+from actors.detokenizer.byte_level_decode import ByteLevelDecoder, TokenBytes, is_byte_level
+from actors.detokenizer.output_processor import OutputProcessor, merge_delta
+from actors.detokenizer.incremental_decode import IncrementalDecoder, TokenPieces, decoder_factory
 from messages.common import SamplingParams
 from messages.detokenizer import NewTokens, StepOutputs
 from messages.scheduler import TokenLogprobs
@@ -225,7 +225,7 @@ def test_a_stop_string_completed_inside_a_multi_token_step_drops_the_tokens_afte
 def test_stop_strings_progress_agrees_with_checking_every_prefix():
     """StopStrings (one KMP state a stop string) against the direct reading: which stop
     strings end inside each piece, and the longest end of the text that begins one."""
-    from actors.stop_strings import StopStrings
+    from actors.detokenizer.stop_strings import StopStrings
 
     rng = random.Random(7)
     for _ in range(3000):

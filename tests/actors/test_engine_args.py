@@ -16,11 +16,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from actors import cuda_args as cuda_args_module
+from actors.config import cuda_flags as cuda_args_module
 from actors.config import parse_size
-from actors.cli_flags import cuda_device_count
-from actors.engine_args import EngineArgs
-from actors.launch import build_parser, engine_args, parse_args
+from actors.config.cli_flags import cuda_device_count
+from actors.engine.args import EngineArgs
+from api.server import build_parser, engine_args, parse_args
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 FIELD_NAMES = [spec.name for spec in dataclasses.fields(EngineArgs)]
@@ -129,10 +129,10 @@ def test_the_api_server_process_runs_without_torch(tiny_llama_dir):
     # processes: parse the flags (device "auto" included), build the engine config, the app
     script = textwrap.dedent(f"""
         import sys
-        import actors.launch, actors.launch_args, actors.frontend, api.app
-        from actors.engine_args import EngineArgs
+        import actors.launch, api.server_flags, actors.frontend.client, api.app
+        from actors.engine.args import EngineArgs
         from actors.launch import engine_args, parse_args
-        from actors.frontend import AsyncClient
+        from actors.frontend.client import AsyncClient
         args = engine_args(parse_args(["--model", {tiny_llama_dir!r}, "--device", "auto"]))
         EngineArgs(**args).build()
         AsyncClient(**args)

@@ -7,7 +7,7 @@ import msgspec
 import pytest
 import zmq
 
-from actors.executor import Executor
+from actors.scheduler.executor import Executor
 from messages.common import SamplingParams, Shutdown
 from messages.transport import Namespace, Sockets, encode
 from messages.worker import ContinuingRequest, NewRequest, StepPlan, WorkerInbox

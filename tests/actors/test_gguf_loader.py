@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from actors.worker import gguf_convert, loader
-from actors.worker.loader import iter_weights, load_model_config, load_tokenizer, resolve_model
+from actors.models.loader import iter_weights, load_model_config, load_tokenizer, resolve_model
 from tests.actors.test_loader import PROMPTS, read_json, read_safetensors
 
 

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from actors import LLM, AsyncClient, SamplingParams
-from actors.engine_args import EngineArgs
+from actors.engine.args import EngineArgs
 from actors.quantization.gguf import GGUFCpuBackend, GGUFWeight
 from actors.quantization.gguf_types import GGUFError
 from actors.worker.model_runner import CachedRequest

@@ -9,8 +9,8 @@ import torch
 from tokenizers.processors import TemplateProcessing
 
 from actors import LLM, InvalidRequestError, SamplingParams
-from actors.input_processor import InputProcessor
-from actors.worker.sampler import Sampler
+from actors.input_processor.processor import InputProcessor
+from actors.layers.sampler import Sampler
 from messages.input_processor import ChatOptions
 from tests.conftest import build_tiny_tokenizer
 

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from actors import LLM, AsyncClient, SamplingParams
-from actors.engine_args import EngineArgs
+from actors.engine.args import EngineArgs
 from actors.quantization.int8_check import Int8Error
 from actors.quantization.int8_decoder import PROJECTIONS, Int8CpuBackend, int8_linear_reference, use_int8_weights
 from kernels.int8_gemm import PackedInt8Weight, int8_gemm_kernels

@@ -11,10 +11,10 @@ import msgspec
 import pytest
 
 from actors import LLM, AsyncClient, SamplingParams
-from actors.engine_args import EngineArgs
+from actors.engine.args import EngineArgs
 from actors.scheduler.kv_tiers import KVTiers
 from actors.worker.disk_kv import MAGIC
-from actors.worker.loader import load_model_config
+from actors.models.loader import load_model_config
 from messages.worker import StepPlan
 from tests.actors.test_llm_matches_hf import PROMPT_LENGTHS, hf_greedy, make_prompts
 

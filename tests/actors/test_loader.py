@@ -10,7 +10,7 @@ import torch
 from safetensors import safe_open
 
 from actors.worker import loader
-from actors.worker.loader import iter_weights, load_model_config, load_tokenizer, resolve_model
+from actors.models.loader import iter_weights, load_model_config, load_tokenizer, resolve_model
 
 PROMPTS = ["Hello world", "The quick brown fox 🦊", "小猫在花园里玩。"]
 
@@ -202,7 +202,7 @@ def test_default_model_without_its_package_says_how_to_install_it(monkeypatch):
 
 @pytest.mark.parametrize("fraction", [0, 1.5, -0.1, True, "0.9"])
 def test_gpu_memory_utilization_out_of_range_is_rejected(tiny_llama_dir, fraction):
-    from actors.engine_args import EngineArgs
+    from actors.engine.args import EngineArgs
 
     with pytest.raises(ValueError, match="gpu_memory_utilization must be a fraction"):
         EngineArgs(model=tiny_llama_dir, gpu_memory_utilization=fraction, device="cuda").build()
@@ -210,7 +210,7 @@ def test_gpu_memory_utilization_out_of_range_is_rejected(tiny_llama_dir, fractio
 
 def test_gpu_memory_utilization_on_the_cpu_points_to_kv_cache_memory(tiny_llama_dir):
     from actors import LLM
-    from actors.engine_args import EngineArgs
+    from actors.engine.args import EngineArgs
 
     with pytest.raises(ValueError, match="kv_cache_memory"):
         LLM(tiny_llama_dir, gpu_memory_utilization=0.9)

@@ -15,8 +15,8 @@ import pytest
 import torch
 
 from actors import LLM, AsyncClient
-from actors.worker.logits_processors import RequestProcessor, default_processors
-from actors.worker.sampler import Sampler
+from actors.layers.logits_processors import RequestProcessor, default_processors
+from actors.layers.sampler import Sampler
 from messages.common import InvalidRequestError, SamplingParams
 from messages.worker import NewRequest
 from tests.actors.test_llm_matches_hf import PROMPT_LENGTHS, make_prompts
@@ -231,7 +231,7 @@ async def test_async_client_sends_processors_to_its_worker_process(tiny_llama_di
 
 
 def test_the_allow_list_is_checked_at_start_up():
-    from actors.custom_processors import allow_list
+    from actors.layers.custom_registry import allow_list
 
     assert allow_list(["tests.actors.test_logits_processors.Ban", force_token]) == NAMES[1::-1]
     for bad in (["tests.actors.test_logits_processors:missing"], ["no.such.module:f"], [lambda o, r: r]):

@@ -10,7 +10,7 @@ import json
 import pytest
 
 from actors import LLM, AsyncClient, SamplingParams
-from actors.distributed_args import stage_layers
+from actors.config.parallel_flags import stage_layers
 from tests.actors.test_llm_matches_hf import PROMPT_LENGTHS, hf_greedy, make_prompts
 from tests.actors.test_supervision import kill_during_generation
 
@@ -75,7 +75,7 @@ async def test_two_stages_compute_different_plans_at_once(make_tiny_model, tmp_p
 
 
 def test_each_stage_sizes_its_kv_cache_from_its_own_layers(make_tiny_model):
-    from actors.engine_args import EngineArgs
+    from actors.engine.args import EngineArgs
     from actors.worker.device_config import num_kv_blocks, resolve_device
     from actors.worker.pipeline import stage_engine, stage_of
 

@@ -12,7 +12,7 @@ import signal
 import pytest
 
 from actors import AsyncClient, SamplingParams
-from actors.prefix_routing import TEXT_CHUNK_CHARS, PrefixRouter, prefix_keys
+from actors.frontend.prefix_routing import TEXT_CHUNK_CHARS, PrefixRouter, prefix_keys
 from messages.input_processor import AddRequest
 from tests.actors.test_llm_matches_hf import make_prompts
 

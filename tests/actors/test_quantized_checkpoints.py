@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from actors import LLM, SamplingParams
-from actors.engine_args import EngineArgs
-from actors.quantization.checkpoint_config import QuantConfigError
+from actors.engine.args import EngineArgs
+from actors.config.quantization import QuantConfigError
 from actors.quantization.gguf import GGUFWeight
 from kernels.gguf_linear import dequantize_reference
 from tests.actors.test_gguf_quantized import one_mixed_step, relative_error

@@ -8,8 +8,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from actors.worker.random_sampling import sample_random
-from actors.worker.sampler import Sampler
+from actors.layers.random_sampling import sample_random
+from actors.layers.sampler import Sampler
 from messages.common import SamplingParams
 
 DRAWS = 40_000

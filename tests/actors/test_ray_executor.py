@@ -23,7 +23,7 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
 
 
 async def test_two_stages_as_ray_actors_match_one_process_and_a_killed_actor_fails_requests(make_tiny_model):
-    from actors.ray_executor import RayWorkerProcess
+    from actors.engine.ray_executor import RayWorkerProcess
 
     model_dir = make_tiny_model("llama", max_position_embeddings=8192)
     one = LLM(model_dir, kv_cache_memory="32MiB")

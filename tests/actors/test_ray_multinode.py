@@ -44,7 +44,7 @@ async def test_tensor_parallel_over_two_ray_nodes(make_tiny_model, two_node_clus
 
     from actors import ray_executor
     from actors.errors import EngineStartupError
-    from actors.ray_executor import RayWorkerProcess
+    from actors.engine.ray_executor import RayWorkerProcess
 
     model_dir = make_tiny_model("llama", max_position_embeddings=8192)
     with LLM(model_dir, kv_cache_memory="32MiB", tensor_parallel_size=2) as mp:

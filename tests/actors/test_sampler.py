@@ -11,8 +11,8 @@ import random
 import pytest
 import torch
 
-from actors.worker.logits_processors import repetition_penalty
-from actors.worker.sampler import Sampler
+from actors.layers.logits_processors import repetition_penalty
+from actors.layers.sampler import Sampler
 from messages.common import SamplingParams
 from tests.actors.test_random_sampling import assert_frequencies_match, reference_probs
 

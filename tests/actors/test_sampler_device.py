@@ -16,7 +16,7 @@ import pytest
 import torch
 from torch.overrides import TorchFunctionMode
 
-from actors.worker.sampler import Sampler
+from actors.layers.sampler import Sampler
 from messages.common import SamplingParams
 from tests.actors.test_sampler import EOS, KINDS, VOCAB
 

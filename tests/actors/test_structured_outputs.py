@@ -292,7 +292,7 @@ def test_free_json_whitespace_comes_in_bounded_runs(backend_name, constraint, do
 
 def test_the_workers_compiled_grammars_are_bounded_by_bytes(tiny_llama_dir, monkeypatch):
     from actors.worker import grammar_processor
-    from actors.worker.grammar_processor import GrammarConfig, StructuredOutputs
+    from actors.structured_output.grammar_processor import GrammarConfig, StructuredOutputs
 
     processor = StructuredOutputs(GrammarConfig("xgrammar", tiny_llama_dir, 384, (0,)))
     constraints = [StructuredOutputsParams(json={"type": "object", "properties": {f"p{i}_{j}": {"type": "string"}

@@ -10,8 +10,8 @@ import sys
 import pytest
 
 from actors import LLM, SamplingParams
-from actors.engine_args import EngineArgs
-from actors.tracing import TracingUnavailableError
+from actors.engine.args import EngineArgs
+from actors.tracing.spans import TracingUnavailableError
 from tests.api.otlp_receiver import OTLPReceiver, serve_http
 
 

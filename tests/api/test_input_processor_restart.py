@@ -1,4 +1,4 @@
-"""An input processor's death costs only the requests it held (actors/input_routing.py): on a
+"""An input processor's death costs only the requests it held (actors/frontend/input_routing.py): on a
 real server, the input processor is killed while it holds one request; that request gets a
 500 naming the cause, a request already past it (generating) finishes whole, the stored
 /v1/responses survive, a new input processor serves the next requests, and the server

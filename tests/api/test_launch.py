@@ -186,7 +186,7 @@ def test_sigterm_to_the_whole_process_group_is_a_clean_stop(long_context_llama_d
 
 
 def test_step_size_defaults_by_device_and_prefix_caching_takes_vllms_flags():
-    from actors.launch import engine_args, parse_args
+    from api.server import engine_args, parse_args
 
     def resolved(*flags: str) -> dict:
         return engine_args(parse_args(list(flags)))

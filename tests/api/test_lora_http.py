@@ -16,8 +16,8 @@ import openai
 import pytest
 
 from actors.config import runtime_lora_updating_allowed
-from actors.launch import parse_args
-from actors.launch_args import openai_server_settings, parse_lora_module
+from api.server import parse_args
+from api.server_flags import openai_server_settings, parse_lora_module
 from api.lora_models import LoRAModulePath
 from tests.api.conftest import MODEL_NAME, ServerProcess, served
 from tests.lora_adapters import build_lora_adapter, peft_greedy

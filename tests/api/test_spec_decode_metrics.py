@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from actors.engine_args import EngineArgs
+from actors.engine.args import EngineArgs
 from api.metrics import ServerMetrics
 
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from actors import LLM, SamplingParams
-from actors.worker.attention import CpuBackend, TorchBackend, TritonBackend, make_backend
+from actors.layers.attention import CpuBackend, TorchBackend, TritonBackend, make_backend
 from tests.actors.test_llm_matches_hf import GREEDY, PROMPT_LENGTHS, hf_greedy, make_prompts
 from tests.kernels.helpers import requires_triton
 

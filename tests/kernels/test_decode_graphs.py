@@ -11,10 +11,10 @@ import pytest
 import torch
 
 from actors.config import ModelConfig
-from actors.worker.attention import TritonBackend
-from actors.worker.attention_metadata import AttentionMetadata
+from actors.layers.attention import TritonBackend
+from actors.layers.attention_metadata import AttentionMetadata
 from actors.worker.cuda_graphs import CudaGraphs, graph_partition_size
-from actors.worker.model import LlamaModel
+from actors.models.llama import LlamaModel
 from actors.worker.step_inputs import BlockTables, StepInputs, build
 from tests.kernels.helpers import requires_triton
 

@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from actors.quantization import check_quantization
-from actors.quantization.linear import ROW_BLOCK, Int8Linear, Int8Weight, int8_linear_reference, linear_method
+from actors.layers.quant_linear import ROW_BLOCK, Int8Linear, Int8Weight, int8_linear_reference, linear_method
 from kernels.int8_linear import (_library, dequantize, dequantize_reference, quantize_rows,
                                  quantize_rows_reference)
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from actors.worker.attention import CpuBackend
+from actors.layers.attention import CpuBackend
 
 
 @pytest.mark.parametrize("num_rows", [1, 2, 3, 4, 5, 7, 8, 13, 16])

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from actors import LLM, SamplingParams
-from actors.engine_args import EngineArgs
+from actors.engine.args import EngineArgs
 from actors.quantization.checkpoint_gpu import Fp8Weight, PackedWeightBackend, W8A8Weight
 from actors.quantization.online_check import OnlineQuantError, check_online_fp8
 from actors.quantization.online_gpu import fp8_weight, quantize_fp8_per_tensor, use_online_weights

@@ -15,10 +15,10 @@ import pytest
 import torch
 
 from actors import LLM, SamplingParams
-from actors.quantization.checkpoint_config import CheckpointQuant
+from actors.config.quantization import CheckpointQuant
 from actors.quantization.checkpoint_gpu import (Fp8Weight, PackedWeight, PackedWeightBackend, W8A8Weight, fuse,
                                                 slice_module)
-from actors.quantization.linear import Int8Weight, int8_linear_reference
+from actors.layers.quant_linear import Int8Weight, int8_linear_reference
 from tests.actors.test_llm_matches_hf import hf_greedy, make_prompts
 from tests.kernels.helpers import DEVICE, generator, requires_triton
 from tests.quant_checkpoints import assert_matches_reference, _quantize_module, write_quantized_checkpoint

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from actors.quantization.linear import Int8Weight, int8_linear_reference
+from actors.layers.quant_linear import Int8Weight, int8_linear_reference
 from kernels.int8_linear import quantize_rows_reference
 from kernels.quant_ref import dequantize_awq, dequantize_gptq, dequantize_packed
 from kernels.quant_triton import fp8_linear, fp8_weight_gemm, int8_scaled_gemm, int_group_gemm, quantize_fp8_rows

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from actors.worker.attention import CpuBackend, TorchBackend, TritonBackend
+from actors.layers.attention import CpuBackend, TorchBackend, TritonBackend
 from kernels.rotary import build_cos_sin_cache
 from kernels.rotary_store_kv import rotary_store_kv, rotary_store_kv_ref, rotary_store_kv_unfused
 from tests.kernels.helpers import DEVICE, assert_close, caches_past_two_to_the_31, generator, requires_triton

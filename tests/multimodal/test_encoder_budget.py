@@ -11,7 +11,7 @@ import pytest
 pytest.importorskip("PIL", reason="images need pillow (a dependency in pyproject.toml)")
 
 from actors import LLM, SamplingParams
-from actors.multimodal.runner import VisionRunner
+from actors.models.vision_runner import VisionRunner
 from tests.multimodal.tiny_llava import NUM_IMAGE_TOKENS, draw_image, hf_greedy_llava
 
 MANY_IMAGES = '{"image": 4}'  # prompts of several images (the default is 1, as vLLM's)

@@ -10,7 +10,7 @@ import pytest
 pytest.importorskip("PIL", reason="images need pillow (a dependency in pyproject.toml)")
 
 from actors import LLM, SamplingParams
-from actors.multimodal.llava import LlavaVisionEncoder
+from actors.models.llava import LlavaVisionEncoder
 from messages.common import InvalidRequestError
 from tests.multimodal.tiny_llava import NUM_IMAGE_TOKENS, data_url, draw_image, hf_greedy_llava
 

@@ -13,8 +13,8 @@ pytest.importorskip("PIL", reason="images need pillow (a dependency in pyproject
 import torch
 
 from actors import LLM, SamplingParams
-from actors.multimodal.mrope import prompt_positions
-from actors.multimodal.qwen2_vl import Qwen2VLVisionEncoder
+from actors.models.mrope import prompt_positions
+from actors.models.qwen2_vl import Qwen2VLVisionEncoder
 from tests.multimodal.tiny_llava import data_url, draw_image
 from tests.multimodal.tiny_qwen2vl import IMAGE, hf_qwen2vl
 
@@ -70,9 +70,9 @@ def test_the_image_and_its_positions_change_the_output(tiny_qwen2vl_dir, monkeyp
     first = tokens(draw_image(90, 90, 1))
     assert first != tokens(draw_image(90, 90, 2))
     # plain 1D positions (no M-RoPE) give another output: the test above checks M-RoPE
-    from actors.multimodal.runner import VisionRunner
+    from actors.models.vision_runner import VisionRunner
 
-    monkeypatch.setattr("actors.multimodal.qwen2_vl.Qwen2VLRunner.step_inputs", VisionRunner.step_inputs)
+    monkeypatch.setattr("actors.models.qwen2_vl.Qwen2VLRunner.step_inputs", VisionRunner.step_inputs)
     llm = LLM(tiny_qwen2vl_dir, limit_mm_per_prompt=MANY_IMAGES, kv_cache_memory="64MiB", enable_prefix_caching=False)
     assert tokens(draw_image(90, 90, 1)) != first
 
@@ -189,7 +189,7 @@ def test_qwen2_5_vl_matches_hf_batched_and_chunked(tiny_qwen25vl_dir, monkeypatc
 
 
 def test_the_checkpoints_flat_config_layout_is_read():
-    from actors.multimodal.config import split_vision_config
+    from actors.config.vision import split_vision_config
 
     # as Qwen/Qwen2-VL-2B-Instruct's config.json (abridged): text keys at the top, rope_scaling
     config = {"architectures": ["Qwen2VLForConditionalGeneration"], "hidden_size": 1536, "num_attention_heads": 12,

@@ -11,7 +11,7 @@ import pytest
 pytest.importorskip("PIL", reason="images need pillow (a dependency in pyproject.toml)")
 
 from actors import LLM, SamplingParams
-from actors.multimodal.siglip import SiglipVisionEncoder
+from actors.models.siglip import SiglipVisionEncoder
 from tests.multimodal.tiny_llava import draw_image
 from tests.multimodal.tiny_siglip_llava import build_tiny_siglip_llava, hf_greedy_with_logprobs
 

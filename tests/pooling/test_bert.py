@@ -8,10 +8,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from actors.pooling.bert import BertConfig, BertModel, read_bert_config
-from actors.pooling.config import read_pooler_config
+from actors.models.bert import BertConfig, BertModel, read_bert_config
+from actors.config.pooler import read_pooler_config
 from actors.pooling.pooler import Pooler, PoolingSpan, finish_embedding, finish_logits
-from actors.worker.loader import iter_weights
+from actors.models.loader import iter_weights
 from tests.pooling.tiny_bert import PAIRS, SENTENCES, save_bert, save_sentence_transformer
 
 

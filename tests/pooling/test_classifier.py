@@ -12,10 +12,10 @@ import pytest
 import torch
 
 from actors.pooling.classifier import SCORE_WEIGHT, load_score_head, reranker_score_head, split_score_weight
-from actors.pooling.config import read_pooler_config
+from actors.config.pooler import read_pooler_config
 from actors.pooling.pooler import Pooler, PoolingSpan, finish_logits
-from actors.worker.loader import iter_weights, load_model_config
-from actors.worker.model import LlamaModel
+from actors.models.loader import iter_weights, load_model_config
+from actors.models.llama import LlamaModel
 
 TINY_DECODER = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                     num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=64,

@@ -8,7 +8,7 @@ import os
 
 import pytest
 
-from actors.pooling.config import parse_pooler_config_override, read_pooler_config
+from actors.config.pooler import parse_pooler_config_override, read_pooler_config
 from tests.pooling.tiny_bert import save_bert, save_sentence_transformer
 
 

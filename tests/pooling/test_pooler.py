@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from actors.pooling.config import PoolerConfig, check_dimensions
+from actors.config.pooler import PoolerConfig, check_dimensions
 from actors.pooling.pooler import Pooler, PoolingSpan, finish_embedding, finish_logits
 
 HIDDEN = 8

@@ -2,7 +2,7 @@
 
 import pytest
 
-from actors.spec_decode.config import SpeculativeConfig, parse_speculative_config
+from actors.config.speculative import SpeculativeConfig, parse_speculative_config
 
 
 def test_no_config_means_no_speculation():

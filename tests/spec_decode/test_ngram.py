@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from actors.spec_decode.config import parse_speculative_config
+from actors.config.speculative import parse_speculative_config
 from actors.spec_decode.ngram import NgramProposer
 
 

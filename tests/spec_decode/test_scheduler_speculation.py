@@ -15,7 +15,7 @@ import pytest
 from actors.config import CacheConfig, SchedulerConfig
 from actors.scheduler import Scheduler
 from actors.scheduler.speculation import acceptance_summary
-from actors.spec_decode.config import SpeculativeConfig
+from actors.config.speculative import SpeculativeConfig
 from messages.scheduler import StepResult
 from messages.worker import StepPlan
 from tests.actors.scheduler_harness import EOS, WorkerSequence, make_params, soak

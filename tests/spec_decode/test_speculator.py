@@ -8,9 +8,9 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
-from actors.spec_decode.config import SpeculativeConfig
+from actors.config.speculative import SpeculativeConfig
 from actors.worker.model_runner import CachedRequest
-from actors.worker.random_sampling import filtered_probs, sample_random
+from actors.layers.random_sampling import filtered_probs, sample_random
 from actors.worker.speculator import Speculator
 from messages.common import SamplingParams
 

@@ -3,7 +3,7 @@ bound and eviction, the adaptive draft length and the probability cut-off."""
 
 import pytest
 
-from actors.spec_decode.config import parse_speculative_config
+from actors.config.speculative import parse_speculative_config
 from actors.spec_decode.suffix import SuffixDecodingProposer, _SuffixTrie
 
 
