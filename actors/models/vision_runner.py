@@ -17,6 +17,7 @@ import torch
 
 from actors.config.vision import VisionConfig
 from actors.models.llava import split_llava_weights
+from actors.models.registry import model_class
 from actors.models.siglip import vision_encoder
 from messages.multimodal import MultiModalInput
 
@@ -30,12 +31,9 @@ class VisionRunner:
 
     @staticmethod
     def build(config, dtype: torch.dtype, device: torch.device) -> VisionRunner:
-        """The runner of this vision model: LLaVA's, or Qwen2-VL's (actors/models/qwen2_vl.py)."""
-        if config.qwen2_vl is not None:
-            from actors.models.qwen2_vl import Qwen2VLRunner
-
-            return Qwen2VLRunner(config, dtype, device)
-        return VisionRunner(config, dtype, device)
+        """The runner of this vision model, as the model registry names it: LLaVA's (this
+        class), or Qwen2-VL's (qwen2_vl.py)."""
+        return model_class(config.architecture)(config, dtype, device)
 
     def make_encoder(self, config: VisionConfig, dtype: torch.dtype, device: torch.device):
         return vision_encoder(config, dtype, device)  # CLIP or SigLIP

@@ -119,15 +119,6 @@ class ProcessedImageCache:
 class ImageInputs:
     """Decodes and processes a prompt's images, and expands their placeholders."""
 
-    @staticmethod
-    def build(model_dir: str, vision, tokenizer, inputs: InputConfig) -> ImageInputs:
-        """LLaVA's, or Qwen2-VL's (actors/multimodal/qwen2_vl_inputs.py)."""
-        if vision.qwen2_vl is not None:
-            from actors.multimodal.qwen2_vl_inputs import Qwen2VLImageInputs
-
-            return Qwen2VLImageInputs(model_dir, vision, tokenizer, inputs)
-        return ImageInputs(model_dir, vision, tokenizer, inputs)
-
     def __init__(self, model_dir: str, vision: VisionConfig, tokenizer, inputs: InputConfig) -> None:
         from transformers import AutoImageProcessor
 

@@ -26,7 +26,7 @@ import numpy as np
 import torch
 
 from actors.config.quantization import CheckpointQuant
-from actors.quantization.checkpoint_weights import FUSED_PROJECTIONS
+from actors.models.llama import FUSED_PROJECTIONS
 from actors.quantization.gguf import GGUFCpuBackend, GGUFWeight
 from kernels.gguf_linear import BLOCK, Q4_0, Q8_0
 from kernels.quant_ref import AWQ_NIBBLE_OF_COLUMN, group_index, unpack_int32

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from actors.config.quantization import CheckpointQuant, QuantConfigError
-from actors.quantization.checkpoint_weights import FUSED_PROJECTIONS
+from actors.models.llama import FUSED_PROJECTIONS
 from kernels.int8_linear import quantize_rows_reference
 from kernels.quant_ref import group_index
 from kernels.quant_triton import fp8_linear, int8_scaled_gemm, int_group_gemm

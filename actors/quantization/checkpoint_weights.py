@@ -29,10 +29,6 @@ PARTS = {
     "int8": ("weight", "weight_scale"),
 }
 FP8_DTYPES = (torch.float8_e4m3fn,)
-# the decoder's fused weights (DecoderLayerWeights' names) and the checkpoint modules in each
-FUSED_PROJECTIONS = {"qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
-                     "o_proj": ("self_attn.o_proj",), "gate_up_proj": ("mlp.gate_proj", "mlp.up_proj"),
-                     "down_proj": ("mlp.down_proj",)}
 
 logger = logging.getLogger(__name__)
 

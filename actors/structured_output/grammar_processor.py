@@ -33,7 +33,8 @@ import torch
 from actors.structured_output import GrammarBackend, GrammarMatcher, make_backend
 from actors.config.structured_output import MAX_CACHED_GRAMMAR_BYTES
 from actors.structured_output.reasoning import reasoning_ended, reasoning_marker_ids
-from actors.layers.logits_processors import LogitsProcessor, RequestProcessor, default_processors
+from actors.layers.logits_processors import LogitsProcessor, RequestProcessor
+from actors.layers.sampler import default_processors
 from actors.layers.sampling_batch import StepRows
 from kernels.token_bitmask import apply_token_bitmask
 from messages.common import SamplingParams

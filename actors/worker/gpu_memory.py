@@ -48,7 +48,7 @@ def check_free_at_start(start: MemorySnapshot, fraction: float) -> None:
 def profile_num_kv_blocks(runner, fraction: float, start: MemorySnapshot, block_bytes: int) -> int:
     """The KV blocks that fit in fraction of the device after the runner's weights and its
     largest step's activations (runner: a ModelRunner whose KV cache is not allocated)."""
-    from actors.worker.model_runner import CachedRequest
+    from actors.worker.cached_request import CachedRequest
     from messages.common import SamplingParams
 
     device, scheduler = runner.device, runner.engine.scheduler

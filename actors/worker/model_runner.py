@@ -6,7 +6,6 @@ contiguous run at the start of the batch."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 
 import torch
 
@@ -20,6 +19,7 @@ from actors.pooling.runner import PoolingRunner, pooling_runner
 from actors.quantization.swap import checkpoint_weight_stream, quantized_backend
 from actors.layers.attention import make_backend
 from actors.layers.attention_metadata import AttentionMetadata
+from actors.worker.cached_request import CachedRequest
 from actors.worker.cpu_model_step import CpuModelStep
 from actors.worker.cpu_tuning import MAX_FEW_ROWS, tune_allocator, tune_few_rows
 from actors.worker.cuda_graphs import DecodeGraphs, StagedStep
@@ -29,35 +29,13 @@ from actors.worker.gpu_memory import MemorySnapshot, check_free_at_start, profil
 from actors.structured_output.grammar_processor import sampling_processors
 from actors.worker.host_kv import HostKVCache
 from actors.models.llama import LlamaModel
+from actors.models.registry import model_class
 from actors.layers.tensor_parallel import TensorParallel
 from actors.layers.sampler import Sampler
 from actors.worker.runner_step import StepExecution
 from actors.worker.speculator import Speculator
 from actors.worker.step_inputs import BlockTables, Stager, collect
-from messages.common import SamplingParams
-from messages.lora import LoRARequest
-from messages.pooling import PoolingParams
 from messages.worker import StepPlan
-
-
-@dataclass
-class CachedRequest:
-    """What the worker keeps of a request between steps."""
-
-    request_id: str
-    token_ids: list[int]  # prompt, then output (including this worker's own samples)
-    num_prompt_tokens: int
-    params: SamplingParams
-    block_ids: list[int]  # the block table
-    num_computed_tokens: int
-    lora: LoRARequest | None = None  # the adapter it runs with
-    pooling: PoolingParams | None = None  # a pooling request: its prompt rows are pooled, nothing is sampled
-    mm_inputs: list | None = None  # its images (messages.multimodal.MultiModalInput)
-    row: int = -1  # its row in the runner's BlockTables (-1: none, as a test's stand-alone request)
-    # while its last token is still on the device (asynchronous steps): that token's row in
-    # the previous step's sampled tensor
-    sampled_row: int | None = None
-    sampled_by: object | None = None  # the launched step (runner_step.LaunchedStep) that samples it
 
 
 def build_model_runner(engine: EngineConfig, parallel: TensorParallel = TensorParallel()
@@ -137,7 +115,8 @@ class ModelRunner(StepExecution):
             self.encoder = build_encoder(engine.model, self.dtype, self.device, self.load_format == "dummy",
                                          engine.seed, classify, engine.quantization)
         else:
-            self.model = LlamaModel(engine.model, self.dtype, self.device, self.backend, parallel)
+            decoder = model_class(engine.model.architecture)  # (the registry's: actors/models/registry.py)
+            self.model = decoder(engine.model, self.dtype, self.device, self.backend, parallel)
             self.vision = VisionRunner.build(engine.model.vision, self.dtype, self.device) \
                 if engine.model.vision else None
             if self.load_format == "dummy":

@@ -141,10 +141,10 @@ class StageRunner(ModelRunner):
                          parallel)
 
     def load_weights(self, head_weights: dict[str, object] | None = None) -> None:
-        from actors.models.llama import LlamaModel
+        from actors.models.registry import model_class
 
         engine, parallel, stage = self.engine, self.parallel, self.stage
-        self.model = LlamaModel(engine.model, self.dtype, self.device, self.backend, parallel)
+        self.model = model_class(engine.model.architecture)(engine.model, self.dtype, self.device, self.backend, parallel)
         self.model.holds_embedding = stage.is_first
         self.model.holds_head = stage.is_last
         if self.load_format == "dummy":

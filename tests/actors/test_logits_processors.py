@@ -15,7 +15,8 @@ import pytest
 import torch
 
 from actors import LLM, AsyncClient
-from actors.layers.logits_processors import RequestProcessor, default_processors
+from actors.layers.logits_processors import RequestProcessor
+from actors.layers.sampler import default_processors
 from actors.layers.sampler import Sampler
 from messages.common import InvalidRequestError, SamplingParams
 from messages.worker import NewRequest

@@ -1,0 +1,66 @@
+"""The model registry: which code runs each architecture (config.json's
+`architectures[0]`), as (module, class), imported on first use — vLLM's
+model_executor/models/registry.py. Adding a model family is a file in actors/models/ and
+a line here; nothing else dispatches on the architecture's name.
+
+Three kinds, which the rest of the engine branches on (never on a name):
+- "decoder": a text decoder the worker runs over the paged KV cache. Each family's
+  ...ForCausalLM, its bare ...Model body (what sentence-transformers saves of a decoder
+  embedder) and its ...ForSequenceClassification (the body, then a score head:
+  actors/pooling/classifier.py).
+- "encoder": a BERT-family encoder over whole prompts, no KV cache (bert.py; its
+  ModelConfig is read by bert_config.py, its step is encoder.py).
+- "vision": a vision-language model; the class is its vision side's runner in the worker
+  (vision_runner.py for LLaVA with a CLIP or SigLIP tower, qwen2_vl.py), and the text
+  decoder it wraps is itself a "decoder" here (config/vision.py splits the two configs).
+
+An architecture that is not here fails at start-up (the loader, in the launching process),
+naming it and the supported ones."""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class ModelEntry:
+    kind: str  # "decoder" | "encoder" | "vision"
+    module: str  # the module that holds it, imported on first use
+    class_name: str
+
+
+_DECODER_FAMILIES = ("Llama", "Mistral", "Qwen2", "Qwen3")  # (Mistral without a sliding window)
+_LLAMA = ModelEntry("decoder", "actors.models.llama", "LlamaModel")
+_BERT = ModelEntry("encoder", "actors.models.bert", "BertModel")
+
+# architecture -> its entry, in the order an error lists them
+MODELS: dict[str, ModelEntry] = {
+    **{f"{family}{kind}": _LLAMA for kind in ("ForCausalLM", "Model", "ForSequenceClassification")
+       for family in _DECODER_FAMILIES},
+    **{f"{family}{kind}": _BERT for family in ("Bert", "Roberta", "XLMRoberta")
+       for kind in ("Model", "ForSequenceClassification")},
+    "LlavaForConditionalGeneration": ModelEntry("vision", "actors.models.vision_runner", "VisionRunner"),
+    "Qwen2VLForConditionalGeneration": ModelEntry("vision", "actors.models.qwen2_vl", "Qwen2VLRunner"),
+    "Qwen2_5_VLForConditionalGeneration": ModelEntry("vision", "actors.models.qwen2_vl", "Qwen2VLRunner"),
+}
+
+
+def model_entry(architecture: str | None, config_path: str = "") -> ModelEntry:
+    """The registry's entry of an architecture; ValueError naming it and the supported ones."""
+    entry = MODELS.get(architecture) if architecture is not None else None
+    if entry is None:
+        where = f"{config_path}: " if config_path else ""
+        raise ValueError(f"{where}architecture {architecture!r} is not supported (supported: {', '.join(MODELS)})")
+    return entry
+
+
+def architectures(kind: str) -> tuple[str, ...]:
+    """The registered architectures of one kind ("decoder", "encoder", "vision")."""
+    return tuple(name for name, entry in MODELS.items() if entry.kind == kind)
+
+
+def model_class(architecture: str) -> type:
+    """The class that runs an architecture, its module imported now (torch with it)."""
+    entry = model_entry(architecture)
+    return getattr(importlib.import_module(entry.module), entry.class_name)
