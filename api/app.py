@@ -63,7 +63,7 @@ async def health(ctx: ServingContext, request: Request) -> Response:
     """200 while every actor process is alive, 503 otherwise; with data parallelism, 200
     while a replica serves, with each replica's state ("ok" or why it died)."""
     ctx.check_health()
-    states = getattr(ctx.client, "replica_states", None)  # actors/frontend/data_parallel.py
+    states = getattr(getattr(ctx.client, "engine", None), "replica_states", None)  # actors/frontend/data_parallel.py
     return json_response({"replicas": states()}) if states is not None else Response(status_code=200)
 
 

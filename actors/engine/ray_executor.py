@@ -39,7 +39,7 @@ from actors.config import ParallelConfig
 from actors.config.parallel_flags import RAY_EXTRA_HINT
 from actors.errors import EngineStartupError
 from actors.runtime.process import open_pidfd
-from actors.engine.supervisor import distributed_init_method
+from actors.engine.addresses import distributed_init_method
 from messages.transport import Inbox, free_tcp_port
 
 logger = logging.getLogger(__name__)

@@ -16,7 +16,6 @@ process dies, every pending call raises EngineDeadError and new calls fail at on
 from __future__ import annotations
 
 import asyncio
-import itertools
 import logging
 import time
 import uuid
@@ -28,45 +27,26 @@ from actors.config import EngineConfig
 from actors.detokenizer.merge_outputs import OutputMerger
 from actors.engine.args import EngineArgs
 from actors.engine.signature import takes_engine_args
+from actors.frontend.data_parallel import make_engine_client
 from actors.frontend.engine_control import EngineControlMixin
 from actors.frontend.lora import LoRAClientMixin
 from actors.multimodal.prompt_images import split_prompt_images
 from actors.frontend.pooling import PoolingClientMixin
 from actors.errors import EngineDeadError, InvalidRequestError
-from actors.frontend.input_routing import ActorExits, InputRouter
 from actors.frontend.prompts import PromptInput, per_prompt, split_prompt
-from actors.frontend.request_stream import LiveRequest, RequestStream, broadcast_params, check_params, rejection_error
-from actors.engine.supervisor import EngineProcesses, engine_addresses, engine_secret
+from actors.frontend.request_stream import RequestStream, broadcast_params, check_params
+from actors.engine.supervisor import EngineProcesses
 from actors.tracing.spans import ClientTracingMixin
-from messages.common import CompletionOutput, Ping, RequestOutput, SamplingParams
-from messages.frontend import (ActorFailed, FrontendInbox, HistogramSnapshot, PoolingOutputs, Pong, RequestOutputs,
-                               RequestRejected, RequestTokenized, Stats)
+from messages.common import RequestOutput, SamplingParams
+from messages.frontend import (HistogramSnapshot)
 from messages.input_processor import AddRequest, ChatOptions
 from messages.lora import LoRARequest, check_lora_request
-from messages.scheduler import AbortRequest, GetStats
-from messages.transport import Namespace, Sockets
 
 logger = logging.getLogger(__name__)
 
 Prompt = str | list[int]
 
-class ReplicasWhenAsked:
-    """AsyncClient's first base: AsyncClient(..., data_parallel_size=D > 1) makes a
-    DataParallelClient (actors/frontend/data_parallel.py), D engines behind one client. (A base
-    class's __new__, so that inspect still shows AsyncClient.__init__'s keywords.)"""
-
-    def __new__(cls, *args: Any, **engine_args: Any):
-        size = engine_args.get("data_parallel_size", 1)
-        if isinstance(size, int) and size > 1:
-            from actors.frontend.data_parallel import DataParallelClient
-
-            if issubclass(DataParallelClient, cls):
-                cls = DataParallelClient
-        return super().__new__(cls)
-
-
-class AsyncClient(ReplicasWhenAsked, AsyncBeamSearch, LoRAClientMixin, PoolingClientMixin, EngineControlMixin,
-                  ClientTracingMixin, ActorExits):
+class AsyncClient(AsyncBeamSearch, LoRAClientMixin, PoolingClientMixin, EngineControlMixin, ClientTracingMixin):
     """Starts and supervises a troupe engine; generate() streams RequestOutput deltas;
     beam_search() (actors/frontend/beam_search.py) returns a prompt's finished beams; add_lora()
     and the rest (actors/frontend/lora.py) manage LoRA adapters; encode() and embed()
@@ -78,23 +58,10 @@ class AsyncClient(ReplicasWhenAsked, AsyncBeamSearch, LoRAClientMixin, PoolingCl
         self.engine_args = EngineArgs.from_keywords("AsyncClient", model, engine_args)
         if not isinstance(num_input_processors, int) or num_input_processors < 1:
             raise ValueError(f"num_input_processors must be a positive integer, got {num_input_processors!r}")
-        self.num_input_processors = num_input_processors
-        self.startup_timeout = startup_timeout
-        self.log_level = log_level
-        self.transport = transport
-        self.config: EngineConfig | None = None
-        self.processes: EngineProcesses | None = None
-        self._streams: dict[str, LiveRequest] = {}
-        self._stats_queries: dict[int, asyncio.Future] = {}
-        self._query_ids = itertools.count()
-        self._pings: dict[int, tuple[set[str], asyncio.Future]] = {}  # ping_id -> (names to answer, done)
-        self._dead: EngineDeadError | None = None
-        self._death_listeners: list[asyncio.Event] = []
-        self._reader: asyncio.Task | None = None
+        # one engine, or data_parallel_size of them behind one router (data_parallel.py)
+        self.engine = make_engine_client(self.engine_args, num_input_processors=num_input_processors,
+                                         startup_timeout=startup_timeout, log_level=log_level, transport=transport)
         self._tokenizer = None
-        self._namespace: Namespace | None = None
-        self._sockets: Sockets | None = None
-        self._inputs: InputRouter | None = None  # the input processors, which request each holds
 
     # ---- life cycle ----
 
@@ -105,111 +72,71 @@ class AsyncClient(ReplicasWhenAsked, AsyncBeamSearch, LoRAClientMixin, PoolingCl
     async def __aexit__(self, *exc_info: object) -> None:
         await self.close()
 
+    # ---- life cycle and health: the engine's (engine_client.py, data_parallel.py) ----
+
     async def start(self) -> None:
-        self.config = await asyncio.to_thread(self.engine_args.build)
-        self._namespace = Namespace(self.transport)
-        addresses = engine_addresses(self._namespace, self.num_input_processors, self.config.parallel)
-        secret = engine_secret(self.config.parallel)
-        self._sockets = Sockets(secret=secret)
-        self._inbox = self._sockets.inbox(addresses["frontend"], FrontendInbox)
-        self._inputs = InputRouter(self._sockets, addresses, [f"input_processor{index}"
-                                                              for index in range(self.num_input_processors)])
-        self._to_scheduler = self._sockets.outbox(addresses["scheduler"])
-        self._outboxes = {"scheduler": self._to_scheduler}
-        self.processes = EngineProcesses(self.config, addresses, num_input_processors=self.num_input_processors,
-                                         log_level=self.log_level, secret=secret)
-        try:
-            await self.processes.start(self._inbox, self.startup_timeout)
-        except BaseException:
-            self._close_sockets()
-            raise
-        self.processes.watch(self._on_actor_exit)
-        self._reader = asyncio.create_task(self._read_inbox(), name="troupe-frontend-reader")
+        await self.engine.start()
 
     async def close(self) -> None:
         """Stops every actor process and fails whatever is still pending. Idempotent."""
-        if self._dead is None:
-            self._fail_all(EngineDeadError("the client was closed"))
-        if self.processes is not None:
-            await self.processes.stop()
-        if self._reader is not None:
-            self._reader.cancel()
-            await asyncio.gather(self._reader, return_exceptions=True)
-            self._reader = None
-        self._close_sockets()
+        await self.engine.close()
 
-    def _close_sockets(self) -> None:
-        if self._sockets is not None:
-            self._sockets.close()
-            self._sockets = None
-        if self._namespace is not None:
-            self._namespace.cleanup()
-            self._namespace = None
+    @property
+    def config(self) -> EngineConfig | None:
+        return self.engine.config
 
-    # ---- health ----
+    @property
+    def processes(self) -> EngineProcesses | None:
+        """The actor processes of a single engine (None with data parallelism)."""
+        return getattr(self.engine, "processes", None)
 
     @property
     def is_running(self) -> bool:
-        return self._dead is None and self.processes is not None and self.processes.all_alive()
+        return self.engine.is_running
 
     @property
     def dead_error(self) -> EngineDeadError | None:
-        return self._dead
+        return self.engine.dead_error
 
     def check_health(self) -> None:
-        """Raises EngineDeadError unless every actor process is alive."""
-        if self._dead is not None:
-            raise self._dead
-        if self.processes is None:
-            raise EngineDeadError("the client is not started")
-        if not self.processes.all_alive():
-            raise EngineDeadError("an actor process has exited")
+        """Raises EngineDeadError unless the engine's processes are alive."""
+        self.engine.check_health()
 
     async def ping(self, timeout: float = 5.0) -> float:
         """Round-trip time in seconds for every actor to answer a Ping (each answers between
         two of its steps). Raises EngineDeadError when one is dead, TimeoutError when one
         does not answer in time."""
-        self.check_health()
-        names = {name for name in self.processes.processes}
-        ping_id = next(self._query_ids)
-        done = asyncio.get_running_loop().create_future()
-        self._pings[ping_id] = (set(names), done)
-        start = time.perf_counter()
-        try:
-            for name in names:
-                self._actor_outbox(name).send(Ping(ping_id))
-            await asyncio.wait_for(done, timeout)
-        finally:
-            self._pings.pop(ping_id, None)
-        return time.perf_counter() - start
-
-    def _actor_outbox(self, name: str):
-        outbox = self._outboxes.get(name)
-        if outbox is None:
-            outbox = self._outboxes[name] = self._sockets.outbox(self.processes.addresses[name])
-        return outbox
+        return await self.engine.ping(timeout)
 
     async def wait_until_dead(self) -> EngineDeadError:
         """Returns (the error) once the engine has died or been closed."""
-        if self._dead is None:
-            event = asyncio.Event()
-            self._death_listeners.append(event)
-            await event.wait()
-        assert self._dead is not None
-        return self._dead
+        return await self.engine.wait_until_dead()
 
-    def _fail_all(self, error: EngineDeadError) -> None:
-        if self._dead is not None:
-            return
-        self._dead = error
-        streams, self._streams = self._streams, {}
-        for stream in streams.values():
-            stream.queue.put_nowait(error)
-        for future in [*self._stats_queries.values(), *(done for _, done in self._pings.values())]:
-            if not future.done():
-                future.set_exception(error)
-        for event in self._death_listeners:
-            event.set()
+    async def abort(self, request_id: str) -> None:
+        """Ends a request wherever it is; its stream gets a last output with
+        finish_reason "abort". Unknown or finished ids are ignored."""
+        await self.engine.abort(request_id)
+
+    async def get_stats(self, timeout: float = 10.0) -> dict[str, float | HistogramSnapshot]:
+        """The scheduler's counters: running and waiting requests, KV blocks held and free,
+        prefix-cache hits, preemptions, and a histogram of tokens per step."""
+        return await self.engine.get_stats(timeout)
+
+    stats = get_stats  # the same, under a shorter name
+
+    def actor_pids(self) -> dict[str, int]:
+        """Actor name ("worker0", "scheduler", ...) -> process id."""
+        return self.engine.actor_pids()
+
+    @property
+    def num_unfinished_requests(self) -> int:
+        return self.engine.num_unfinished_requests
+
+    def _run(self, request: AddRequest, prompt_text: str | None) -> AsyncIterator[RequestOutput]:
+        return self.engine._run(request, prompt_text)
+
+    async def _control(self, op: str, level: int = 1, tags: list[str] | None = None) -> dict:
+        return await self.engine._control(op, level, tags)
 
     # ---- requests ----
 
@@ -286,113 +213,12 @@ class AsyncClient(ReplicasWhenAsked, AsyncBeamSearch, LoRAClientMixin, PoolingCl
             await asyncio.gather(*tasks, return_exceptions=True)
             progress.close()
 
-    async def abort(self, request_id: str) -> None:
-        """Ends a request wherever it is; its stream gets a last output with
-        finish_reason "abort". Unknown or finished ids are ignored."""
-        stream = self._streams.pop(request_id, None)
-        if stream is None:
-            return
-        outputs = [CompletionOutput(index=i, finish_reason="abort") for i in range(stream.n)]
-        stream.queue.put_nowait(RequestOutput(request_id=request_id, prompt=stream.prompt, outputs=outputs,
-                                              finished=True))
-        self._send_abort(request_id)
-
-    async def get_stats(self, timeout: float = 10.0) -> dict[str, float | HistogramSnapshot]:
-        """The scheduler's counters: running and waiting requests, KV blocks held and free,
-        prefix-cache hits, preemptions, and a histogram of tokens per step."""
-        return await self._query(GetStats, timeout)
-
-    stats = get_stats  # the same, under a shorter name
-
-    def actor_pids(self) -> dict[str, int]:
-        """Actor name ("worker0", "scheduler", ...) -> process id."""
-        return {name: process.pid for name, process in (self.processes.processes if self.processes else {}).items()}
-
-    @property
-    def num_unfinished_requests(self) -> int:
-        return len(self._streams)
-
-    async def _run(self, request: AddRequest, prompt_text: str | None) -> AsyncIterator[RequestOutput]:
-        self.check_health()
-        request_id = request.request_id
-        if request_id in self._streams:
-            raise InvalidRequestError(f"request_id {request_id!r} is already in use", param="request_id")
-        stream = self._streams[request_id] = LiveRequest(prompt_text, request.params.n)
-        finished = False
-        try:
-            self._inputs.send(request)
-            while True:
-                item = await stream.queue.get()
-                if isinstance(item, BaseException):
-                    finished = True
-                    raise item
-                finished = item.finished
-                yield item
-                if finished:
-                    return
-        finally:
-            self._inputs.forget(request_id)
-            if not finished:
-                self._streams.pop(request_id, None)
-                self._send_abort(request_id)
-
-    def _send_abort(self, request_id: str) -> None:
-        if self._dead is None and self._sockets is not None:
-            self._to_scheduler.send(AbortRequest(request_id))
-
     def _new_id(self, request_id: str | None) -> str:
         if request_id is None:
             return uuid.uuid4().hex
         if not isinstance(request_id, str) or not request_id:
             raise InvalidRequestError("request_id must be a non-empty string", param="request_id")
         return request_id
-
-    # ---- the inbox ----
-
-    async def _read_inbox(self) -> None:
-        try:
-            while True:
-                self._dispatch(await self._inbox.recv())
-        except asyncio.CancelledError:
-            raise
-        except Exception as error:  # noqa: BLE001 - a dead reader would hang every stream
-            logger.exception("the frontend's inbox reader failed")
-            self._fail_all(EngineDeadError(f"the frontend's inbox reader failed: {error}"))
-
-    def _dispatch(self, message: Any) -> None:
-        match message:
-            case RequestOutputs(outputs=outputs):
-                for output in outputs:
-                    stream = self._streams.get(output.request_id)
-                    if stream is None:
-                        continue  # aborted: the scheduler will drop it
-                    output.prompt = stream.prompt
-                    if output.finished:
-                        del self._streams[output.request_id]
-                    stream.queue.put_nowait(output)
-            case PoolingOutputs(outputs=outputs):
-                self._deliver_pooled(outputs)
-            case RequestTokenized(request_id=request_id):
-                self._inputs.forget(request_id)
-            case RequestRejected(request_id=request_id):
-                self._inputs.forget(request_id)
-                stream = self._streams.pop(request_id, None)
-                if stream is not None:
-                    stream.queue.put_nowait(rejection_error(message))
-            case Stats(query_id=query_id, stats=stats):
-                future = self._stats_queries.get(query_id)
-                if future is not None and not future.done():
-                    future.set_result(stats)
-            case Pong(name=name, ping_id=ping_id):
-                waiting = self._pings.get(ping_id)
-                if waiting is not None:
-                    waiting[0].discard(name)
-                    if not waiting[0] and not waiting[1].done():
-                        waiting[1].set_result(None)
-            case ActorFailed(name=name, error=error) if self._inputs.owns(name):
-                self._inputs.last_error[name] = error  # its exit decides (ActorExits)
-            case ActorFailed(name=name, error=error):
-                self._fail_all(EngineDeadError(f"actor {name} failed: {error}"))
 
     # ---- tokenizer, for the HTTP API's /tokenize and /detokenize ----
 

@@ -1,9 +1,11 @@
 """Data parallelism: data_parallel_size engine replicas behind one AsyncClient.
 
-AsyncClient(..., data_parallel_size=D) makes a DataParallelClient: D ordinary AsyncClients
-(each its own input processors, scheduler, executor, workers and detokenizer, in its own
-ZeroMQ namespace), and one front that checks requests once (generate, chat, encode, beam
-search: everything that ends in AsyncClient._run) and hands each to the live replica
+AsyncClient(..., data_parallel_size=D) holds, as its engine, a DataParallelClient
+(make_engine_client below chooses it, as vLLM's EngineCoreClient.make_async_mp_client
+does): D ordinary EngineClients (engine_client.py; each its own input processors,
+scheduler, executor, workers and detokenizer, in its own ZeroMQ namespace), behind one
+router. AsyncClient checks requests once (generate, chat, encode, beam search: everything
+that ends in its engine's _run), and the router hands each to the live replica
 with the fewest unfinished requests it knows of (waiting or running: the frontend's open
 streams), the earliest replica on a tie; or, with routing_logic='prefixaware', to the one
 that was sent the longest prefix of its prompt (actors/frontend/prefix_routing.py). Each replica
@@ -19,12 +21,15 @@ get_stats sums the replicas' counters. LoRA adapters are refused with data paral
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 from collections.abc import AsyncIterator
 from typing import Any
 
 from actors.errors import EngineDeadError, InvalidRequestError
-from actors.frontend.client import AsyncClient
+from actors.config import EngineConfig
+from actors.engine.args import EngineArgs
+from actors.frontend.engine_client import EngineClient
 from actors.frontend.prefix_routing import PrefixRouter, prefix_keys
 from messages.common import RequestOutput
 from messages.frontend import HistogramSnapshot
@@ -33,19 +38,28 @@ from messages.input_processor import AddRequest
 logger = logging.getLogger(__name__)
 
 
-class DataParallelClient(AsyncClient):
-    def __init__(self, model: str | None = None, *, num_input_processors: int = 1, startup_timeout: float = 600.0,
-                 log_level: str = "WARNING", transport: str = "ipc", **engine_args: Any) -> None:
-        super().__init__(model, num_input_processors=num_input_processors, startup_timeout=startup_timeout,
-                         log_level=log_level, transport=transport, **engine_args)
-        size = self.engine_args.data_parallel_size
-        self.replicas = [AsyncClient(model, num_input_processors=num_input_processors, startup_timeout=startup_timeout,
-                                     log_level=log_level, transport=transport,
-                                     **{**engine_args, "data_parallel_size": 1, "routing_logic": "leastloaded"})
-                         for _ in range(size)]
-        self._owners: dict[str, AsyncClient] = {}  # request id -> the replica running it
+def make_engine_client(engine_args: EngineArgs, **options: Any) -> EngineClient | DataParallelClient:
+    """AsyncClient's engine: one EngineClient, or with data_parallel_size > 1 a
+    DataParallelClient of that many. options: num_input_processors, startup_timeout,
+    log_level, transport (each replica's)."""
+    if engine_args.data_parallel_size > 1:
+        return DataParallelClient(engine_args, **options)
+    return EngineClient(engine_args, **options)
+
+
+class DataParallelClient:
+    """data_parallel_size engines behind one router; answers what EngineClient answers."""
+
+    def __init__(self, engine_args: EngineArgs, **options: Any) -> None:
+        self.engine_args = engine_args
+        self.config: EngineConfig | None = None
+        self._dead: EngineDeadError | None = None
+        size = engine_args.data_parallel_size
+        replica_args = dataclasses.replace(engine_args, data_parallel_size=1, routing_logic="leastloaded")
+        self.replicas = [EngineClient(replica_args, **options) for _ in range(size)]
+        self._owners: dict[str, EngineClient] = {}  # request id -> the replica running it
         # --routing-logic prefixaware: where each prompt prefix went (actors/frontend/prefix_routing.py)
-        self.prefix_router = PrefixRouter(size) if self.engine_args.routing_logic == "prefixaware" else None
+        self.prefix_router = PrefixRouter(size) if engine_args.routing_logic == "prefixaware" else None
 
     # ---- life cycle ----
 
@@ -64,7 +78,7 @@ class DataParallelClient(AsyncClient):
 
     # ---- health ----
 
-    def live_replicas(self) -> list[AsyncClient]:
+    def live_replicas(self) -> list[EngineClient]:
         return [replica for replica in self.replicas if replica.is_running]
 
     def replica_states(self) -> list[str]:
@@ -117,7 +131,7 @@ class DataParallelClient(AsyncClient):
             self._owners.pop(request_id, None)
             await outputs.aclose()  # a stream left early: the replica aborts the request
 
-    def _route_by_prefix(self, request: AddRequest) -> AsyncClient:
+    def _route_by_prefix(self, request: AddRequest) -> EngineClient:
         keys = prefix_keys(request, self.config.cache.block_size)
         loads = {index: replica.num_unfinished_requests for index, replica in enumerate(self.replicas)
                  if replica.is_running}

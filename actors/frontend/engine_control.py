@@ -4,34 +4,12 @@ is_sleeping(), reset_prefix_cache(). Each is one EngineControl query to the sche
 
 from __future__ import annotations
 
-import asyncio
-from collections.abc import Callable
-from typing import Any
 
-from messages.control import EngineControl, check_wake_tags
-
-# sleeping waits for the plans in flight and for every worker to free its memory
-_CONTROL_TIMEOUT_S = 300.0
-
+from messages.control import check_wake_tags
 
 class EngineControlMixin:
-    """Mixed into AsyncClient (actors/frontend/client.py), whose query plumbing it uses."""
-
-    async def _query(self, build: Callable[[int], Any], timeout: float) -> dict:
-        """Sends the scheduler build(query_id) and waits (bounded) for the Stats answering it;
-        get_stats() and the operations below share this."""
-        self.check_health()
-        query_id = next(self._query_ids)
-        future = asyncio.get_running_loop().create_future()
-        self._stats_queries[query_id] = future
-        try:
-            self._to_scheduler.send(build(query_id))
-            return await asyncio.wait_for(future, timeout)
-        finally:
-            self._stats_queries.pop(query_id, None)
-
-    async def _control(self, op: str, level: int = 1, tags: list[str] | None = None) -> dict:
-        return await self._query(lambda query_id: EngineControl(query_id, op, level, tags), _CONTROL_TIMEOUT_S)
+    """Mixed into AsyncClient (actors/frontend/client.py); its _control is the engine's
+    (EngineClient._control: actors/frontend/engine_client.py)."""
 
     async def sleep(self, level: int = 1) -> None:
         """Frees the engine's memory until wake_up(): level 1 drops the KV cache and moves the

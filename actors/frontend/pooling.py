@@ -12,11 +12,10 @@ from collections.abc import AsyncIterator, Awaitable, Sequence
 from typing import TypeVar
 
 from actors.pooling.engine import POOLING_SAMPLING_PARAMS
-from actors.pooling.outputs import classification_output, embedding_output, pooling_request_output
+from actors.pooling.outputs import classification_output, embedding_output
 from actors.pooling.scoring import (cosine_scores, cross_encoder_scores, distinct_texts, pair_token_ids,
                                     score_pairs, scoring_mode)
 from actors.frontend.prompts import PromptInput, split_prompt
-from messages.frontend import PoolingResult
 from messages.input_processor import AddRequest
 from messages.lora import LoRARequest, check_lora_request
 from messages.pooling import (ClassificationRequestOutput, EmbeddingRequestOutput, PoolingParams,
@@ -93,12 +92,6 @@ class PoolingClientMixin:
         tokenizer = await self.get_tokenizer()
         pairs = await asyncio.to_thread(pair_token_ids, tokenizer, firsts, seconds)  # off the event loop
         return cross_encoder_scores(await gather_or_cancel([pool(pair) for pair in pairs]))
-
-    def _deliver_pooled(self, results: list[PoolingResult]) -> None:
-        for result in results:
-            stream = self._streams.pop(result.request_id, None)
-            if stream is not None:  # else aborted: nothing waits for it
-                stream.queue.put_nowait(pooling_request_output(result))
 
 
 async def gather_or_cancel(works: Sequence[Awaitable[T]]) -> list[T]:

@@ -22,7 +22,7 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
 async def test_kill_9_of_one_replica_fails_only_its_requests(make_tiny_model):
     client = AsyncClient(make_tiny_model("llama", max_position_embeddings=8192), kv_cache_memory="32MiB",
                          data_parallel_size=2)
-    assert isinstance(client, DataParallelClient)
+    assert isinstance(client.engine, DataParallelClient)
     async with asyncio.timeout(120):
         await client.start()
     pids = list(client.actor_pids().values())
@@ -36,10 +36,10 @@ async def test_kill_9_of_one_replica_fails_only_its_requests(make_tiny_model):
         tasks = [asyncio.create_task(consume(client.generate(p, long, request_id=f"r{i}")))
                  for i, p in enumerate(prompts)]
         await asyncio.sleep(0.5)
-        owners = {request_id: client.replicas.index(replica) for request_id, replica in client._owners.items()}
+        owners = {request_id: client.engine.replicas.index(replica) for request_id, replica in client.engine._owners.items()}
         assert sorted(owners.values()) == [0, 0, 0, 1, 1, 1]  # the fewest unfinished requests first
 
-        os.kill(client.replicas[0].actor_pids()["worker0"], signal.SIGKILL)
+        os.kill(client.engine.replicas[0].actor_pids()["worker0"], signal.SIGKILL)
         killed_at = time.monotonic()
         victims = [task for i, task in enumerate(tasks) if owners[f"r{i}"] == 0]
         results = await asyncio.wait_for(asyncio.gather(*victims, return_exceptions=True), 5.0)
@@ -49,14 +49,14 @@ async def test_kill_9_of_one_replica_fails_only_its_requests(make_tiny_model):
         survivors = [task for i, task in enumerate(tasks) if owners[f"r{i}"] == 1]
         assert not any(task.done() for task in survivors)
         client.check_health()  # one replica still serves
-        assert client.replica_states()[0].startswith("dead") and client.replica_states()[1] == "ok"
+        assert client.engine.replica_states()[0].startswith("dead") and client.engine.replica_states()[1] == "ok"
         again = await asyncio.wait_for(client.generate(prompts[0], GREEDY), 30)
         assert again.outputs[0].token_ids == outputs[0].outputs[0].token_ids
         for task in survivors:
             task.cancel()
         await asyncio.gather(*survivors, return_exceptions=True)
 
-        os.kill(client.replicas[1].actor_pids()["worker0"], signal.SIGKILL)
+        os.kill(client.engine.replicas[1].actor_pids()["worker0"], signal.SIGKILL)
         await asyncio.wait_for(client.wait_until_dead(), 5.0)
         with pytest.raises(EngineDeadError):
             client.check_health()

@@ -67,7 +67,7 @@ async def test_shared_prefixes_go_to_the_replica_that_cached_them(make_tiny_mode
         # sent together: two different prefixes spread over the two replicas
         outputs = await asyncio.wait_for(client.generate_batch([first, second], GREEDY, use_tqdm=False), 60)
         assert all(output.num_cached_tokens == 0 for output in outputs)
-        routed = [client.prefix_router.matched(i, prefix_keys(_request(first), 16)) for i in range(2)]
+        routed = [client.engine.prefix_router.matched(i, prefix_keys(_request(first), 16)) for i in range(2)]
         assert sorted(routed) == [0, 4]
         # one at a time, each after its prefix: least-loaded would send both to replica 0
         for prompt, tail in ((first, 3), (second, 5)):
@@ -76,9 +76,9 @@ async def test_shared_prefixes_go_to_the_replica_that_cached_them(make_tiny_mode
 
         # the replica holding `first` dies: the prompt goes to the other one and is served
         holder = routed.index(4)
-        os.kill(client.replicas[holder].actor_pids()["worker0"], signal.SIGKILL)
+        os.kill(client.engine.replicas[holder].actor_pids()["worker0"], signal.SIGKILL)
         async with asyncio.timeout(10):
-            while client.replicas[holder].is_running:
+            while client.engine.replicas[holder].is_running:
                 await asyncio.sleep(0.05)
         output = await asyncio.wait_for(client.generate(follow_up(first, 7), GREEDY), 30)
         assert output.num_cached_tokens == 0 and len(output.outputs[0].token_ids) == 4

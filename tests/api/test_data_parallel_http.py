@@ -26,9 +26,9 @@ async def test_health_and_serving_with_one_replica_dead(tiny_llama_dir):
             health = await http.get("/health")
             assert health.status_code == 200 and health.json() == {"replicas": ["ok", "ok"]}
 
-            os.kill(client.replicas[0].actor_pids()["scheduler"], signal.SIGKILL)
+            os.kill(client.engine.replicas[0].actor_pids()["scheduler"], signal.SIGKILL)
             async with asyncio.timeout(10):
-                await client.replicas[0].wait_until_dead()
+                await client.engine.replicas[0].wait_until_dead()
             health = await http.get("/health")
             assert health.status_code == 200
             first, second = health.json()["replicas"]
@@ -36,7 +36,7 @@ async def test_health_and_serving_with_one_replica_dead(tiny_llama_dir):
             for _ in range(3):
                 assert (await http.post("/v1/chat/completions", json=CHAT)).status_code == 200
 
-            os.kill(client.replicas[1].actor_pids()["scheduler"], signal.SIGKILL)
+            os.kill(client.engine.replicas[1].actor_pids()["scheduler"], signal.SIGKILL)
             async with asyncio.timeout(10):
                 await client.wait_until_dead()
             health = await http.get("/health")
