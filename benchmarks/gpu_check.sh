@@ -23,7 +23,7 @@ PYTEST="python3 -m pytest -q -p no:cacheprovider -p pytest_asyncio.plugin -p pyt
 KERNEL_TESTS="tests/kernels/test_paged_attention.py tests/kernels/test_store_kv.py tests/kernels/test_rms_norm.py
   tests/kernels/test_rotary.py tests/kernels/test_silu_mul.py tests/kernels/test_lora_kernels.py tests/kernels/test_quant_triton.py
   tests/kernels/test_quant_checkpoint_triton_path.py tests/kernels/test_token_bitmask.py tests/kernels/test_attention_backend.py
-  tests/kernels/test_online_quantization.py tests/actors/test_sampler_device.py"
+  tests/kernels/test_online_quantization.py tests/layers/test_sampler_device.py"
 
 stage() {  # name, seconds, command...
     local name=$1 limit=$2 start=$SECONDS
@@ -48,22 +48,22 @@ for part in "${@:-tests engine-tests attention decode offline}"; do for s in $pa
         --hf --hf-num-requests "${HF_REQUESTS:-64}" --hf-batch-size "${HF_REQUESTS:-64}" ;;
     offline-8b) stage offline-8b "${T_OFFLINE:-90}" python3 benchmarks/gpu_engine.py --models llama-3.1-8b --parts offline ;;
     suite-on-cuda) TROUPE_TEST_DEVICE=cuda stage suite-on-cuda "${T_SUITE:-120}" $PYTEST --maxfail=30 \
-        tests/actors/test_llm_matches_hf.py tests/actors/test_llm_sampling.py tests/actors/test_logits_processors.py \
-        tests/actors/test_structured_outputs.py tests/actors/test_lora.py tests/actors/test_async_client.py \
-        tests/actors/test_async_steps.py ;;
+        tests/models/test_llm_matches_hf.py tests/layers/test_llm_sampling.py tests/layers/test_logits_processors.py \
+        tests/structured_output/test_structured_outputs.py tests/lora/test_lora.py tests/frontend/test_async_client.py \
+        tests/worker/test_async_steps.py ;;
     serve) stage serve "${T_SERVE:-150}" python3 benchmarks/gpu_serve.py --max-concurrency 64 \
         ${HOST_PROFILE:+--host-profile "$OUT/worker_profile.txt"} ${SERVER_FLAGS:+--server-flags "$SERVER_FLAGS"} ;;
     launch) stage launch "${T_LAUNCH:-60}" python3 benchmarks/launch_overhead.py ;;
-    structured) TROUPE_TEST_DEVICE=cuda stage structured "${T_STRUCTURED:-60}" $PYTEST tests/actors/test_structured_outputs.py ;;
-    async) TROUPE_TEST_DEVICE=cuda stage async "${T_ASYNC:-60}" $PYTEST tests/actors/test_async_steps.py ;;
+    structured) TROUPE_TEST_DEVICE=cuda stage structured "${T_STRUCTURED:-60}" $PYTEST tests/structured_output/test_structured_outputs.py ;;
+    async) TROUPE_TEST_DEVICE=cuda stage async "${T_ASYNC:-60}" $PYTEST tests/worker/test_async_steps.py ;;
     kernels-some) stage kernels-some "${T_KERNELS:-90}" $PYTEST -p xdist.plugin -n "${XDIST:-6}" $KERNEL_FILES ;;
     serve-256) stage serve-256 "${T_SERVE:-150}" python3 benchmarks/gpu_serve.py --max-concurrency 256 --num-prompts 1024 ;;
     offline-8b-hf) stage offline-8b-hf "${T_OFFLINE:-120}" python3 benchmarks/gpu_engine.py --models llama-3.1-8b \
         --parts offline --hf --hf-num-requests "${HF_REQUESTS:-32}" --hf-batch-size "${HF_REQUESTS:-32}" ;;
     proofs) # the kernel tests and the engine test files on CUDA side by side (small memory each)
         (XDIST=${XDIST:-6}; stage kernels-all "${T_KERNELS:-150}" $PYTEST -p xdist.plugin -n "$XDIST" tests/kernels) &
-        TROUPE_TEST_DEVICE=cuda stage cuda-engine-files "${T_SUITE:-120}" $PYTEST tests/actors/test_async_steps.py \
-            tests/actors/test_structured_outputs.py tests/actors/test_llm_sampling.py
+        TROUPE_TEST_DEVICE=cuda stage cuda-engine-files "${T_SUITE:-120}" $PYTEST tests/worker/test_async_steps.py \
+            tests/structured_output/test_structured_outputs.py tests/layers/test_llm_sampling.py
         wait ;;
     cache-save) tar -czf "$OUT/triton.tgz" -C "$HOME" .triton 2>/dev/null; ls -la "$OUT/triton.tgz" ;;
     *) echo "unknown stage $s" ;;

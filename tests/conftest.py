@@ -22,7 +22,7 @@ import pytest
 import torch
 
 if os.environ.get("TROUPE_TEST_DEVICE"):
-    from actors import engine_args as _engine_args
+    from actors.engine import args as _engine_args
 
     _engine_args.PYTHON_DEVICE = os.environ["TROUPE_TEST_DEVICE"]
     _resolve_unset = _engine_args.EngineArgs._resolve_unset

@@ -8,7 +8,7 @@ import pytest
 from transformers import AutoModelForCausalLM
 
 from actors import BeamSearchParams
-from tests.actors.test_beam_search import hf_beams
+from tests.frontend.test_beam_search import hf_beams
 from tests.api.conftest import sse_events
 from tests.api.test_errors import assert_openai_error
 

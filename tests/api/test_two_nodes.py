@@ -14,7 +14,7 @@ import pytest
 
 from actors import LLM, SamplingParams
 from messages.transport import free_tcp_port_range
-from tests.actors.test_llm_matches_hf import PROMPT_LENGTHS, make_prompts
+from tests.models.test_llm_matches_hf import PROMPT_LENGTHS, make_prompts
 from tests.api.conftest import AUTH, ENGINE_FLAGS, MODEL_NAME, REPO_ROOT, ServerProcess
 
 

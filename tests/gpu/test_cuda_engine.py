@@ -12,7 +12,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from actors import LLM, SamplingParams
-from tests.actors.test_llm_matches_hf import make_prompts
+from tests.models.test_llm_matches_hf import make_prompts
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]

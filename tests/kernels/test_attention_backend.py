@@ -11,7 +11,7 @@ import torch
 
 from actors import LLM, SamplingParams
 from actors.layers.attention import CpuBackend, TorchBackend, TritonBackend, make_backend
-from tests.actors.test_llm_matches_hf import GREEDY, PROMPT_LENGTHS, hf_greedy, make_prompts
+from tests.models.test_llm_matches_hf import GREEDY, PROMPT_LENGTHS, hf_greedy, make_prompts
 from tests.kernels.helpers import requires_triton
 
 

@@ -20,7 +20,7 @@ from actors.engine.args import EngineArgs
 from actors.quantization.checkpoint_gpu import Fp8Weight, PackedWeightBackend, W8A8Weight
 from actors.quantization.online_check import OnlineQuantError, check_online_fp8
 from actors.quantization.online_gpu import fp8_weight, quantize_fp8_per_tensor, use_online_weights
-from tests.actors.test_llm_matches_hf import hf_greedy, make_prompts
+from tests.models.test_llm_matches_hf import hf_greedy, make_prompts
 from tests.kernels.helpers import DEVICE, requires_cuda, requires_triton
 from tests.quant_checkpoints import assert_matches_reference, quantize_fp8, write_quantized_checkpoint
 

@@ -19,7 +19,7 @@ from actors.config.quantization import CheckpointQuant
 from actors.quantization.checkpoint_gpu import (Fp8Weight, PackedWeight, PackedWeightBackend, W8A8Weight, fuse,
                                                 slice_module)
 from actors.layers.quant_linear import Int8Weight, int8_linear_reference
-from tests.actors.test_llm_matches_hf import hf_greedy, make_prompts
+from tests.models.test_llm_matches_hf import hf_greedy, make_prompts
 from tests.kernels.helpers import DEVICE, generator, requires_triton
 from tests.quant_checkpoints import assert_matches_reference, _quantize_module, write_quantized_checkpoint
 
@@ -112,7 +112,7 @@ def test_tensor_parallel_slices_multiply_as_the_dequantized_slices(fmt):
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU's gloo ranks, the kernels interpreted")
 async def test_tensor_parallel_ranks_run_their_packed_slices(tiny_llama_dir, tmp_path, monkeypatch):
-    from tests.actors.test_tensor_parallel import greedy_tokens
+    from tests.worker.test_tensor_parallel import greedy_tokens
 
     monkeypatch.setenv("TRITON_INTERPRET", "1")  # the worker processes interpret the kernels too
     out = write_quantized_checkpoint(tiny_llama_dir, str(tmp_path), "gptq", bits=4, group_size=32, sym=False)

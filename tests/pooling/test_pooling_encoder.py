@@ -64,7 +64,7 @@ def test_int8_bert_embeddings_stay_close_to_sentence_transformers(bert_dir, tmp_
 
 
 def test_int8_quantization_is_refused_where_it_does_not_run(tiny_llama_dir, bert_dir):
-    # decoders run it on the CPU in float32 (tests/actors/test_int8_decoder.py), nowhere else
+    # decoders run it on the CPU in float32 (tests/quantization/test_int8_decoder.py), nowhere else
     with pytest.raises(ValueError, match="quantization 'int8' runs decoders on the CPU's int8 kernels; it needs "
                                          "dtype 'float32'"):
         LLM(tiny_llama_dir, quantization="int8", dtype="bfloat16", kv_cache_memory="16MiB")

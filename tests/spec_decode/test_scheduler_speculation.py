@@ -18,7 +18,7 @@ from actors.scheduler.speculation import acceptance_summary
 from actors.config.speculative import SpeculativeConfig
 from messages.scheduler import StepResult
 from messages.worker import StepPlan
-from tests.actors.scheduler_harness import EOS, WorkerSequence, make_params, soak
+from tests.scheduler.scheduler_harness import EOS, WorkerSequence, make_params, soak
 
 WRONG = 99  # a draft the worker's "model" never samples
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 
 from actors import LLM, SamplingParams
-from tests.actors.test_llm_matches_hf import make_prompts
+from tests.models.test_llm_matches_hf import make_prompts
 
 ENGINE_ARGS = dict(kv_cache_memory="64MiB", max_num_batched_tokens=256)
 GREEDY = SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True)
