@@ -7,7 +7,6 @@ scheduler's control state, actors/scheduler/control.py); nothing is lost."""
 
 from __future__ import annotations
 
-import os
 
 from starlette.requests import Request
 from starlette.responses import Response
@@ -15,11 +14,12 @@ from starlette.responses import Response
 from api.errors import APIError, bad_request
 from api.serving import ServingContext, json_response
 from messages.control import check_wake_tags
+from actors.config.env import server_dev_mode
 
 
 def dev_mode() -> bool:
     """vLLM's VLLM_SERVER_DEV_MODE: "1" or "true" turns the routes on."""
-    return os.environ.get("VLLM_SERVER_DEV_MODE", "").strip().lower() in ("1", "true")
+    return server_dev_mode()
 
 
 async def sleep(ctx: ServingContext, request: Request) -> Response:

@@ -41,6 +41,7 @@ from actors.errors import EngineStartupError
 from actors.runtime.process import open_pidfd
 from actors.engine.addresses import distributed_init_method
 from messages.transport import Inbox, free_tcp_port
+from actors.config.env import ray_address, ray_placement_timeout
 
 logger = logging.getLogger(__name__)
 
@@ -51,7 +52,7 @@ _READY_TIMEOUT_S = 120.0
 # taken from the steps (benchmarks/ray_overhead.py).
 _LOCAL_RAY_CONFIG = {"enable_worker_prestart": False, "prestart_worker_first_driver": False}
 # how long the placement group may wait for a busy cluster to free its bundles
-_PLACEMENT_TIMEOUT_S = float(os.environ.get("TROUPE_RAY_PLACEMENT_TIMEOUT_S", "60"))
+_PLACEMENT_TIMEOUT_S = ray_placement_timeout()
 
 
 def _import_ray():
@@ -80,7 +81,7 @@ class RayPlacement:
         self.env = env
         self.owns_ray = not ray.is_initialized()
         if self.owns_ray:
-            if os.environ.get("RAY_ADDRESS"):
+            if ray_address():
                 ray.init(runtime_env={"env_vars": env}, log_to_driver=True)
             else:  # a new local cluster, never one a stale /tmp/ray/ray_current_cluster names:
                 # a CPU a rank at least, so every bundle fits

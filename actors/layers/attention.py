@@ -32,6 +32,7 @@ from kernels.rms_norm import rms_norm, rms_norm_cpu, rms_norm_ref
 from kernels.rotary import rotary, rotary_cpu, rotary_ref
 from kernels.rotary_store_kv import rotary_store_kv, rotary_store_kv_ref
 from kernels.silu_mul import silu_mul, silu_mul_cpu, silu_mul_ref
+from actors.config.env import triton_interpreter_enabled  # noqa: F401 - re-exported: where callers import it
 
 
 class TorchBackend:
@@ -134,13 +135,6 @@ class TritonBackend:
 
 
 AttentionBackend = TorchBackend | CpuBackend | TritonBackend
-
-
-def triton_interpreter_enabled() -> bool:
-    """Whether triton runs kernels under its CPU interpreter: the one place that reads
-    TRITON_INTERPRET (triton itself reads it when a kernel is first launched), with
-    triton's spelling of true."""
-    return os.environ.get("TRITON_INTERPRET", "").lower() in ("1", "true", "on", "yes")
 
 
 def make_backend(name: str, device: torch.device) -> AttentionBackend:

@@ -14,11 +14,11 @@ from __future__ import annotations
 
 import atexit
 import logging
-import os
 import threading
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
+from actors.config.env import otel_service_name, otlp_traces_protocol
 
 logger = logging.getLogger(__name__)
 
@@ -97,8 +97,7 @@ class RequestTracer:
         from opentelemetry.sdk.trace.export import BatchSpanProcessor
         from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
-        protocol = os.environ.get("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL",
-                                  os.environ.get("OTEL_EXPORTER_OTLP_PROTOCOL", "grpc"))
+        protocol = otlp_traces_protocol()
         if protocol == "grpc":
             from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
 
@@ -110,7 +109,7 @@ class RequestTracer:
         else:
             raise ValueError(f"OTEL_EXPORTER_OTLP_TRACES_PROTOCOL {protocol!r} is not supported "
                              "(grpc or http/protobuf)")
-        resource = Resource.create({"service.name": os.environ.get("OTEL_SERVICE_NAME", service_name)})
+        resource = Resource.create({"service.name": otel_service_name(service_name)})
         # its own exit hook would wait for a collector that is down: shutdown() bounds that
         self._provider = TracerProvider(resource=resource, shutdown_on_exit=False)
         self._provider.add_span_processor(BatchSpanProcessor(exporter))

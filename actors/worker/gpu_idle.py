@@ -11,11 +11,12 @@ wall span, the union of its kernels' intervals and 1 - busy/span: the idle share
 from __future__ import annotations
 
 import json
-import os
 
 import torch
 
-ENV = "TROUPE_GPU_IDLE_PROFILE"
+from actors.config.env import GPU_IDLE_PROFILE_VARIABLE, gpu_idle_profile_path
+
+ENV = GPU_IDLE_PROFILE_VARIABLE
 SKIP, STEPS = 100, 300
 
 
@@ -27,7 +28,7 @@ class GpuIdleProfile:
 
     @staticmethod
     def from_env(device: str, rank: int) -> GpuIdleProfile | None:
-        path = os.environ.get(ENV)
+        path = gpu_idle_profile_path()
         return GpuIdleProfile(path) if path and rank == 0 and device.startswith("cuda") else None
 
     def step(self) -> None:

@@ -10,13 +10,14 @@ from __future__ import annotations
 
 import cProfile
 import io
-import os
 import pstats
 import statistics
 import time
 from collections import defaultdict
 
-ENV = "TROUPE_WORKER_PROFILE"
+from actors.config.env import WORKER_PROFILE_VARIABLE, worker_profile_path
+
+ENV = WORKER_PROFILE_VARIABLE
 SKIP, STEPS = 450, 300
 
 
@@ -31,7 +32,7 @@ class HostProfile:
 
     @staticmethod
     def from_env(rank: int) -> HostProfile | None:
-        path = os.environ.get(ENV)
+        path = worker_profile_path()
         return HostProfile(path) if path and rank == 0 else None
 
     def active(self) -> bool:

@@ -36,10 +36,11 @@ from actors.layers.tensor_parallel import TensorParallel
 from actors.worker.stage_link import StageLink
 from messages.scheduler import StepResult
 from messages.worker import StepPlan
+from actors.config.env import STAGE_TIMES_DIR_VARIABLE, stage_times_dir
 
 # When set, each stage writes its step times to $TROUPE_STAGE_TIMES_DIR/stage{rank}.json at
 # shutdown (benchmarks/pipeline.py's bubble estimate).
-STAGE_TIMES_DIR = "TROUPE_STAGE_TIMES_DIR"
+STAGE_TIMES_DIR = STAGE_TIMES_DIR_VARIABLE
 
 
 @dataclass(frozen=True)
@@ -136,7 +137,7 @@ class StageRunner(ModelRunner):
         self.link = StageLink(stage, torch.device(engine.device))
         # (start, end, seconds waiting for the previous stage) of each step, kept only for
         # the benchmark's bubble estimate
-        self.step_times: list[tuple[float, float, float]] | None = [] if os.environ.get(STAGE_TIMES_DIR) else None
+        self.step_times: list[tuple[float, float, float]] | None = [] if stage_times_dir() else None
         super().__init__(stage_engine(engine, stage), num_blocks, engine.attention_backend, engine.load_format,
                          parallel)
 
@@ -206,5 +207,5 @@ class StageRunner(ModelRunner):
         """Writes the stage's step times where the benchmark asked for them."""
         if self.step_times:
             rank = self.stage.global_rank(self.stage.index)
-            with open(os.path.join(os.environ[STAGE_TIMES_DIR], f"stage{rank}.json"), "w") as times_file:
+            with open(os.path.join(stage_times_dir(), f"stage{rank}.json"), "w") as times_file:
                 json.dump({"stage": self.stage.index, "rank": rank, "steps": self.step_times}, times_file)
