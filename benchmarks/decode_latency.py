@@ -2,7 +2,7 @@
 - op by op, sgemm: each decode step's ops called one by one from Python, every linear
   through MKL's sgemm;
 - op by op, C++ linear: the same with the CPU backend's C++ linear for a few rows;
-- fused step: each step in one C++ call (actors/worker/cpu_model_step.py),
+- fused step: each step in one C++ call (actors/models/cpu_step.py),
   C++ linear for a few rows (the CPU backend's default).
 
 With --quantization gguf (or none,gguf), engines with those --quantization values time

@@ -9,7 +9,7 @@ stores the step's keys and values; attention then attends over the cache):
   prefill attention, KV store, rms_norm, rotary, silu_mul and the linear layers of small
   decode batches in C++ built on first use (kernels/cpu_kernels.*); where no C++ compiler
   is found, torch's ops. (Where the model allows, the model runner runs each whole step
-  of this backend in one C++ call instead: actors/worker/cpu_model_step.py.)
+  of this backend in one C++ call instead: actors/models/cpu_step.py.)
 - triton: the Triton kernels, compiled on CUDA, or under triton's interpreter on the CPU
   (TRITON_INTERPRET=1; slow, for tests). rotary_store_kv is one fused kernel there
   (kernels/rotary_store_kv.py): on a GPU each launch costs tens of microseconds of host
@@ -67,7 +67,7 @@ class CpuBackend:
     few_rows = 16
 
     # whether the model runner may run whole steps of these kernels in one C++ call
-    # (actors/worker/cpu_model_step.py); off: op by op through this backend
+    # (actors/models/cpu_step.py); off: op by op through this backend
     fused_steps = True
 
     def __init__(self, native: NativeKernels | None) -> None:

@@ -3,7 +3,7 @@ runner orders the batch so each adapter's tokens are together), and add(), which
 model's forward calls after each group of projections: the base output y gets
 x·Aᵀ·Bᵀ of each token's adapter (the segmented shrink and expand of kernels/lora_ref.py,
 or on CUDA kernels/lora_triton.py's kernels). The CPU's one-call step reads the same
-segments and slots (actors/worker/cpu_model_step.py)."""
+segments and slots (actors/models/cpu_step.py)."""
 
 from __future__ import annotations
 

@@ -173,7 +173,7 @@ class LlamaModel:
                 lora: LoRABatch | None = None,
                 inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:  # [num_tokens, hidden]
         """The step op by op through the backend's kernels (the model runner may run it
-        another way: actors/worker/cpu_model_step.py mirrors this function). lora: the
+        another way: actors/models/cpu_step.py mirrors this function). lora: the
         step's adapters, whose deltas each projection's output gets (before the all-reduce
         of a row-parallel one: the partial deltas sum as the partial outputs do)."""
         hidden = self.embed(input_ids) if inputs_embeds is None else inputs_embeds  # (images' rows replaced)

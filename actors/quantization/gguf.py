@@ -1,6 +1,6 @@
 """GGUF quantized weights kept as the file has them (`--quantization gguf`, or `auto` on a
 .gguf model): the decoder's projections and its LM head run on their own blocks through
-kernels/gguf_linear.cpp, on the CPU, in the fused step (actors/worker/cpu_model_step.py) as
+kernels/gguf_linear.cpp, on the CPU, in the fused step (actors/models/cpu_step.py) as
 in the op-by-op forward (GGUFCpuBackend.linear).
 
 The model still loads the converted fp32 checkpoint first (the embedding table, norms and

@@ -1,7 +1,7 @@
 """The scheduler's side of speculative decoding: how many drafts a decode may verify, the
 KV slots that takes, and the reconciliation of a result that carries accepted drafts.
 
-The worker proposes and verifies (actors/worker/speculator.py); the scheduler never sees a
+The worker proposes and verifies (actors/spec_decode/speculator.py); the scheduler never sees a
 draft. It grants each eligible decode up to k drafts (charged to the step's token budget,
 StepPlan.num_lookahead_tokens) and reserves their KV slots. Under async scheduling a
 plan is built before the previous result says how many drafts were accepted, so the

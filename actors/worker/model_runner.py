@@ -20,11 +20,11 @@ from actors.quantization.swap import checkpoint_weight_stream, quantized_backend
 from actors.layers.attention import make_backend
 from actors.layers.attention_metadata import AttentionMetadata
 from actors.worker.cached_request import CachedRequest
-from actors.worker.cpu_model_step import CpuModelStep
+from actors.models.cpu_step import CpuModelStep
 from actors.worker.cpu_tuning import MAX_FEW_ROWS, tune_allocator, tune_few_rows
 from actors.worker.cuda_graphs import DecodeGraphs, StagedStep
 from actors.worker.device_config import DTYPES, kv_block_bytes, num_kv_blocks
-from actors.worker.draft_model import DraftModel
+from actors.spec_decode.draft_model import DraftModel
 from actors.worker.gpu_memory import MemorySnapshot, check_free_at_start, profile_num_kv_blocks
 from actors.structured_output.grammar_processor import sampling_processors
 from actors.worker.host_kv import HostKVCache
@@ -33,7 +33,7 @@ from actors.models.registry import model_class
 from actors.layers.tensor_parallel import TensorParallel
 from actors.layers.sampler import Sampler
 from actors.worker.runner_step import StepExecution
-from actors.worker.speculator import Speculator
+from actors.spec_decode.speculator import Speculator
 from actors.worker.step_inputs import BlockTables, Stager, collect
 from messages.worker import StepPlan
 

@@ -24,7 +24,7 @@ import torch
 
 from actors.lora.batch import LoRABatch, segments_of
 from actors.layers.sampler import SampledStep, prompt_token_logprobs
-from actors.worker.speculator import StepDrafts
+from actors.spec_decode.speculator import StepDrafts
 from messages.pooling import PooledData
 from messages.scheduler import StepResult, TokenLogprobs
 from messages.worker import StepPlan

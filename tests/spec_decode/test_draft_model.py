@@ -20,9 +20,9 @@ from scipy.stats import chisquare
 
 from actors import LLM, AsyncClient, SamplingParams
 from actors.spec_decode.layer_skip import save_layer_skip_draft
-from actors.worker.draft_model import draw_drafts
+from actors.spec_decode.draft_model import draw_drafts
 from actors.worker.model_runner import CachedRequest
-from actors.worker.speculator import Speculator
+from actors.spec_decode.speculator import Speculator
 from tests.spec_decode.test_speculative_async import completions
 from tests.spec_decode.test_speculative_llm import (ENGINE_ARGS, GREEDY, assert_seeded_sampling_reproduces_beside_others,
                                                     loop_prompts, token_ids)

@@ -11,7 +11,7 @@ from scipy.stats import chisquare
 from actors.config.speculative import SpeculativeConfig
 from actors.worker.model_runner import CachedRequest
 from actors.layers.random_sampling import filtered_probs, sample_random
-from actors.worker.speculator import Speculator
+from actors.spec_decode.speculator import Speculator
 from messages.common import SamplingParams
 
 

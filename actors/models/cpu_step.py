@@ -12,7 +12,7 @@ kernels have code for the shapes; the model's Python forward takes the rest (ten
 parallelism, other dtypes, head sizes the kernels lack, no C++ compiler). The model
 runner makes the choice, step by step (ModelRunner._forward): this is an alternative to
 LlamaModel.forward, as a CUDA graph's replay would be, not a part of the model or of
-the attention backend. tests/worker/test_cpu_model_step.py pins the two equal."""
+the attention backend. tests/models/test_cpu_step.py pins the two equal."""
 
 from __future__ import annotations
 

@@ -32,7 +32,7 @@ import torch
 from actors.config import EngineConfig
 from actors.layers.attention import AttentionBackend
 from actors.layers.attention_metadata import AttentionMetadata
-from actors.worker.cpu_model_step import CpuModelStep
+from actors.models.cpu_step import CpuModelStep
 from actors.models.llama import LlamaModel
 from actors.layers.random_sampling import filtered_probs
 from actors.layers.sampler import argmax_tokens, position_seed

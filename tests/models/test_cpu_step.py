@@ -1,4 +1,4 @@
-"""The CPU's steps in one C++ call (actors/worker/cpu_model_step.py) against the model's
+"""The CPU's steps in one C++ call (actors/models/cpu_step.py) against the model's
 op-by-op forward: the same kernels in the same order, so the same bits."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from actors import LLM, SamplingParams
-from actors.worker.cpu_model_step import CpuModelStep
+from actors.models.cpu_step import CpuModelStep
 from actors.worker.model_runner import CachedRequest
 
 

@@ -34,7 +34,7 @@ from actors.layers.random_sampling import filtered_probs
 from actors.layers.sampler import argmax_tokens, position_seed
 
 if TYPE_CHECKING:
-    from actors.worker.draft_model import DraftModel
+    from actors.spec_decode.draft_model import DraftModel
     from actors.worker.model_runner import CachedRequest
     from actors.layers.sampler import Sampler
 
