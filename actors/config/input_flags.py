@@ -1,6 +1,6 @@
 """The input processor's engine arguments: what a request's images and chat template may
 cost before the engine refuses them (docs/security.md). EngineArgs takes these fields from
-InputArgs, a base class written here so that engine_args.py keeps one concept a screen;
+InputArgs, a base class written here so that actors/engine/args.py keeps one concept a screen;
 input_config() makes EngineConfig.inputs.
 
 Light to import, like engine_args: no torch, no PIL."""

@@ -42,7 +42,7 @@ class ParallelConfig:
 
 
 def check_tensor_parallel_size(model: ModelConfig, tp_size: int) -> None:
-    """ValueError naming what tp_size does not divide: worker/parallel.py's split needs it
+    """ValueError naming what tp_size does not divide: actors/layers/tensor_parallel.py's split needs it
     to divide the heads and the intermediate size. Here, torch-free, because the frontend
     checks it before any worker starts."""
     if not isinstance(tp_size, int) or tp_size < 1:

@@ -1,12 +1,11 @@
 """The frontend: AsyncClient, in the caller's process and event loop.
 
-It starts the other actors as child processes (supervisor.py) and talks to them over ZeroMQ: AddRequest to
-the input processors, AbortRequest, GetStats and EngineControl (sleep, wake, cache reset: engine_control.py)
-to the scheduler; it receives RequestOutputs deltas from the detokenizer, RequestRejected from the input
-processors or the scheduler, and Stats. Each request gets an id and an output stream; giving up on a stream
-(breaking out of it, cancelling its task) aborts the request everywhere. When an input processor dies, the
-requests it held fail (EngineRequestError) and a new one starts (input_routing.py); when any other actor
-process dies, every pending call raises EngineDeadError and new calls fail at once.
+The caller's calls (generate, chat, generate_batch; beam search, LoRA, pooling, engine
+operations and request spans from the mixins beside this file) over self.engine, the
+connection that make_engine_client (data_parallel.py) chose: one engine's EngineClient
+(engine_client.py: the actor processes, the sockets, the request queues), or a
+DataParallelClient of several. Each request gets an id and an output stream; giving up on
+a stream (breaking out of it, cancelling its task) aborts the request everywhere.
 
     async with AsyncClient(model=path) as client:
         async for delta in client.generate("Hello", SamplingParams(max_tokens=16)):

@@ -1,6 +1,6 @@
 """Quantized weights: the `--quantization` methods and the linear layers that run them.
 
-A model keeps each linear layer's weight as the method prepared it (linear.py:
+A model keeps each linear layer's weight as the method prepared it (actors/layers/quant_linear.py:
 LinearMethod.prepare) and calls the method to apply it; `None` (the default) runs the
 checkpoint's own dtype. Torch-free here, so the config can check the flag in any process."""
 
@@ -13,7 +13,7 @@ from __future__ import annotations
 #   gguf: a .gguf model's block-quantized weights (Q4_0, Q4_1, Q8_0) as the file has them,
 #         int8 block dot products on the CPU (gguf.py, kernels/gguf_linear.cpp)
 #   auto: gguf where a .gguf model can run so (the CPU, float32, one device), else none
-#   gptq, awq, compressed-tensors, fp8: a checkpoint's quantization_config (checkpoint_config.py)
+#   gptq, awq, compressed-tensors, fp8: a checkpoint's quantization_config (actors/config/quantization.py)
 QUANTIZATION_METHODS = ("auto", "gguf", "int8", "gptq", "awq", "compressed-tensors", "fp8")
 CHECKPOINT_METHODS = ("gptq", "awq", "compressed-tensors", "fp8")  # read from config.json's quantization_config
 GGUF_METHODS = ("auto", "gguf")  # resolved against the model file at start-up (gguf_types.resolve_gguf)

@@ -9,7 +9,7 @@ result back) and no process in between. close() passes a Shutdown on to every ra
 ranks on other nodes have no other way to hear it.
 
 It holds no state beyond its sockets and does not watch the workers: the launchers watch
-every process (supervisor.py) and fail every request when one dies."""
+every process (actors/engine/supervisor.py) and fail every request when one dies."""
 
 from __future__ import annotations
 

@@ -1,3 +1,5 @@
-"""Speculative decoding building blocks: the config, the n-gram and suffix proposers and
-the verification (greedy acceptance and rejection sampling). Plain objects with no
-process or request state of the engine; the worker that samples owns and calls them."""
+"""Speculative decoding, engine side: the n-gram and suffix proposers, the draft model
+(draft_model.py, its start-up checks in draft_config.py), the verification (greedy
+acceptance and rejection sampling: rejection.py) and the worker's proposer that runs them
+each step (speculator.py). The config is actors/config/speculative.py; the scheduler's
+grant of draft slots is actors/scheduler/speculation.py."""

@@ -47,7 +47,7 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 # compiled grammars kept, by constraint key (least recently used dropped first), at most
-# this many and MAX_CACHED_GRAMMAR_BYTES (structured_output/limits.py) of them
+# this many and MAX_CACHED_GRAMMAR_BYTES (actors/config/structured_output.py) of them
 MAX_CACHED_GRAMMARS = 128
 # compiles at a time: one slow grammar leaves a thread to the others
 _COMPILE_THREADS = 2

@@ -1,0 +1,1 @@
+"""Request tracing: OpenTelemetry spans of finished requests (spans.py)."""
