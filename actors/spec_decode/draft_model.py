@@ -38,7 +38,7 @@ from actors.layers.random_sampling import filtered_probs
 from actors.layers.sampler import argmax_tokens, position_seed
 
 if TYPE_CHECKING:
-    from actors.worker.model_runner import CachedRequest
+    from actors.worker.cached_request import CachedRequest
 
 # the seeded draws of drafts come from their own stream: drawn from the verification's,
 # a draft and its acceptance test would be correlated, and the output biased

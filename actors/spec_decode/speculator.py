@@ -35,7 +35,7 @@ from actors.layers.sampler import argmax_tokens, position_seed
 
 if TYPE_CHECKING:
     from actors.spec_decode.draft_model import DraftModel
-    from actors.worker.model_runner import CachedRequest
+    from actors.worker.cached_request import CachedRequest
     from actors.layers.sampler import Sampler
 
 
