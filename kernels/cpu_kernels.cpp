@@ -252,6 +252,10 @@ struct DecoderLayer {  // one layer's weights (null where the model has none) an
     // each projection's weight type: 0 float32, else a ggml block type (Q4_0, Q4_1, Q8_0) whose
     // blocks the projection's pointer points at, run by DecoderShape::quant_linear
     int64_t qkv_type, o_type, gate_up_type, down_type;
+    // the layer's attention variant (cpu_attention.h): zeros and null for plain causal attention
+    const float* sinks;  // [num_heads] or null
+    int64_t sliding_window;
+    float logits_soft_cap;
 };
 
 // kernels/gguf_linear.cpp's gguf_linear_f32
@@ -436,8 +440,8 @@ int model_step_f32(const DecoderShape* shape_, const DecoderLayer* layers, const
                 qkv, qkv_size, head_size, layer.key_cache, layer.value_cache, shape.cache_block_stride,
                 shape.cache_head_stride, shape.cache_slot_stride, batch.block_tables, batch.block_table_stride,
                 batch.seq_lens, batch.query_start_loc, seqs, (int)count, (int)shape.num_kv_heads,
-                (int)(shape.num_heads / shape.num_kv_heads), (int)head_size, (int)shape.block_size, shape.scale, attn,
-                q_size, head_size, num_threads);
+                (int)(shape.num_heads / shape.num_kv_heads), (int)head_size, (int)shape.block_size, shape.scale,
+                (int)layer.sliding_window, layer.logits_soft_cap, layer.sinks, attn, q_size, head_size, num_threads);
             if (status != 0) return status;
         }
         decoder_linear(shape, sgemm, attn, q_size, tokens, layer.o_proj, layer.o_type, q_size, hidden_size, nullptr,
