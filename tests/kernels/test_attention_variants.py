@@ -1,7 +1,7 @@
 """Attention variants (a sliding window, a logit soft cap, sinks, the query scale) in every
 paged attention path: the reference against the naive oracle and against Hugging Face's own
 eager attention (Gemma 2's soft cap, GPT-OSS's sinks, masking_utils' sliding window); the
-C++ CPU kernels against the reference.
+C++ CPU kernels and the Triton kernels against the reference.
 
 Block table entries of blocks wholly outside every query's window hold an id far past the
 cache (a KV-cache manager may free those blocks): a path that reads one fails (an index
@@ -14,9 +14,10 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from kernels.paged_attention import PagedAttentionLaunch, paged_attention, paged_attention_launch
 from kernels.paged_attention_cpu import paged_attention_cpu, plan_paged_attention_cpu
 from kernels.paged_attention_ref import paged_attention_ref
-from tests.kernels.helpers import DEVICE, generator
+from tests.kernels.helpers import DEVICE, assert_close, generator, poisoned, requires_cuda, requires_triton
 from tests.kernels.naive import make_paged_batch, naive_paged_attention
 
 STALE = 2**30  # a freed block's table entry: any read of it is far out of the cache
@@ -201,3 +202,59 @@ def test_cpu_window_longer_than_every_sequence_changes_no_bit(native_kernels):
     windowed = paged_attention_cpu(query, key, value, key_cache, value_cache, plan, 0.125, native_kernels,
                                    sliding_window=200)
     assert torch.equal(plain, windowed)
+
+
+def run_triton(inputs, variant: dict, decode_partition_size: int = 512,
+               launch: PagedAttentionLaunch | None = None) -> torch.Tensor:
+    query, _, _, _, seq_lens, query_start_loc = inputs
+    variant = dict(variant)
+    scale = variant.pop("scale", None)
+    out = poisoned(*query.shape, dtype=query.dtype)
+    if launch is None:
+        launch = paged_attention_launch(seq_lens, query_start_loc, decode_partition_size)
+    return paged_attention(*inputs, scale, out=out, launch=launch, **variant)
+
+
+@requires_triton
+@pytest.mark.parametrize("name", VARIANTS)
+@pytest.mark.parametrize("dtype, head_size, heads, block_size, partition", [
+    (torch.float32, 32, (8, 2), 16, 16),  # decodes in 16-key splits: the window's splits and the reduction
+    (torch.bfloat16, 64, (4, 4), 32, 512),  # one split each: the decode kernel writes the output itself
+])
+def test_triton_matches_reference(name, dtype, head_size, heads, block_size, partition):
+    num_heads, num_kv_heads = heads
+    variant = variant_arguments(name, num_heads, seed=head_size)
+    inputs = make_batch(WINDOW_BATCH, num_heads, num_kv_heads, head_size, block_size, dtype,
+                        seed=head_size + block_size, sliding_window=variant.get("sliding_window"))
+    assert_close(run_triton(inputs, variant, partition), reference(inputs, variant))
+
+
+@requires_triton
+def test_triton_windowed_decodes_under_a_cuda_graphs_grid():
+    """A CUDA graph's launch sizes the decodes for max_model_len: a windowed layer still
+    launches its window's splits only, and each decode (inside its window or far past it,
+    in one split or several) is right."""
+    batch = [(300, 1), (20, 1), (47, 1), (1, 1)]
+    variant = dict(sliding_window=40, sinks=torch.linspace(-1, 2, 4, device=DEVICE))
+    inputs = make_batch(batch, 4, 1, 16, 16, torch.float32, seed=5, sliding_window=40)
+    decode_seqs = torch.arange(4, dtype=torch.int32, device=DEVICE)
+    launch = PagedAttentionLaunch(decode_seqs, torch.zeros(0, dtype=torch.int32, device=DEVICE), 0, 4096, 16)
+    assert_close(run_triton(inputs, variant, launch=launch), reference(inputs, variant))
+
+
+@pytest.mark.gpu
+@requires_cuda
+@requires_triton
+@pytest.mark.parametrize("variant", [
+    pytest.param(dict(sliding_window=512), id="window"),
+    pytest.param(dict(sliding_window=1024, logits_soft_cap=50.0, scale=256**-0.5), id="gemma2"),
+    pytest.param(dict(sliding_window=128, sinks=True), id="gpt-oss"),
+])
+def test_triton_matches_reference_at_serving_sizes(variant):
+    """Compiled: 48 decodes of up to 8k tokens and two long prefill chunks across the
+    window, bf16, 32 query heads over 8 kv heads, default launch sizes."""
+    g = generator(len(variant))
+    batch = [(int(n), 1) for n in torch.randint(1, 8192, (48,), generator=g)] + [(3000, 1500), (1800, 1800)]
+    variant = dict(variant, **({"sinks": torch.randn(32, generator=g).to(DEVICE)} if variant.get("sinks") else {}))
+    inputs = make_batch(batch, 32, 8, 128, 16, torch.bfloat16, seed=2, sliding_window=variant["sliding_window"])
+    assert_close(run_triton(inputs, variant), reference(inputs, variant))
