@@ -7,7 +7,8 @@
 //   or thousands of tiny matmuls. The softmax runs online (flash-decoding without splits).
 // - paged_prefill_f32: prefill chunks' causal attention over their cached keys and values,
 //   tiles of query rows against 64 keys transposed so that scores are plain vector
-//   multiply-adds.
+//   multiply-adds. Both take a layer's attention variant (a sliding window whose earlier
+//   blocks they never read, a logit soft cap, sinks; the fused step's from DecoderLayer).
 // - store_kv_f32: the new keys and values into their slots.
 // - rms_norm_f32, rotary_f32 and silu_mul_f32: one pass over each row where torch makes
 //   several, with a parallel region only for batches big enough to pay for one (a decode
