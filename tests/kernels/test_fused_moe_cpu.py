@@ -1,0 +1,151 @@
+"""The CPU's fused experts (kernels/moe_cpu.cpp) against the torch reference
+(kernels/fused_moe_ref.py): float32 weights on the few-rows and the sgemm paths, int8 W8A8
+and GGUF blocks against the reference on the dequantized weights with the activations
+quantized as the quantized linears quantize them."""
+
+from __future__ import annotations
+
+import gguf
+import pytest
+import torch
+
+from kernels.fused_moe_ref import fused_experts_ref, route
+from kernels.gguf_linear import Q4_0, Q4_1, Q4_K, Q6_K, Q8_0, dequantize_reference
+from kernels.gguf_linear import quantize_rows_reference as gguf_quantize_rows
+from kernels.int8_linear import quantize_rows_reference as int8_quantize_rows
+from kernels.moe_cpu import MoeCpuKernels, fp32_experts, gguf_experts, int8_experts, moe_cpu_kernels
+from tests.kernels.helpers import generator
+from tests.kernels.test_gguf_linear import hand_built_blocks
+
+# (experts, top_k, tokens): fewer tokens than experts, a single decode token, top-1, a batch
+# spreading over every expert (the threads split the experts), one expert past 16 rows (sgemm)
+GRID = [(8, 2, 3), (4, 1, 1), (8, 3, 21), (16, 4, 64)]
+
+
+@pytest.fixture(scope="module")
+def kernels() -> MoeCpuKernels:
+    built = moe_cpu_kernels()
+    if built is None:
+        pytest.skip("the C++ kernels did not build (no C++ compiler?)")
+    return built
+
+
+def _weights(num_experts, hidden, intermediate, seed=0):
+    g = generator(seed)
+    return (torch.randn(num_experts, 2 * intermediate, hidden, generator=g) / hidden ** 0.5,
+            torch.randn(num_experts, hidden, intermediate, generator=g) / intermediate ** 0.5)
+
+
+def _routing(num_tokens, num_experts, top_k, seed, experts=None):
+    logits = torch.randn(num_tokens, num_experts, generator=generator(seed))
+    if experts is not None:  # only these experts can be picked: the others stay empty
+        allowed = torch.full((num_experts,), float("-inf"))
+        allowed[experts] = 0.0
+        logits = logits + allowed
+    return route(logits, top_k, renormalize=True)
+
+
+def _assert_relative(actual, expected, bound):
+    error = ((actual - expected).abs().max() / expected.abs().max()).item()
+    assert error < bound, f"relative error {error}"
+
+
+@pytest.mark.parametrize("few_rows", [16, 0])  # 0: every projection through sgemm
+@pytest.mark.parametrize("num_experts,top_k,num_tokens", GRID)
+def test_fp32_matches_reference(kernels, few_rows, num_experts, top_k, num_tokens):
+    w13, w2 = _weights(num_experts, 96, 40)  # 96, 40: no multiple of a 16-float vector
+    x = torch.randn(num_tokens, 96, generator=generator(num_tokens))
+    weights, ids = _routing(num_tokens, num_experts, top_k, seed=num_experts + num_tokens)
+    out = kernels.fused_experts(x, fp32_experts(w13, w2), weights, ids, few_rows=few_rows)
+    torch.testing.assert_close(out, fused_experts_ref(x, w13, w2, weights, ids), rtol=1e-4, atol=1e-5)
+
+
+def test_every_token_to_one_expert_empty_experts_and_strided_rows(kernels):
+    w13, w2 = _weights(8, 64, 32, seed=4)
+    x = torch.randn(12, 2 * 64, generator=generator(5))[:, :64]  # rows strided, as a fused qkv slice
+    weights, ids = _routing(12, 8, 2, seed=6, experts=[6, 1])
+    assert set(ids.flatten().tolist()) == {1, 6}
+    experts = fp32_experts(w13, w2)
+    out = torch.full((12, 80), float("nan"))[:, 8:72]  # written into a strided view
+    kernels.fused_experts(x, experts, weights, ids.long(), out=out)
+    torch.testing.assert_close(out, fused_experts_ref(x, w13, w2, weights, ids), rtol=1e-4, atol=1e-5)
+    top1 = kernels.fused_experts(x, experts, torch.ones(12, 1), torch.full((12, 1), 3))
+    torch.testing.assert_close(top1, fused_experts_ref(x, w13, w2, torch.ones(12, 1), torch.full((12, 1), 3)),
+                               rtol=1e-4, atol=1e-5)
+
+
+def test_result_does_not_depend_on_threads(kernels):
+    # one thread runs the experts in turn, two split them; the few-rows kernel's sums and the
+    # combine's top-k order are per row, so the bits are the same
+    w13, w2 = _weights(16, 64, 32, seed=8)
+    x = torch.randn(24, 64, generator=generator(9))
+    weights, ids = _routing(24, 16, 4, seed=10)
+    experts = fp32_experts(w13, w2)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        alone = kernels.fused_experts(x, experts, weights, ids)
+        torch.set_num_threads(max(2, threads))
+        shared = kernels.fused_experts(x, experts, weights, ids)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(alone, shared)
+
+
+def test_an_expert_id_out_of_range_is_an_error(kernels):
+    w13, w2 = _weights(4, 32, 32)
+    with pytest.raises(ValueError, match="expert id"):
+        kernels.fused_experts(torch.randn(2, 32), fp32_experts(w13, w2), torch.ones(2, 1),
+                              torch.tensor([[0], [4]]))
+
+
+def test_int8_matches_reference_on_dequantized_weights(kernels):
+    w13, w2 = _weights(8, 64, 48, seed=11)
+    x = torch.randn(21, 64, generator=generator(12))
+    weights, ids = _routing(21, 8, 3, seed=13)
+    out = kernels.fused_experts(x, int8_experts(w13, w2), weights, ids)
+
+    def dequantized(w):
+        q, scale = int8_quantize_rows(w)
+        return q.float() * scale
+
+    def quantize(rows):
+        q, scale = int8_quantize_rows(rows)
+        return q.float() * scale
+
+    expected = fused_experts_ref(x, torch.stack([dequantized(w) for w in w13]),
+                                 torch.stack([dequantized(w) for w in w2]), weights, ids, quantize_activations=quantize)
+    _assert_relative(out, expected, 1e-3)
+
+
+def _blocks(weight: torch.Tensor, ggml_type: int, seed: int) -> torch.Tensor:
+    """[E, out, in] floats as [E, out, row bytes] blocks: the gguf package's quantization, or
+    random blocks for the K-quants it cannot make."""
+    if ggml_type in (Q4_K, Q6_K):
+        return torch.stack([hand_built_blocks(*w.shape, ggml_type, seed=seed + e) for e, w in enumerate(weight)])
+    kind = gguf.GGMLQuantizationType(ggml_type)
+    return torch.stack([torch.from_numpy(gguf.quants.quantize(w.numpy(), kind)) for w in weight])
+
+
+def _dequantized(blocks: torch.Tensor, ggml_type: int, in_features: int) -> torch.Tensor:
+    return torch.stack([dequantize_reference(b, ggml_type, in_features) for b in blocks])
+
+
+@pytest.mark.parametrize("types", [(Q8_0, Q8_0), (Q4_0, Q4_0), (Q4_1, Q8_0), (Q4_K, Q6_K)],
+                         ids=["Q8_0", "Q4_0", "Q4_1+Q8_0", "Q4_K+Q6_K"])
+@pytest.mark.parametrize("dequantize_rows", [1 << 30, 0])  # the block dot products; dequantized tiles + sgemm
+def test_gguf_blocks_match_reference_on_dequantized_weights(kernels, types, dequantize_rows):
+    w13_type, w2_type = types
+    hidden, intermediate = 256, 256  # whole K-quant super-blocks
+    w13, w2 = _weights(8, hidden, intermediate, seed=14)
+    w13_blocks, w2_blocks = _blocks(w13, w13_type, seed=1), _blocks(w2, w2_type, seed=100)
+    experts = gguf_experts(w13_blocks, w13_type, w2_blocks, w2_type, hidden, intermediate)
+    # the weights stay blocks, at most 8.5 bits a weight (Q8_0), not float32's 32
+    assert experts.num_bytes() == w13_blocks.numel() + w2_blocks.numel() <= (w13.numel() + w2.numel()) * 8.5 / 8
+    x = torch.randn(13, hidden, generator=generator(15))
+    weights, ids = _routing(13, 8, 2, seed=16)
+    out = kernels.fused_experts(x, experts, weights, ids, dequantize_rows=dequantize_rows)
+    expected = fused_experts_ref(x, _dequantized(w13_blocks, w13_type, hidden),
+                                 _dequantized(w2_blocks, w2_type, intermediate), weights, ids,
+                                 quantize_activations=gguf_quantize_rows if dequantize_rows else None)
+    _assert_relative(out, expected, 1e-4)
