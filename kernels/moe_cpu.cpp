@@ -11,6 +11,13 @@
 // quantized weight a QuantLinear, gguf_linear.cpp's gguf_linear_f32 (GGUF blocks as the file
 // has them: Q4_0, Q4_1, Q8_0, Q5 and K-quants) or int8_gemm.cpp's int8_linear_f32 (W8A8).
 //
+// float32 experts are best packed at load (moe_pack_f32, type kPackedF32): each weight as
+// panels of 16 output columns, k-major ([N / 16][K][16]), so a tile of up to 6 token rows x
+// 64 columns keeps its 24 accumulators in registers and each step of k is 4 weight loads,
+// 6 broadcasts and 24 multiply-adds, sgemm's own micro-kernel. An expert at a decode batch of
+// 64 has about 16 rows: the few-rows kernel (a dot product and a horizontal sum per output)
+// ran at about half of the machine's FMA rate there, and MKL's sgemm no better at that size.
+//
 // Threads: with at least as many active experts as threads (a decode batch routes its
 // tokens over most experts), the experts are split over the threads, largest first, each
 // expert's projections single-threaded: one parallel region a call instead of three per
@@ -46,6 +53,82 @@ typedef void (*FewRowsLinear)(const float* x, int64_t x_stride, int64_t num_rows
 
 constexpr int64_t kMaxSlotFloats = (int64_t)1 << 24;  // the combine buffer of a chunk of tokens: 64 MiB
 
+constexpr int64_t kPackedF32 = 2048;  // a weight type: float32 packed by moe_pack_f32 (past int8's 1024)
+constexpr int kPanel = 16;  // output columns per panel: one 64-byte vector
+typedef float vf __attribute__((vector_size(64)));
+inline vf load(const float* p) { vf v; memcpy(&v, p, sizeof v); return v; }
+#ifdef __AVX512F__
+constexpr int kTileRows = 6, kTilePanels = 4;  // 24 accumulators of AVX-512's 32 registers
+#else
+constexpr int kTileRows = 4, kTilePanels = 1;  // AVX2: a vector is two of its 16 registers
+#endif
+
+// y[MR rows, NB panels' columns from n0] = x[MR rows] @ the panels: one (row, column) sums its
+// products in k order whatever the tile, so every row's result is independent of the others
+// (software prefetching of the next block, as linear_tile does, measured no faster here)
+template <int MR, int NB>
+void packed_tile(const float* x, int64_t x_stride, const float* panels, int64_t in_features, float* y,
+                 int64_t y_stride, int64_t n0, int64_t out_features) {
+    vf acc[MR][NB] = {};
+    for (int64_t k = 0; k < in_features; k++) {
+        vf w[NB];
+        for (int b = 0; b < NB; b++) w[b] = load(panels + (b * in_features + k) * kPanel);
+        for (int m = 0; m < MR; m++) {
+            const vf xk = x[m * x_stride + k] - vf{};  // a broadcast (x - 0: -0 stays -0)
+            for (int b = 0; b < NB; b++) acc[m][b] += xk * w[b];
+        }
+    }
+    for (int m = 0; m < MR; m++)
+        for (int b = 0; b < NB; b++) {
+            const int64_t col = n0 + b * kPanel;
+            const int64_t count = out_features - col < kPanel ? out_features - col : kPanel;
+            memcpy(y + m * y_stride + col, &acc[m][b], count * sizeof(float));
+        }
+}
+
+typedef void (*PackedTile)(const float*, int64_t, const float*, int64_t, float*, int64_t, int64_t, int64_t);
+
+template <int NB>
+PackedTile packed_tile_for(int rows) {
+    switch (rows) {
+        case 1: return packed_tile<1, NB>;
+        case 2: return packed_tile<2, NB>;
+        case 3: return packed_tile<3, NB>;
+#ifdef __AVX512F__
+        case 4: return packed_tile<4, NB>;
+        case 5: return packed_tile<5, NB>;
+        default: return packed_tile<6, NB>;
+#else
+        default: return packed_tile<4, NB>;
+#endif
+    }
+}
+
+// y[rows, out] = x @ Wᵀ, W packed: threads split blocks of kTilePanels panels, each taken for
+// every row tile in turn while it sits in L2
+void packed_linear(const float* x, int64_t x_stride, int64_t rows, const float* packed, int64_t in_features,
+                   int64_t out_features, float* y, int64_t y_stride, int num_threads) {
+    const int64_t num_panels = (out_features + kPanel - 1) / kPanel;
+    const int64_t num_blocks = (num_panels + kTilePanels - 1) / kTilePanels;
+#pragma omp parallel for schedule(static) num_threads(num_threads) if (num_threads > 1 && num_blocks > 1)
+    for (int64_t block = 0; block < num_blocks; block++) {
+        const int64_t first = block * kTilePanels;
+        const int64_t count = num_panels - first < kTilePanels ? num_panels - first : kTilePanels;
+        for (int64_t r = 0; r < rows; r += kTileRows) {
+            const int tile = rows - r < kTileRows ? (int)(rows - r) : kTileRows;
+            if (count == kTilePanels) {
+                packed_tile_for<kTilePanels>(tile)(x + r * x_stride, x_stride, packed + first * in_features * kPanel,
+                                                   in_features, y + r * y_stride, y_stride, first * kPanel,
+                                                   out_features);
+                continue;
+            }
+            for (int64_t p = first; p < first + count; p++)
+                packed_tile_for<1>(tile)(x + r * x_stride, x_stride, packed + p * in_features * kPanel, in_features,
+                                         y + r * y_stride, y_stride, p * kPanel, out_features);
+        }
+    }
+}
+
 }  // namespace
 
 extern "C" {
@@ -53,7 +136,7 @@ extern "C" {
 // An MoE layer's experts (kernels/moe_cpu.py's ExpertWeights fills it).
 struct MoeExperts {
     int64_t num_experts, hidden_size, intermediate_size;
-    int64_t w13_type, w2_type;  // 0: float32 rows; else the QuantLinear's type (a ggml id, or int8's)
+    int64_t w13_type, w2_type;  // 0: float32 rows; kPackedF32; else the QuantLinear's (a ggml id, or int8's)
     const void* const* w13;  // [num_experts]: expert e's [2 * intermediate, hidden] (gate rows, then up rows)
     const void* const* w2;  // [num_experts]: expert e's [hidden, intermediate]
     FewRowsLinear few_rows_linear;
@@ -71,6 +154,10 @@ namespace {
 int expert_linear(const MoeExperts& m, int64_t type, const void* weight, const float* x, int64_t x_stride,
                   int64_t rows, int64_t in_features, int64_t out_features, float* y, int64_t y_stride,
                   int num_threads) {
+    if (type == kPackedF32) {
+        packed_linear(x, x_stride, rows, (const float*)weight, in_features, out_features, y, y_stride, num_threads);
+        return 0;
+    }
     if (type != 0)
         return m.quant_linear((int)type, x, x_stride, rows, (const uint8_t*)weight, in_features, out_features,
                               nullptr, y, y_stride, m.dequantize_rows, m.sgemm, num_threads);
@@ -196,6 +283,17 @@ int moe_experts_f32(const MoeExperts* experts, const float* x, int64_t x_stride,
         if (status != 0) return status;
     }
     return 0;
+}
+
+// w [out_features, in_features] -> packed [ceil(out / 16)][in_features][16], zeros past out_features.
+void moe_pack_f32(const float* w, int64_t out_features, int64_t in_features, float* packed) {
+    const int64_t num_panels = (out_features + kPanel - 1) / kPanel;
+    for (int64_t p = 0; p < num_panels; p++)
+        for (int64_t k = 0; k < in_features; k++)
+            for (int j = 0; j < kPanel; j++) {
+                const int64_t n = p * kPanel + j;
+                packed[(p * in_features + k) * kPanel + j] = n < out_features ? w[n * in_features + k] : 0.0f;
+            }
 }
 
 }  // extern "C"

@@ -21,7 +21,15 @@ from actors.config import cache_dir
 from kernels._native import load_library
 
 _i64, _i32, _ptr = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p
-FEW_ROWS = 16  # CpuBackend.few_rows' default: float32 projections of up to this many rows skip sgemm
+FEW_ROWS = 16  # CpuBackend.few_rows' default: float32 rows of up to this many tokens skip sgemm
+# GGUF experts: up to this many rows of an expert take the int8 block dot products, past it
+# dequantized tiles and sgemm. A dense layer switches past 8 (kernels/gguf_linear.py), but an
+# expert's few rows amortize a tile's dequantization less: one layer of 32 Q4_0 experts
+# (1024 x 256, top-8, batch 64: ~16 rows each, one thread) took 12.7 ms at 8, 11.2 at 16,
+# 10.0 at 32 and 9.9 at 64 (Q8_0: 13.8, 12.1, 10.9, 10.9); sgemm is kept for prefill chunks
+MOE_DEQUANTIZE_ROWS = 32
+PACKED_F32 = 2048  # moe_cpu.cpp's kPackedF32: float32 weights in its panels of 16 output columns
+_PANEL = 16
 
 
 class MoeExpertsStruct(ctypes.Structure):
@@ -63,12 +71,22 @@ def _addresses(stacked: torch.Tensor) -> torch.Tensor:
 
 def fp32_experts(w13: torch.Tensor,  # [num_experts, 2 * intermediate, hidden] float32
                  w2: torch.Tensor,  # [num_experts, hidden, intermediate] float32
+                 packed: bool = True,
                  ) -> ExpertWeights:
+    """packed: each expert's weights copied at load into moe_cpu.cpp's panels (its fast
+    kernel at every batch; the caller may drop w13 and w2); else read in place, as rows (the
+    few-rows kernel and sgemm, as a dense layer)."""
     num_experts, two_i, hidden = w13.shape
     assert w13.dtype == w2.dtype == torch.float32 and w2.shape == (num_experts, hidden, two_i // 2)
     w13, w2 = w13.contiguous(), w2.contiguous()
-    return ExpertWeights(num_experts, hidden, two_i // 2, 0, 0, _addresses(w13), _addresses(w2), None,
-                         owners=(w13, w2))
+    if packed:
+        kernels = moe_cpu_kernels()
+        if kernels is None:
+            raise RuntimeError("the C++ kernels did not build (no C++ compiler?)")
+        w13, w2 = kernels.pack(w13), kernels.pack(w2)
+    weight_type = PACKED_F32 if packed else 0
+    return ExpertWeights(num_experts, hidden, two_i // 2, weight_type, weight_type, _addresses(w13), _addresses(w2),
+                         None, owners=(w13, w2))
 
 
 def gguf_experts(w13_blocks: torch.Tensor,  # [num_experts, 2 * intermediate, row bytes of hidden] uint8
@@ -78,7 +96,7 @@ def gguf_experts(w13_blocks: torch.Tensor,  # [num_experts, 2 * intermediate, ro
                  hidden_size: int, intermediate_size: int) -> ExpertWeights:
     """A GGUF file's ffn_gate_exps and ffn_up_exps (each [E, I, row bytes], concatenated per
     expert along the rows, gate first) and ffn_down_exps, multiplied as blocks."""
-    from kernels.gguf_linear import DEQUANTIZE_ROWS, gguf_kernels
+    from kernels.gguf_linear import gguf_kernels
 
     kernels = gguf_kernels()
     if kernels is None:
@@ -90,7 +108,7 @@ def gguf_experts(w13_blocks: torch.Tensor,  # [num_experts, 2 * intermediate, ro
     assert kernels.row_bytes(w13_type, hidden_size) > 0 and kernels.row_bytes(w2_type, intermediate_size) > 0
     w13_blocks, w2_blocks = w13_blocks.contiguous(), w2_blocks.contiguous()
     return ExpertWeights(num_experts, hidden_size, intermediate_size, w13_type, w2_type, _addresses(w13_blocks),
-                         _addresses(w2_blocks), kernels.linear_address, DEQUANTIZE_ROWS,
+                         _addresses(w2_blocks), kernels.linear_address, MOE_DEQUANTIZE_ROWS,
                          owners=(w13_blocks, w2_blocks))
 
 
@@ -120,9 +138,21 @@ class MoeCpuKernels:
         self._experts.restype = _i32
         self._experts.argtypes = [ctypes.POINTER(MoeExpertsStruct), _ptr, _i64, _i64, _ptr, _ptr, _i64, _ptr, _i64,
                                   _i32]
+        self._pack = library.moe_pack_f32
+        self._pack.restype = None
+        self._pack.argtypes = [_ptr, _i64, _i64, _ptr]
         self.address = ctypes.cast(self._experts, ctypes.c_void_p).value  # for a fused C++ step
         self.few_rows_linear = few_rows_linear  # cpu_kernels.cpp's linear_few_rows_f32
         self.sgemm = sgemm
+
+    def pack(self, weights: torch.Tensor) -> torch.Tensor:  # [num_experts, out, in] float32
+        """Each expert's [out, in] as moe_cpu.cpp's panels: [num_experts, ceil(out / 16), in, 16]."""
+        num_experts, out_features, in_features = weights.shape
+        num_panels = -(-out_features // _PANEL)
+        packed = torch.empty(num_experts, num_panels, in_features, _PANEL, dtype=torch.float32)
+        for e in range(num_experts):
+            self._pack(weights[e].data_ptr(), out_features, in_features, packed[e].data_ptr())
+        return packed
 
     def describe(self, experts: ExpertWeights, few_rows: int = FEW_ROWS,
                  dequantize_rows: int | None = None) -> MoeExpertsStruct:

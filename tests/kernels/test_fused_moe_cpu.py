@@ -50,13 +50,18 @@ def _assert_relative(actual, expected, bound):
     assert error < bound, f"relative error {error}"
 
 
-@pytest.mark.parametrize("few_rows", [16, 0])  # 0: every projection through sgemm
+# the packed panels; rows, with the few-rows kernel up to 16 rows; rows, every projection by sgemm
+LAYOUTS = {"packed": (True, 16), "rows": (False, 16), "rows-sgemm": (False, 0)}
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("num_experts,top_k,num_tokens", GRID)
-def test_fp32_matches_reference(kernels, few_rows, num_experts, top_k, num_tokens):
+def test_fp32_matches_reference(kernels, layout, num_experts, top_k, num_tokens):
+    packed, few_rows = LAYOUTS[layout]
     w13, w2 = _weights(num_experts, 96, 40)  # 96, 40: no multiple of a 16-float vector
     x = torch.randn(num_tokens, 96, generator=generator(num_tokens))
     weights, ids = _routing(num_tokens, num_experts, top_k, seed=num_experts + num_tokens)
-    out = kernels.fused_experts(x, fp32_experts(w13, w2), weights, ids, few_rows=few_rows)
+    out = kernels.fused_experts(x, fp32_experts(w13, w2, packed), weights, ids, few_rows=few_rows)
     torch.testing.assert_close(out, fused_experts_ref(x, w13, w2, weights, ids), rtol=1e-4, atol=1e-5)
 
 
@@ -74,13 +79,14 @@ def test_every_token_to_one_expert_empty_experts_and_strided_rows(kernels):
                                rtol=1e-4, atol=1e-5)
 
 
-def test_result_does_not_depend_on_threads(kernels):
-    # one thread runs the experts in turn, two split them; the few-rows kernel's sums and the
+@pytest.mark.parametrize("packed", [True, False])
+def test_result_does_not_depend_on_threads(kernels, packed):
+    # one thread runs the experts in turn, two split them; the kernels' sums and the
     # combine's top-k order are per row, so the bits are the same
     w13, w2 = _weights(16, 64, 32, seed=8)
     x = torch.randn(24, 64, generator=generator(9))
     weights, ids = _routing(24, 16, 4, seed=10)
-    experts = fp32_experts(w13, w2)
+    experts = fp32_experts(w13, w2, packed)
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
