@@ -8,7 +8,9 @@ Layouts (what a loader stacks an MoE layer's per-expert checkpoint tensors into)
   then torch.stack over experts); GGUF's ffn_gate_exps / ffn_up_exps, row for row.
 - w2 [num_experts, hidden, intermediate]: expert e's down_proj.weight (ffn_down_exps).
 - topk_ids [num_tokens, top_k] (int32 or int64), topk_weights [num_tokens, top_k] (float32):
-  each token's experts and their weights, in the router's order (highest weight first).
+  each token's experts and their weights, in the router's order (highest weight first). An
+  id of -1 is an expert held elsewhere (expert parallelism: local_expert_ids maps the global
+  ids to this rank's): it adds nothing here, and the ranks' outputs sum to the whole.
 
 Routers of the families in issue 38 (all softmax in float32 over every expert, then top-k):
 - Qwen3-MoE (norm_topk_prob defaults to True), OLMoE and Qwen2-MoE (False by default): the
@@ -50,6 +52,14 @@ def route_mixtral(router_logits: torch.Tensor, top_k: int) -> tuple[torch.Tensor
     return torch.softmax(top_logits, dim=-1), topk_ids.to(torch.int32)
 
 
+def local_expert_ids(topk_ids: torch.Tensor,  # [num_tokens, top_k]: global expert ids
+                     first_expert: int, num_local_experts: int) -> torch.Tensor:
+    """A rank's view of the routing when it holds experts [first_expert, first_expert +
+    num_local_experts) (stacked from 0 in its w13 and w2): their local ids, -1 elsewhere."""
+    local = topk_ids - first_expert
+    return torch.where((local >= 0) & (local < num_local_experts), local, -1).to(topk_ids.dtype)
+
+
 def _activation(name: str) -> Callable[[torch.Tensor], torch.Tensor]:
     if name != "silu":  # GPT-OSS's clamped SwiGLU and GeLU experts would come here
         raise ValueError(f"activation {name!r}: only 'silu' is supported")
@@ -83,6 +93,8 @@ def fused_experts_ref(x: torch.Tensor,  # [num_tokens, hidden]
     token_of_slot = torch.arange(num_tokens * top_k, device=x.device) // top_k
     per_slot = torch.zeros(num_tokens * top_k, hidden, dtype=torch.float32, device=x.device)
     for expert in flat_ids.unique().tolist():
+        if expert < 0:  # held by another rank
+            continue
         slots = (flat_ids == expert).nonzero().squeeze(1)
         rows = prepare(x[token_of_slot[slots]].float())
         gate_up = rows @ w13[expert].float().T

@@ -7,7 +7,8 @@ two launches whatever the routing. Semantics, layouts and the oracle: kernels/fu
    token * top_k + k. sorted_token_ids lists the slots expert by expert (in slot order within
    one), each expert's run padded with the sentinel num_slots to a multiple of BLOCK_M;
    expert_ids gives each block's expert; num_tokens_post_padded the padded total, read by the
-   kernels on the device. An expert no token picked gets no block at all.
+   kernels on the device. An expert no token picked gets no block at all; slots of id -1 (an
+   expert on another rank) none either, and add nothing.
 2. _moe_gate_up_kernel: for a block of slots and BLOCK_N intermediate columns, gate and up
    from the same x tile (two accumulators, one pass over x), then silu(gate) * up fused in the
    epilogue, stored in x's dtype into h [num_slots, I] at each slot's row: no [.., 2I] tensor
@@ -37,11 +38,15 @@ def moe_align_block_size(topk_ids: torch.Tensor,  # [num_tokens, top_k] int32/in
     rounded up] int32 (-1 for blocks past the end), num_tokens_post_padded [1] int32); see
     the module's docstring. Sizes depend on the shapes only, never on the routing."""
     device = topk_ids.device
+    # an id of -1 (an expert on another rank) goes to bucket num_experts, last and unpadded:
+    # its slots sit past num_tokens_post_padded, where no block is run
     flat = topk_ids.reshape(-1).long()
+    flat = torch.where(flat < 0, num_experts, flat)
     num_slots = flat.numel()
-    counts = torch.zeros(num_experts, dtype=torch.int64, device=device)
+    counts = torch.zeros(num_experts + 1, dtype=torch.int64, device=device)
     counts.scatter_add_(0, flat, torch.ones_like(flat))  # bincount would sync for its size
     padded = (counts + block_m - 1) // block_m * block_m
+    padded[num_experts] = counts[num_experts]
     padded_end = torch.cumsum(padded, 0)
     padded_start = padded_end - padded
     start = torch.cumsum(counts, 0) - counts
@@ -52,9 +57,9 @@ def moe_align_block_size(topk_ids: torch.Tensor,  # [num_tokens, top_k] int32/in
     sorted_token_ids = torch.full((max_padded,), num_slots, dtype=torch.int32, device=device)
     sorted_token_ids.scatter_(0, destination, order.to(torch.int32))
     block_start = torch.arange(cdiv(max_padded, block_m), device=device) * block_m
-    expert_ids = torch.searchsorted(padded_end, block_start, right=True)  # first expert ending past it
+    expert_ids = torch.searchsorted(padded_end, block_start, right=True)  # first bucket ending past it
     expert_ids = torch.where(expert_ids < num_experts, expert_ids, -1).to(torch.int32)
-    return sorted_token_ids, expert_ids, padded_end[-1:].to(torch.int32)
+    return sorted_token_ids, expert_ids, padded_end[num_experts - 1:num_experts].to(torch.int32)
 
 
 @jit
@@ -154,7 +159,7 @@ def fused_experts(x: torch.Tensor,  # [num_tokens, hidden]
                   w13: torch.Tensor,  # [num_experts, 2 * intermediate, hidden]: gate rows, then up rows
                   w2: torch.Tensor,  # [num_experts, hidden, intermediate]
                   topk_weights: torch.Tensor,  # [num_tokens, top_k]
-                  topk_ids: torch.Tensor,  # [num_tokens, top_k] int32 or int64
+                  topk_ids: torch.Tensor,  # [num_tokens, top_k] int32 or int64; -1: on another rank
                   activation: str = "silu",
                   block_m: int | None = None,
                   ) -> torch.Tensor:  # [num_tokens, hidden], x's dtype
@@ -176,7 +181,8 @@ def fused_experts(x: torch.Tensor,  # [num_tokens, hidden]
     num_blocks = expert_ids.shape[0]
     weights = topk_weights.reshape(-1).float().contiguous()
     h = torch.empty(num_slots, intermediate, dtype=x.dtype, device=x.device)
-    per_slot = torch.empty(num_slots, hidden, dtype=torch.float32, device=x.device)
+    # zeros: the rows of slots whose expert is on another rank (id -1) are never written
+    per_slot = torch.zeros(num_slots, hidden, dtype=torch.float32, device=x.device)
     meta = dict(BLOCK_M=block_m, UPCAST=dot_in_fp32(x.dtype, x.device), INPUT_PRECISION=dot_precision(x.dtype))
     block_n = max(16, min(64, next_power_of_2(intermediate)))
     _moe_gate_up_kernel[(num_blocks, cdiv(intermediate, block_n))](

@@ -205,12 +205,15 @@ int run_expert(const MoeExperts& m, int64_t expert, const float* x, int64_t x_st
 int experts_chunk(const MoeExperts& m, const float* x, int64_t x_stride, int64_t num_tokens, const int32_t* topk_ids,
                   const float* topk_weights, int64_t top_k, float* out, int64_t out_stride, int num_threads) {
     const int64_t num_slots = num_tokens * top_k, hidden = m.hidden_size;
-    // 1. counting sort of the slots by expert: row_of_slot, and each expert's tokens in row order
-    std::vector<int64_t> first_row(m.num_experts + 1, 0), row_of_slot(num_slots), token_of_row(num_slots);
-    for (int64_t s = 0; s < num_slots; s++) first_row[topk_ids[s] + 1]++;
+    // 1. counting sort of the slots by expert: row_of_slot (-1: an expert on another rank), and
+    // each expert's tokens in row order
+    std::vector<int64_t> first_row(m.num_experts + 1, 0), row_of_slot(num_slots, -1), token_of_row(num_slots);
+    for (int64_t s = 0; s < num_slots; s++)
+        if (topk_ids[s] >= 0) first_row[topk_ids[s] + 1]++;
     for (int64_t e = 0; e < m.num_experts; e++) first_row[e + 1] += first_row[e];
     std::vector<int64_t> next_row(first_row.begin(), first_row.end() - 1);
     for (int64_t s = 0; s < num_slots; s++) {
+        if (topk_ids[s] < 0) continue;
         const int64_t row = next_row[topk_ids[s]]++;
         row_of_slot[s] = row;
         token_of_row[row] = s / top_k;
@@ -243,19 +246,24 @@ int experts_chunk(const MoeExperts& m, const float* x, int64_t x_stride, int64_t
         for (int64_t i = 0; i < num_active && status == 0; i++) status = run(i, num_threads);
     }
     if (status != 0) return status;
-    // 3. each token's k rows, weighted, summed in top-k order
+    // 3. each token's k rows, weighted, summed in top-k order (zeros where every one is elsewhere)
 #pragma omp parallel for schedule(static) num_threads(num_threads) if (num_slots * hidden >= (1 << 16))
     for (int64_t t = 0; t < num_tokens; t++) {
         float* dst = out + t * out_stride;
+        bool first = true;
         for (int64_t k = 0; k < top_k; k++) {
+            const int64_t row = row_of_slot[t * top_k + k];
+            if (row < 0) continue;
             const float w = topk_weights[t * top_k + k];
-            const float* src = slot_rows + row_of_slot[t * top_k + k] * hidden;
-            if (k == 0) {
+            const float* src = slot_rows + row * hidden;
+            if (first) {
                 for (int64_t j = 0; j < hidden; j++) dst[j] = w * src[j];
             } else {
                 for (int64_t j = 0; j < hidden; j++) dst[j] += w * src[j];
             }
+            first = false;
         }
+        if (first) memset(dst, 0, hidden * sizeof(float));
     }
     return 0;
 }
@@ -265,14 +273,15 @@ int experts_chunk(const MoeExperts& m, const float* x, int64_t x_stride, int64_t
 extern "C" {
 
 // out[num_tokens, hidden] (row stride out_stride) = the experts' combined output for x's rows.
-// topk_ids, topk_weights: [num_tokens, top_k], contiguous. Returns 0; -1 for an expert id out
-// of range (nothing written), or a QuantLinear's error.
+// topk_ids, topk_weights: [num_tokens, top_k], contiguous; an id of -1 is an expert on another
+// rank (expert parallelism), which adds nothing. Returns 0; -1 for an id past num_experts or
+// below -1 (nothing written), or a QuantLinear's error.
 int moe_experts_f32(const MoeExperts* experts, const float* x, int64_t x_stride, int64_t num_tokens,
                     const int32_t* topk_ids, const float* topk_weights, int64_t top_k, float* out, int64_t out_stride,
                     int num_threads) {
     const MoeExperts& m = *experts;
     for (int64_t s = 0; s < num_tokens * top_k; s++)
-        if (topk_ids[s] < 0 || topk_ids[s] >= m.num_experts) return -1;
+        if (topk_ids[s] < -1 || topk_ids[s] >= m.num_experts) return -1;
     const int64_t per_token = top_k * m.hidden_size > 0 ? top_k * m.hidden_size : 1;
     const int64_t chunk = std::max<int64_t>(1, kMaxSlotFloats / per_token);
     for (int64_t first = 0; first < num_tokens; first += chunk) {

@@ -165,7 +165,7 @@ class MoeCpuKernels:
     def fused_experts(self, x: torch.Tensor,  # [num_tokens, hidden] float32
                       experts: ExpertWeights,
                       topk_weights: torch.Tensor,  # [num_tokens, top_k]
-                      topk_ids: torch.Tensor,  # [num_tokens, top_k] int32 or int64
+                      topk_ids: torch.Tensor,  # [num_tokens, top_k] int32 or int64; -1: on another rank
                       few_rows: int = FEW_ROWS,
                       dequantize_rows: int | None = None,  # GGUF: past this many rows per expert, sgemm
                       out: torch.Tensor | None = None,  # [num_tokens, hidden] float32, rows may be strided
@@ -188,7 +188,7 @@ class MoeCpuKernels:
                                weights.data_ptr(), ids.shape[1], out.data_ptr(), out.stride(0),
                                torch.get_num_threads())
         if status == -1:
-            raise ValueError(f"an expert id outside [0, {experts.num_experts})")
+            raise ValueError(f"an expert id outside [-1, {experts.num_experts})")
         assert status == 0, f"moe_experts_f32 returned {status}"
         return out
 

@@ -9,7 +9,7 @@ import gguf
 import pytest
 import torch
 
-from kernels.fused_moe_ref import fused_experts_ref, route
+from kernels.fused_moe_ref import fused_experts_ref, local_expert_ids, route
 from kernels.gguf_linear import Q4_0, Q4_1, Q4_K, Q6_K, Q8_0, dequantize_reference
 from kernels.gguf_linear import quantize_rows_reference as gguf_quantize_rows
 from kernels.int8_linear import quantize_rows_reference as int8_quantize_rows
@@ -100,9 +100,28 @@ def test_result_does_not_depend_on_threads(kernels, packed):
 
 def test_an_expert_id_out_of_range_is_an_error(kernels):
     w13, w2 = _weights(4, 32, 32)
-    with pytest.raises(ValueError, match="expert id"):
-        kernels.fused_experts(torch.randn(2, 32), fp32_experts(w13, w2), torch.ones(2, 1),
-                              torch.tensor([[0], [4]]))
+    for bad in (4, -2):  # -1 is another rank's expert
+        with pytest.raises(ValueError, match="expert id"):
+            kernels.fused_experts(torch.randn(2, 32), fp32_experts(w13, w2), torch.ones(2, 1),
+                                  torch.tensor([[0], [bad]]))
+
+
+@pytest.mark.parametrize("allowed", [None, [0, 1, 2]])  # [0, 1, 2]: rank 1 gets no token at all
+def test_expert_parallel_ranks_sum_to_the_whole(kernels, allowed):
+    w13, w2 = _weights(8, 64, 32, seed=17)
+    x = torch.randn(10, 64, generator=generator(18))
+    weights, ids = _routing(10, 8, 3, seed=19, experts=allowed)
+    ranks = []
+    for first in (0, 4):  # two ranks of 4 experts each; the other rank's experts are -1 here
+        local = local_expert_ids(ids, first, 4)
+        experts = fp32_experts(w13[first:first + 4], w2[first:first + 4])
+        ranks.append(kernels.fused_experts(x, experts, weights, local))
+        torch.testing.assert_close(ranks[-1], fused_experts_ref(x, w13[first:first + 4], w2[first:first + 4],
+                                                                weights, local), rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(ranks[0] + ranks[1], fused_experts_ref(x, w13, w2, weights, ids), rtol=1e-4,
+                               atol=1e-5)
+    if allowed is not None:
+        assert torch.equal(ranks[1], torch.zeros_like(ranks[1]))
 
 
 def test_int8_matches_reference_on_dequantized_weights(kernels):

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.fused_moe_ref import dense_mlp_ref, fused_experts_ref, route, route_mixtral
+from kernels.fused_moe_ref import dense_mlp_ref, fused_experts_ref, local_expert_ids, route, route_mixtral
 from kernels.fused_moe_triton import fused_experts, moe_align_block_size
 from tests.kernels.helpers import DEVICE, TOLERANCES, generator, requires_cuda, requires_triton
 
@@ -83,6 +83,25 @@ def test_block_of_64_rows_and_int64_ids():
     _assert_matches(x, w13, w2, weights, ids.long(), block_m=64)
 
 
+@pytest.mark.usefixtures("nan_filled_allocations")
+@requires_triton
+@pytest.mark.parametrize("allowed", [None, [0, 1, 2]])  # [0, 1, 2]: rank 1 gets no token at all
+def test_expert_parallel_ranks_sum_to_the_whole(allowed):
+    w13, w2 = _weights(8, 32, 32, torch.float32, seed=2)
+    x = torch.randn(10, 32, generator=generator(4)).to(DEVICE)
+    weights, ids = _routing(10, 8, 3, seed=9, experts=allowed)
+    ranks = []
+    for first in (0, 4):  # two ranks of 4 experts each; the other rank's experts are -1 here
+        local = local_expert_ids(ids, first, 4)
+        ranks.append(fused_experts(x, w13[first:first + 4], w2[first:first + 4], weights, local))
+        torch.testing.assert_close(ranks[-1], fused_experts_ref(x, w13[first:first + 4], w2[first:first + 4],
+                                                                weights, local), **TOLERANCES[torch.float32])
+    torch.testing.assert_close(ranks[0] + ranks[1], fused_experts_ref(x, w13, w2, weights, ids),
+                               **TOLERANCES[torch.float32])
+    if allowed is not None:
+        assert torch.equal(ranks[1], torch.zeros_like(ranks[1]))
+
+
 def test_alignment_lists_each_slot_once_padded_per_expert():
     ids = torch.tensor([[3, 0], [3, 1], [0, 3]], dtype=torch.int32)  # slots 0..5; expert 2 empty
     sorted_ids, expert_ids, total = moe_align_block_size(ids, block_m=4, num_experts=4)
@@ -92,6 +111,10 @@ def test_alignment_lists_each_slot_once_padded_per_expert():
     assert sorted_ids.shape == (6 + 4 * 3,) and (sorted_ids[12:] == pad).all()
     assert expert_ids.tolist()[:3] == [0, 1, 3] and (expert_ids[3:] == -1).all()
     assert total.tolist() == [12]
+    # expert 3 on another rank (-1): its slots sit past the total, and no block runs them
+    sorted_ids, expert_ids, total = moe_align_block_size(torch.where(ids == 3, -1, ids), block_m=4, num_experts=3)
+    assert sorted_ids.tolist()[:8] == [1, 4, pad, pad, 3, pad, pad, pad] and total.tolist() == [8]
+    assert expert_ids.tolist()[:2] == [0, 1] and (expert_ids[2:] == -1).all()
 
 
 def test_routers_conventions():
