@@ -10,12 +10,12 @@ import pytest
 import torch
 
 from kernels.fused_moe_ref import fused_experts_ref, local_expert_ids, route
-from kernels.gguf_linear import Q4_0, Q4_1, Q4_K, Q6_K, Q8_0, dequantize_reference
+from kernels.gguf_linear import Q4_0, Q4_1, Q4_K, Q5_0, Q5_K, Q6_K, Q8_0, dequantize_reference
 from kernels.gguf_linear import quantize_rows_reference as gguf_quantize_rows
 from kernels.int8_linear import quantize_rows_reference as int8_quantize_rows
 from kernels.moe_cpu import MoeCpuKernels, fp32_experts, gguf_experts, int8_experts, moe_cpu_kernels
 from tests.kernels.helpers import generator
-from tests.kernels.test_gguf_linear import hand_built_blocks
+from tests.kernels.test_gguf_linear import HAND_BUILT, hand_built_blocks
 
 # (experts, top_k, tokens): fewer tokens than experts, a single decode token, top-1, a batch
 # spreading over every expert (the threads split the experts), one expert past 16 rows (sgemm)
@@ -77,6 +77,17 @@ def test_every_token_to_one_expert_empty_experts_and_strided_rows(kernels):
     top1 = kernels.fused_experts(x, experts, torch.ones(12, 1), torch.full((12, 1), 3))
     torch.testing.assert_close(top1, fused_experts_ref(x, w13, w2, torch.ones(12, 1), torch.full((12, 1), 3)),
                                rtol=1e-4, atol=1e-5)
+
+
+def test_a_long_prefill_runs_in_chunks_of_tokens(kernels):
+    # 2100 tokens x top-8 x hidden 1024 floats pass the C++'s 2^24-float combine buffer: two chunks
+    w13, w2 = _weights(4, 1024, 16, seed=20)
+    x = torch.randn(2100, 1024, generator=generator(21))
+    weights, ids = _routing(2100, 4, 4, seed=22)
+    ids = torch.cat([ids, ids], dim=1)  # top-8 over 4 experts: each twice, at half the weight
+    weights = torch.cat([weights, weights], dim=1) / 2
+    out = kernels.fused_experts(x, fp32_experts(w13, w2), weights, ids)
+    torch.testing.assert_close(out, fused_experts_ref(x, w13, w2, weights, ids), rtol=1e-4, atol=1e-5)
 
 
 @pytest.mark.parametrize("packed", [True, False])
@@ -146,7 +157,7 @@ def test_int8_matches_reference_on_dequantized_weights(kernels):
 def _blocks(weight: torch.Tensor, ggml_type: int, seed: int) -> torch.Tensor:
     """[E, out, in] floats as [E, out, row bytes] blocks: the gguf package's quantization, or
     random blocks for the K-quants it cannot make."""
-    if ggml_type in (Q4_K, Q6_K):
+    if ggml_type in HAND_BUILT.values():
         return torch.stack([hand_built_blocks(*w.shape, ggml_type, seed=seed + e) for e, w in enumerate(weight)])
     kind = gguf.GGMLQuantizationType(ggml_type)
     return torch.stack([torch.from_numpy(gguf.quants.quantize(w.numpy(), kind)) for w in weight])
@@ -156,8 +167,8 @@ def _dequantized(blocks: torch.Tensor, ggml_type: int, in_features: int) -> torc
     return torch.stack([dequantize_reference(b, ggml_type, in_features) for b in blocks])
 
 
-@pytest.mark.parametrize("types", [(Q8_0, Q8_0), (Q4_0, Q4_0), (Q4_1, Q8_0), (Q4_K, Q6_K)],
-                         ids=["Q8_0", "Q4_0", "Q4_1+Q8_0", "Q4_K+Q6_K"])
+@pytest.mark.parametrize("types", [(Q8_0, Q8_0), (Q4_0, Q4_0), (Q4_1, Q8_0), (Q4_K, Q6_K), (Q5_0, Q5_K)],
+                         ids=["Q8_0", "Q4_0", "Q4_1+Q8_0", "Q4_K+Q6_K", "Q5_0+Q5_K"])
 @pytest.mark.parametrize("dequantize_rows", [1 << 30, 0])  # the block dot products; dequantized tiles + sgemm
 def test_gguf_blocks_match_reference_on_dequantized_weights(kernels, types, dequantize_rows):
     w13_type, w2_type = types
