@@ -58,6 +58,18 @@ def test_fused_experts_match_reference(dtype, num_experts, top_k, num_tokens):
     _assert_matches(x, w13, w2, weights, ids)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.usefixtures("nan_filled_allocations")
+@requires_triton
+def test_reductions_over_several_k_tiles(dtype):
+    # hidden 200 and intermediate 72: both GEMMs loop over k tiles of 64, the last one partial;
+    # intermediate 72 also needs two column tiles of the gate/up kernel
+    w13, w2 = _weights(4, 200, 72, dtype, seed=3)
+    x = torch.randn(9, 200, generator=generator(8)).to(dtype).to(DEVICE)
+    weights, ids = _routing(9, 4, 2, seed=12)
+    _assert_matches(x, w13, w2, weights, ids)
+
+
 @pytest.mark.usefixtures("nan_filled_allocations")
 @requires_triton
 def test_every_token_routed_to_one_expert_and_the_rest_empty():
