@@ -16,7 +16,9 @@
 // 64 columns keeps its 24 accumulators in registers and each step of k is 4 weight loads,
 // 6 broadcasts and 24 multiply-adds, sgemm's own micro-kernel. An expert at a decode batch of
 // 64 has about 16 rows: the few-rows kernel (a dot product and a horizontal sum per output)
-// ran at about half of the machine's FMA rate there, and MKL's sgemm no better at that size.
+// ran at about half of the machine's FMA rate there, and MKL's sgemm no better at that size
+// (on the AMD EPYC of benchmarks/RESULTS.md, MKL ran at half this tile's rate even at 512
+// rows). Without AVX-512 the tile is 4 rows x 16 columns (tested, not tuned).
 //
 // Threads: with at least as many active experts as threads (a decode batch routes its
 // tokens over most experts), the experts are split over the threads, largest first, each

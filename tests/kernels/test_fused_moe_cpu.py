@@ -5,6 +5,11 @@ quantized as the quantized linears quantize them."""
 
 from __future__ import annotations
 
+import ctypes
+import os
+import shutil
+import subprocess
+
 import gguf
 import pytest
 import torch
@@ -13,6 +18,7 @@ from kernels.fused_moe_ref import fused_experts_ref, local_expert_ids, route
 from kernels.gguf_linear import Q4_0, Q4_1, Q4_K, Q5_0, Q5_K, Q6_K, Q8_0, dequantize_reference
 from kernels.gguf_linear import quantize_rows_reference as gguf_quantize_rows
 from kernels.int8_linear import quantize_rows_reference as int8_quantize_rows
+from kernels.cpu_kernels import torch_sgemm
 from kernels.moe_cpu import MoeCpuKernels, fp32_experts, gguf_experts, int8_experts, moe_cpu_kernels
 from tests.kernels.helpers import generator
 from tests.kernels.test_gguf_linear import HAND_BUILT, hand_built_blocks
@@ -107,6 +113,22 @@ def test_result_does_not_depend_on_threads(kernels, packed):
     finally:
         torch.set_num_threads(threads)
     assert torch.equal(alone, shared)
+
+
+@pytest.mark.skipif(shutil.which("g++") is None, reason="no g++")
+@pytest.mark.parametrize("march", ["x86-64-v3", "x86-64-v2"])  # AVX2's 4 x 1 tile; no FMA at all
+def test_builds_without_avx512_match_reference(kernels, tmp_path, march):
+    source = os.path.join(os.path.dirname(__file__), "..", "..", "kernels", "moe_cpu.cpp")
+    library = str(tmp_path / f"moe_cpu_{march}.so")
+    subprocess.run(["g++", "-O3", f"-march={march}", "-fopenmp", "-std=c++17", "-shared", "-fPIC", source, "-o",
+                    library], check=True, timeout=300)
+    portable = MoeCpuKernels(ctypes.CDLL(library), kernels.few_rows_linear, torch_sgemm())
+    w13, w2 = _weights(8, 96, 40, seed=23)
+    x = torch.randn(21, 96, generator=generator(24))
+    weights, ids = _routing(21, 8, 3, seed=25)
+    experts = fp32_experts(w13, w2)  # the panels' layout is the same in every build
+    out = portable.fused_experts(x, experts, weights, ids)
+    torch.testing.assert_close(out, fused_experts_ref(x, w13, w2, weights, ids), rtol=1e-4, atol=1e-5)
 
 
 def test_an_expert_id_out_of_range_is_an_error(kernels):
