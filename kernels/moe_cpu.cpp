@@ -107,15 +107,17 @@ PackedTile packed_tile_for(int rows) {
 }
 
 // y[rows, out] = x @ Wᵀ, W packed: threads split blocks of kTilePanels panels, each taken for
-// every row tile in turn while it sits in L2
+// every row tile in turn while it sits in L2. Where that leaves threads idle (an expert's
+// 512 gate/up rows are 8 blocks), blocks of single panels: 4x the units, less reuse of x.
 void packed_linear(const float* x, int64_t x_stride, int64_t rows, const float* packed, int64_t in_features,
                    int64_t out_features, float* y, int64_t y_stride, int num_threads) {
     const int64_t num_panels = (out_features + kPanel - 1) / kPanel;
-    const int64_t num_blocks = (num_panels + kTilePanels - 1) / kTilePanels;
+    const int64_t width = num_threads > 1 && num_panels < 2 * kTilePanels * num_threads ? 1 : kTilePanels;
+    const int64_t num_blocks = (num_panels + width - 1) / width;
 #pragma omp parallel for schedule(static) num_threads(num_threads) if (num_threads > 1 && num_blocks > 1)
     for (int64_t block = 0; block < num_blocks; block++) {
-        const int64_t first = block * kTilePanels;
-        const int64_t count = num_panels - first < kTilePanels ? num_panels - first : kTilePanels;
+        const int64_t first = block * width;
+        const int64_t count = num_panels - first < width ? num_panels - first : width;
         for (int64_t r = 0; r < rows; r += kTileRows) {
             const int tile = rows - r < kTileRows ? (int)(rows - r) : kTileRows;
             if (count == kTilePanels) {

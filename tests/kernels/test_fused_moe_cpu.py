@@ -105,14 +105,16 @@ def test_result_does_not_depend_on_threads(kernels, packed):
     weights, ids = _routing(24, 16, 4, seed=10)
     experts = fp32_experts(w13, w2, packed)
     threads = torch.get_num_threads()
-    try:
-        torch.set_num_threads(1)
-        alone = kernels.fused_experts(x, experts, weights, ids)
-        torch.set_num_threads(max(2, threads))
-        shared = kernels.fused_experts(x, experts, weights, ids)
-    finally:
-        torch.set_num_threads(threads)
-    assert torch.equal(alone, shared)
+    # every expert busy (threads split the experts), then all tokens to one (threads split its projections)
+    for routed in (ids, torch.full_like(ids, 3)):
+        try:
+            torch.set_num_threads(1)
+            alone = kernels.fused_experts(x, experts, weights, routed)
+            torch.set_num_threads(max(2, threads))
+            shared = kernels.fused_experts(x, experts, weights, routed)
+        finally:
+            torch.set_num_threads(threads)
+        assert torch.equal(alone, shared)
 
 
 @pytest.mark.skipif(shutil.which("g++") is None, reason="no g++")
