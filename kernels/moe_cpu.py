@@ -59,7 +59,8 @@ class ExpertWeights:
     owners: tuple = field(default=(), repr=False)  # what the addresses point into: kept alive here
 
     def num_bytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.owners if isinstance(t, torch.Tensor))
+        """The bytes of the experts' weights as the kernel reads them (GGUF: blocks and tiles)."""
+        return sum(t.num_bytes() if hasattr(t, "num_bytes") else t.numel() * t.element_size() for t in self.owners)
 
 
 def _addresses(stacked: torch.Tensor) -> torch.Tensor:
@@ -93,9 +94,14 @@ def gguf_experts(w13_blocks: torch.Tensor,  # [num_experts, 2 * intermediate, ro
                  w13_type: int,  # ggml's type id of those blocks
                  w2_blocks: torch.Tensor,  # [num_experts, hidden, row bytes of intermediate] uint8
                  w2_type: int,
-                 hidden_size: int, intermediate_size: int) -> ExpertWeights:
+                 hidden_size: int, intermediate_size: int,
+                 tiles: bool | None = None) -> ExpertWeights:
     """A GGUF file's ffn_gate_exps and ffn_up_exps (each [E, I, row bytes], concatenated per
-    expert along the rows, gate first) and ffn_down_exps, multiplied as blocks."""
+    expert along the rows, gate first) and ffn_down_exps, multiplied as blocks. tiles (None:
+    where the CPU has AVX-512 VNNI): each expert's weights also unpacked into gguf_gemm.cpp's
+    int8 tiles (1 byte a weight, d and c per block), which multiply 2 rows and more as a
+    dense GGUF layer's batches do; else every row count goes to the file's blocks."""
+    from kernels.gguf_gemm import gguf_tiled_kernels
     from kernels.gguf_linear import gguf_kernels
 
     kernels = gguf_kernels()
@@ -107,9 +113,20 @@ def gguf_experts(w13_blocks: torch.Tensor,  # [num_experts, 2 * intermediate, ro
     assert w2_blocks.shape == (num_experts, hidden_size, kernels.row_bytes(w2_type, intermediate_size))
     assert kernels.row_bytes(w13_type, hidden_size) > 0 and kernels.row_bytes(w2_type, intermediate_size) > 0
     w13_blocks, w2_blocks = w13_blocks.contiguous(), w2_blocks.contiguous()
-    return ExpertWeights(num_experts, hidden_size, intermediate_size, w13_type, w2_type, _addresses(w13_blocks),
-                         _addresses(w2_blocks), kernels.linear_address, MOE_DEQUANTIZE_ROWS,
-                         owners=(w13_blocks, w2_blocks))
+    tiled = gguf_tiled_kernels() if tiles is not False else None
+    if tiles and tiled is None:
+        raise RuntimeError("the GGUF int8 tiles need AVX-512 VNNI and their kernels built")
+    if tiled is None:
+        return ExpertWeights(num_experts, hidden_size, intermediate_size, w13_type, w2_type, _addresses(w13_blocks),
+                             _addresses(w2_blocks), kernels.linear_address, MOE_DEQUANTIZE_ROWS,
+                             owners=(w13_blocks, w2_blocks))
+    # descriptors (GGUFTiles), whose QuantLinear takes its type from them; Q6_K has no tiles
+    # (scales per 16 weights) and its descriptor sends every row count to the blocks
+    w13_tiles = [tiled.tiles(w13_blocks[e], w13_type, hidden_size) for e in range(num_experts)]
+    w2_tiles = [tiled.tiles(w2_blocks[e], w2_type, intermediate_size) for e in range(num_experts)]
+    pointers = [torch.tensor([t.address for t in group], dtype=torch.int64) for group in (w13_tiles, w2_tiles)]
+    return ExpertWeights(num_experts, hidden_size, intermediate_size, w13_type, w2_type, *pointers,
+                         tiled.linear_address, MOE_DEQUANTIZE_ROWS, owners=(w13_blocks, w2_blocks, *w13_tiles, *w2_tiles))
 
 
 def int8_experts(w13: torch.Tensor,  # [num_experts, 2 * intermediate, hidden] float

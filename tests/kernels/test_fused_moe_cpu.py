@@ -14,12 +14,28 @@ import gguf
 import pytest
 import torch
 
+from kernels.cpu_kernels import torch_sgemm
 from kernels.fused_moe_ref import fused_experts_ref, local_expert_ids, route
-from kernels.gguf_linear import Q4_0, Q4_1, Q4_K, Q5_0, Q5_K, Q6_K, Q8_0, dequantize_reference
+from kernels.gguf_gemm import gguf_tiled_kernels
+from kernels.gguf_linear import (
+    Q4_0,
+    Q4_1,
+    Q4_K,
+    Q5_0,
+    Q5_K,
+    Q6_K,
+    Q8_0,
+    dequantize_reference,
+)
 from kernels.gguf_linear import quantize_rows_reference as gguf_quantize_rows
 from kernels.int8_linear import quantize_rows_reference as int8_quantize_rows
-from kernels.cpu_kernels import torch_sgemm
-from kernels.moe_cpu import MoeCpuKernels, fp32_experts, gguf_experts, int8_experts, moe_cpu_kernels
+from kernels.moe_cpu import (
+    MoeCpuKernels,
+    fp32_experts,
+    gguf_experts,
+    int8_experts,
+    moe_cpu_kernels,
+)
 from tests.kernels.helpers import generator
 from tests.kernels.test_gguf_linear import HAND_BUILT, hand_built_blocks
 
@@ -193,19 +209,27 @@ def _dequantized(blocks: torch.Tensor, ggml_type: int, in_features: int) -> torc
 
 @pytest.mark.parametrize("types", [(Q8_0, Q8_0), (Q4_0, Q4_0), (Q4_1, Q8_0), (Q4_K, Q6_K), (Q5_0, Q5_K)],
                          ids=["Q8_0", "Q4_0", "Q4_1+Q8_0", "Q4_K+Q6_K", "Q5_0+Q5_K"])
-@pytest.mark.parametrize("dequantize_rows", [1 << 30, 0])  # the block dot products; dequantized tiles + sgemm
-def test_gguf_blocks_match_reference_on_dequantized_weights(kernels, types, dequantize_rows):
+# the block dot products; dequantized tiles + sgemm; gguf_gemm.cpp's int8 tiles from 2 rows
+@pytest.mark.parametrize("path", ["blocks", "sgemm", "tiles"])
+def test_gguf_blocks_match_reference_on_dequantized_weights(kernels, types, path):
     w13_type, w2_type = types
+    if path == "tiles" and gguf_tiled_kernels() is None:
+        pytest.skip("the int8 tiles need AVX-512 VNNI")
     hidden, intermediate = 256, 256  # whole K-quant super-blocks
     w13, w2 = _weights(8, hidden, intermediate, seed=14)
     w13_blocks, w2_blocks = _blocks(w13, w13_type, seed=1), _blocks(w2, w2_type, seed=100)
-    experts = gguf_experts(w13_blocks, w13_type, w2_blocks, w2_type, hidden, intermediate)
-    # the weights stay blocks, at most 8.5 bits a weight (Q8_0), not float32's 32
-    assert experts.num_bytes() == w13_blocks.numel() + w2_blocks.numel() <= (w13.numel() + w2.numel()) * 8.5 / 8
+    experts = gguf_experts(w13_blocks, w13_type, w2_blocks, w2_type, hidden, intermediate, tiles=path == "tiles")
+    # the weights stay blocks (and int8 tiles), at most 8.5 + 10 bits a weight, never float32's 32
+    blocks_bytes = w13_blocks.numel() + w2_blocks.numel()
+    assert experts.num_bytes() == blocks_bytes if path != "tiles" else \
+        blocks_bytes < experts.num_bytes() <= (w13.numel() + w2.numel()) * (8.5 + 10) / 8
     x = torch.randn(13, hidden, generator=generator(15))
     weights, ids = _routing(13, 8, 2, seed=16)
-    out = kernels.fused_experts(x, experts, weights, ids, dequantize_rows=dequantize_rows)
+    out = kernels.fused_experts(x, experts, weights, ids, dequantize_rows=0 if path == "sgemm" else 1 << 30)
     expected = fused_experts_ref(x, _dequantized(w13_blocks, w13_type, hidden),
                                  _dequantized(w2_blocks, w2_type, intermediate), weights, ids,
-                                 quantize_activations=gguf_quantize_rows if dequantize_rows else None)
-    _assert_relative(out, expected, 1e-4)
+                                 quantize_activations=None if path == "sgemm" else gguf_quantize_rows)
+    # the tiles scale int32 sums of u = q + offset in float32 and subtract the offset's term
+    # (Q8_0: 128 * sum(x)), which cancels: tests/kernels/test_gguf_gemm.py holds them to 1e-3
+    # of the reference a GEMM, here two in a row
+    _assert_relative(out, expected, 5e-3 if path == "tiles" else 1e-4)
