@@ -12,8 +12,9 @@ median of the pairs' ratios.
 
 Columns: MoE (fp32: the experts packed in moe_cpu.cpp's panels; GGUF: the file's blocks);
 dense, as troupe's dense MLP runs it today (the same ops through the same call with one
-expert and top-1: fp32 rows by the few-rows kernel up to 16 rows, else sgemm; GGUF blocks
-by gguf_linear_f32); for fp32 also the dense MLP through the packed kernel, and the
+expert and top-1: fp32 rows by the few-rows kernel up to 16 rows, else sgemm; GGUF by the
+file's blocks for one row and gguf_gemm.cpp's int8 tiles from 2 on, where the CPU has VNNI;
+int8 by int8_gemm.cpp); for fp32 also the dense MLP through the packed kernel, and the
 reference's per-expert loop in torch (Hugging Face's way).
 
 --clock thread (with --threads 1) times the CPU time of the calling thread, where the
@@ -68,7 +69,8 @@ def median_ms(run, repeats: int, clock=time.perf_counter) -> float:
     return paired_ms(run, lambda: None, repeats, clock)[0]
 
 
-def as_format(w13: torch.Tensor, w2: torch.Tensor, fmt: str, packed: bool = True) -> ExpertWeights:
+def as_format(w13: torch.Tensor, w2: torch.Tensor, fmt: str, packed: bool = True,
+              gguf_tiles: bool | None = None) -> ExpertWeights:
     kind = FORMATS[fmt]
     if kind is None:
         return fp32_experts(w13, w2, packed)
@@ -80,7 +82,7 @@ def as_format(w13: torch.Tensor, w2: torch.Tensor, fmt: str, packed: bool = True
         return torch.from_numpy(gguf.quants.quantize(weight.numpy(), gguf.GGMLQuantizationType(kind)))
 
     return gguf_experts(torch.stack([blocks(w) for w in w13]), kind, torch.stack([blocks(w) for w in w2]), kind,
-                        w13.shape[2], w2.shape[2])
+                        w13.shape[2], w2.shape[2], tiles=gguf_tiles)
 
 
 def main() -> None:
@@ -97,6 +99,8 @@ def main() -> None:
                         help="float32 projections of up to this many rows take the few-rows kernel, else sgemm")
     parser.add_argument("--threads", type=int, default=None, help="torch's (and the kernels') threads")
     parser.add_argument("--clock", choices=CLOCKS, default="wall")
+    parser.add_argument("--gguf-tiles", choices=["auto", "off"], default="auto",
+                        help="off: GGUF weights as blocks alone (dot products, dequantized sgemm past 32 rows)")
     args = parser.parse_args()
     if args.clock == "thread" and args.threads != 1:
         sys.exit("--clock thread needs --threads 1: other threads' time would not count")
@@ -118,8 +122,9 @@ def main() -> None:
     print(f"{'format':>6} {'batch':>5} {'MoE ms':>8} {'dense ms':>9} {'MoE/dense':>10} {'dense packed ms':>16} "
           f"{'MoE/packed':>11} {'torch loop ms':>14}")
     for fmt in args.formats.split(","):
-        moe_weights = [as_format(w13, w2, fmt) for w13, w2 in moe]
-        dense_weights = [as_format(w13, w2, fmt, packed=False) for w13, w2 in dense]
+        tiles = None if args.gguf_tiles == "auto" else False
+        moe_weights = [as_format(w13, w2, fmt, gguf_tiles=tiles) for w13, w2 in moe]
+        dense_weights = [as_format(w13, w2, fmt, packed=False, gguf_tiles=tiles) for w13, w2 in dense]
         dense_packed = [as_format(w13, w2, fmt) for w13, w2 in dense] if fmt == "fp32" else []
         for batch in (int(b) for b in args.batches.split(",")):
             x = torch.randn(batch, hidden, generator=g)
