@@ -9,7 +9,9 @@
 // gguf_linear_f32): for float32 weights cpu_kernels.cpp's linear_few_rows_f32 up to few_rows
 // rows (a decode step's expert has one to a few dozen) and torch's sgemm past that; for a
 // quantized weight a QuantLinear, gguf_linear.cpp's gguf_linear_f32 (GGUF blocks as the file
-// has them: Q4_0, Q4_1, Q8_0, Q5 and K-quants) or int8_gemm.cpp's int8_linear_f32 (W8A8).
+// has them: Q4_0, Q4_1, Q8_0, Q5 and K-quants), gguf_gemm.cpp's gguf_gemm_linear_f32 (a
+// GGUFTiles descriptor per expert: its int8 tiles from 2 rows, else those blocks) or
+// int8_gemm.cpp's int8_linear_f32 (W8A8).
 //
 // float32 experts are best packed at load (moe_pack_f32, type kPackedF32): each weight as
 // panels of 16 output columns, k-major ([N / 16][K][16]), so a tile of up to 6 token rows x

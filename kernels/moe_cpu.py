@@ -1,6 +1,8 @@
 """Fused mixture-of-experts on the CPU: kernels/moe_cpu.cpp through ctypes, and the three
-kinds of expert weights it multiplies (float32, GGUF blocks as the file has them, int8 W8A8
-packed per expert). Semantics and the oracle: kernels/fused_moe_ref.py.
+kinds of expert weights it multiplies: float32 (packed in its panels, or rows as they are),
+GGUF blocks as the file has them (with gguf_gemm.cpp's int8 tiles per expert where the CPU
+has VNNI, as dense GGUF layers), int8 W8A8 packed per expert. Semantics and the oracle:
+kernels/fused_moe_ref.py.
 
 A model builds an ExpertWeights once per MoE layer at load (fp32_experts, gguf_experts or
 int8_experts) and calls MoeCpuKernels.fused_experts with the router's output each step. The
@@ -22,8 +24,8 @@ from kernels._native import load_library
 
 _i64, _i32, _ptr = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p
 FEW_ROWS = 16  # CpuBackend.few_rows' default: float32 rows of up to this many tokens skip sgemm
-# GGUF experts: up to this many rows of an expert take the int8 block dot products, past it
-# dequantized tiles and sgemm. A dense layer switches past 8 (kernels/gguf_linear.py), but an
+# GGUF experts on their blocks alone (no int8 tiles: tiles=False, or no VNNI): up to this many
+# rows of an expert take the int8 block dot products, past it dequantized tiles and sgemm. A dense layer switches past 8 (kernels/gguf_linear.py), but an
 # expert's few rows amortize a tile's dequantization less: one layer of 32 Q4_0 experts
 # (1024 x 256, top-8, batch 64: ~16 rows each, one thread) took 12.7 ms at 8, 11.2 at 16,
 # 10.0 at 32 and 9.9 at 64 (Q8_0: 13.8, 12.1, 10.9, 10.9); sgemm is kept for prefill chunks
