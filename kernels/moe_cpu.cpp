@@ -280,14 +280,14 @@ extern "C" {
 
 // out[num_tokens, hidden] (row stride out_stride) = the experts' combined output for x's rows.
 // topk_ids, topk_weights: [num_tokens, top_k], contiguous; an id of -1 is an expert on another
-// rank (expert parallelism), which adds nothing. Returns 0; -1 for an id past num_experts or
-// below -1 (nothing written), or a QuantLinear's error.
+// rank (expert parallelism), which adds nothing. Returns 0; -2 for an id past num_experts or
+// below -1 (nothing written); or a QuantLinear's error (-1).
 int moe_experts_f32(const MoeExperts* experts, const float* x, int64_t x_stride, int64_t num_tokens,
                     const int32_t* topk_ids, const float* topk_weights, int64_t top_k, float* out, int64_t out_stride,
                     int num_threads) {
     const MoeExperts& m = *experts;
     for (int64_t s = 0; s < num_tokens * top_k; s++)
-        if (topk_ids[s] < -1 || topk_ids[s] >= m.num_experts) return -1;
+        if (topk_ids[s] < -1 || topk_ids[s] >= m.num_experts) return -2;
     const int64_t per_token = top_k * m.hidden_size > 0 ? top_k * m.hidden_size : 1;
     const int64_t chunk = std::max<int64_t>(1, kMaxSlotFloats / per_token);
     for (int64_t first = 0; first < num_tokens; first += chunk) {

@@ -47,7 +47,8 @@ class MoeExpertsStruct(ctypes.Structure):
 class ExpertWeights:
     """One MoE layer's experts as moe_cpu.cpp reads them: per-expert pointers to each
     expert's w13 ([2I, H]: gate rows, then up rows) and w2 ([H, I]) weights, of a type each
-    (0: float32, else the quantized linear's type id), and the objects that own that memory."""
+    (0: float32 rows; PACKED_F32: float32 panels; else the quantized linear's type id: a ggml
+    type, or int8's), and the objects that own that memory."""
 
     num_experts: int
     hidden_size: int
@@ -206,7 +207,7 @@ class MoeCpuKernels:
         status = self._experts(ctypes.byref(struct), x.data_ptr(), x.stride(0), num_tokens, ids.data_ptr(),
                                weights.data_ptr(), ids.shape[1], out.data_ptr(), out.stride(0),
                                torch.get_num_threads())
-        if status == -1:
+        if status == -2:
             raise ValueError(f"an expert id outside [-1, {experts.num_experts})")
         assert status == 0, f"moe_experts_f32 returned {status}"
         return out
