@@ -114,6 +114,28 @@ def test_expert_parallel_ranks_sum_to_the_whole(allowed):
         assert torch.equal(ranks[1], torch.zeros_like(ranks[1]))
 
 
+@pytest.mark.usefixtures("nan_filled_allocations")
+@requires_triton
+def test_expert_offsets_past_two_to_the_31():
+    # three experts 2**30 + 64 elements apart (a view with that stride over 4 GiB of bf16 each
+    # for w13 and w2): expert 2's offset, expert * stride, overflows int32 though the stride does
+    # not. Allocated, never filled: only the experts' pages become memory (skips where 8 GiB
+    # cannot be reserved)
+    hidden, intermediate, stride = 64, 32, 2**30 + 64
+    try:
+        w13, w2 = (torch.empty(2 * stride + rows * cols, dtype=torch.bfloat16, device=DEVICE).as_strided(
+            (3, rows, cols), (stride, cols, 1)) for rows, cols in ((2 * intermediate, hidden), (hidden, intermediate)))
+    except (RuntimeError, MemoryError) as error:
+        pytest.skip(f"cannot reserve the weights: {error}")
+    small13, small2 = _weights(3, hidden, intermediate, torch.bfloat16, seed=6)
+    w13.copy_(small13)
+    w2.copy_(small2)
+    x = torch.randn(6, hidden, generator=generator(13)).to(torch.bfloat16).to(DEVICE)
+    weights, ids = _routing(6, 3, 2, seed=14)
+    assert 2 in ids
+    _assert_matches(x, w13, w2, weights, ids)
+
+
 def test_alignment_lists_each_slot_once_padded_per_expert():
     ids = torch.tensor([[3, 0], [3, 1], [0, 3]], dtype=torch.int32)  # slots 0..5; expert 2 empty
     sorted_ids, expert_ids, total = moe_align_block_size(ids, block_m=4, num_experts=4)
