@@ -35,6 +35,7 @@ from api.metrics import CONTENT_TYPE
 from api.middleware import (APIKeyMiddleware, HeaderLimitsMiddleware, RequestLogMiddleware, RootPathMiddleware,
                             ServerLoadMiddleware, XRequestIdMiddleware)
 from api.responses import VersionResponse
+from api.request_limits import max_schema_bytes
 from api.serving import ClientGone, ServerSettings, ServingContext, decode_json, json_response, read_body
 from api.serving_chat import create_chat_completion
 from api.serving_responses import create_response, retrieve_response
@@ -54,7 +55,9 @@ Endpoint = Callable[[ServingContext, Request], Awaitable[Response]]
 def _with_context(endpoint: Endpoint) -> Callable[[Request], Awaitable[Response]]:
     @functools.wraps(endpoint)
     async def handle(request: Request) -> Response:
-        return await endpoint(request.app.state.serving, request)
+        serving = request.app.state.serving
+        max_schema_bytes.set(serving.client.config.max_grammar_bytes)  # (this request's context only)
+        return await endpoint(serving, request)
 
     return handle
 

@@ -11,10 +11,12 @@ with every stored response."""
 from __future__ import annotations
 
 import json
+from contextvars import ContextVar
 from typing import Any
 
 from actors.config import DEFAULT_MAX_N_SEQUENCES, max_n_sequences  # noqa: F401 - the bound's default, named here too
 from actors.errors import InvalidRequestError
+from actors.structured_output.limits import DEFAULT_MAX_GRAMMAR_BYTES
 
 MAX_STOP_STRINGS = 64
 MAX_STOP_STRING_CHARS = 1024
@@ -24,7 +26,9 @@ MAX_BAD_WORD_CHARS = 256
 MAX_LOGIT_BIAS_ENTRIES = 300  # OpenAI's
 MAX_TOOLS = 128  # OpenAI's
 MAX_TOOL_BYTES = 64 * 2**10  # one tool's definition, as JSON
-MAX_SCHEMA_BYTES = 64 * 2**10  # a structured output's schema, regex, grammar or choices, as JSON
+# a structured output's schema, regex, grammar or choices, as JSON: the engine's one bound,
+# --max-grammar-bytes (its default here); a server checks its own value (max_schema_bytes)
+MAX_SCHEMA_BYTES = DEFAULT_MAX_GRAMMAR_BYTES
 MAX_METADATA_KEYS = 16  # OpenAI's, for /v1/responses metadata
 MAX_METADATA_KEY_CHARS = 64
 MAX_METADATA_VALUE_CHARS = 512
@@ -60,14 +64,18 @@ def check_tools_size(tools: list[Any] | None, param: str = "tools") -> None:
                                       param=param)
 
 
+# the serving engine's --max-grammar-bytes, set for each request's handling (api/app.py)
+max_schema_bytes: ContextVar[int] = ContextVar("max_schema_bytes", default=MAX_SCHEMA_BYTES)
+
+
 def check_schema_size(param: str, constraint: Any) -> None:
-    """A structured output's schema (or regex, grammar, choices) at most MAX_SCHEMA_BYTES as JSON."""
+    """A structured output's schema (or regex, grammar, choices) at most --max-grammar-bytes as JSON."""
     if constraint is None:
         return
-    size = json_size(constraint)
-    if size > MAX_SCHEMA_BYTES:
-        raise InvalidRequestError(f"{param} is {size} bytes as JSON; at most {MAX_SCHEMA_BYTES} are allowed",
-                                  param=param)
+    size, limit = json_size(constraint), max_schema_bytes.get()
+    if size > limit:
+        raise InvalidRequestError(f"{param} is {size} bytes as JSON, more than this server's limit of {limit} "
+                                  "(--max-grammar-bytes)", param=param)
 
 
 def check_metadata(metadata: dict[str, str] | None) -> None:

@@ -9,7 +9,9 @@
   step does), sdpa (the same K/V laid out contiguously, [batch, kv_heads, context, head],
   enable_gqa: what a non-paged engine would run), roofline (the K/V bytes over the measured
   bandwidth, and how close triton comes to it). Every configuration also checks the
-  kernel's output against SDPA's.
+  kernel's output against SDPA's. With --sliding-window, triton's decodes attend their
+  window only (a sliding layer's), SDPA the window's keys, and the roofline counts those:
+  the time should stay flat as the context grows.
 - fused: rotary_store_kv (q/k norms, rotary and the KV store in one kernel) against the
   kernels it replaced (rotary_store_kv_unfused), at Qwen3-0.6B's shapes (with the norms) and
   Llama-3.1-8B's (without): kernels launched (counted by torch.profiler), GPU time
@@ -24,6 +26,7 @@
     python benchmarks/kernels.py                              # every part
     python benchmarks/kernels.py --parts attention --batch-sizes 64 --context-lens 1024,4096 --head-size 64
     python benchmarks/kernels.py --parts fused,splits,layer
+    python benchmarks/kernels.py --parts attention --batch-sizes 1,64 --context-lens 1024,8192 --sliding-window 512
 
 Without a CUDA device it says so and exits 0 (tests/kernels checks the kernels on the
 CPU, under triton's interpreter).
@@ -63,6 +66,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--head-size", type=int, default=128)
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--dtype", choices=sorted(_DTYPES), default="bfloat16")
+    parser.add_argument("--sliding-window", type=int, default=None, help="attention part: a sliding layer's window")
     parser.add_argument("--warmup-ms", type=int, default=25, help="triton.testing.do_bench warm-up")
     parser.add_argument("--rep-ms", type=int, default=100, help="triton.testing.do_bench measuring time")
     parser.add_argument("--fused-tokens", type=int_list, default=[1, 64, 256],
@@ -119,10 +123,14 @@ def bench_one(args: argparse.Namespace, batch_size: int, context_len: int, bandw
     scale = args.head_size**-0.5
     launch = paged_attention_launch(seq_lens, query_start_loc)
     out = torch.empty_like(query)
+    window = args.sliding_window
+    if window:  # a decode's window is its last `window` keys
+        keys, values = keys[:, :, -window:].contiguous(), values[:, :, -window:].contiguous()
+    variant = {"sliding_window": window} if window else {}
 
     def triton_decode() -> torch.Tensor:
         return paged_attention(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, scale,
-                               out=out, launch=launch)
+                               out=out, launch=launch, **variant)
 
     sdpa_query = query.unsqueeze(2)  # [batch, heads, 1, head]
 
@@ -143,7 +151,8 @@ def attention_table(args: argparse.Namespace, device: torch.device) -> None:
     bandwidth = measure_bandwidth(device)
     print(f"{torch.cuda.get_device_name(device)}: copy bandwidth {bandwidth / 1e9:.0f} GB/s; "
           f"decode, {args.dtype}, {args.num_heads} q heads / {args.num_kv_heads} kv heads, "
-          f"head {args.head_size}, block {args.block_size}")
+          f"head {args.head_size}, block {args.block_size}"
+          + (f", sliding window {args.sliding_window}" if args.sliding_window else ""))
     header = f"{'batch':>6} {'context':>8} {'triton us':>10} {'sdpa us':>10} {'roofline us':>12} " \
              f"{'triton GB/s':>12} {'% roofline':>11} {'vs sdpa':>8}"
     print(header)

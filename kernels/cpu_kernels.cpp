@@ -7,7 +7,8 @@
 //   or thousands of tiny matmuls. The softmax runs online (flash-decoding without splits).
 // - paged_prefill_f32: prefill chunks' causal attention over their cached keys and values,
 //   tiles of query rows against 64 keys transposed so that scores are plain vector
-//   multiply-adds.
+//   multiply-adds. Both take a layer's attention variant (a sliding window whose earlier
+//   blocks they never read, a logit soft cap, sinks; the fused step's from DecoderLayer).
 // - store_kv_f32: the new keys and values into their slots.
 // - rms_norm_f32, rotary_f32 and silu_mul_f32: one pass over each row where torch makes
 //   several, with a parallel region only for batches big enough to pay for one (a decode
@@ -18,7 +19,8 @@
 //   the Python forward it mirrors).
 //
 // Vectors are GCC/clang vector extensions of 16 floats: one AVX-512 register, two AVX2
-// ones, four SSE ones; the compiler picks (-march=native).
+// ones, four SSE ones; the compiler picks (-march=native). They and their shared helpers are
+// in cpu_vectors.h; the two attention kernels in cpu_attention.h.
 
 #include <math.h>
 #include <stdint.h>
@@ -26,289 +28,10 @@
 
 #include <vector>
 
+#include "cpu_vectors.h"
+#include "cpu_attention.h"
+
 namespace {
-
-constexpr int kLanes = 16;
-constexpr int kMaxGroup = 64;  // query heads per kv head
-typedef float vf __attribute__((vector_size(64)));
-typedef int32_t vi __attribute__((vector_size(64)));
-
-inline vf load(const float* p) { vf v; memcpy(&v, p, sizeof v); return v; }
-inline void store(float* p, vf v) { memcpy(p, &v, sizeof v); }
-inline vf splat(float x) { return x - vf{}; }  // x - 0 is x (0 + x would turn -0 into +0): a plain broadcast
-
-// A vector's lanes folded with op by halving shuffles: 4 steps where a lane loop takes 15.
-template <typename Op>
-inline float fold(vf v, Op op) {
-    v = op(v, __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7));
-    v = op(v, __builtin_shufflevector(v, v, 4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11));
-    v = op(v, __builtin_shufflevector(v, v, 2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13));
-    v = op(v, __builtin_shufflevector(v, v, 1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14));
-    return v[0];
-}
-
-inline float max_of(vf v) { return fold(v, [](vf a, vf b) { return a > b ? a : b; }); }
-inline float sum_of(vf v) { return fold(v, [](vf a, vf b) { return a + b; }); }
-
-// exp(x) as 2^n * 2^f, f in [-0.5, 0.5], 2^f by a degree-6 polynomial: a relative error of
-// about 2e-7, as good as torch's exp. x is clamped to [-87, 88], where exp stays a normal float.
-inline vf exp_clamped(vf x) {
-    x = x < splat(-87.0f) ? splat(-87.0f) : x;
-    x = x > splat(88.0f) ? splat(88.0f) : x;
-    vf t = x * 1.44269504088896341f;
-    vf n = (t + 12582912.0f) - 12582912.0f;  // round to nearest: 1.5 * 2^23 drops the fraction
-    vf f = t - n;
-    vf p = splat(1.5353362e-4f);
-    p = p * f + 1.3398874e-3f;
-    p = p * f + 9.6181291e-3f;
-    p = p * f + 5.5504109e-2f;
-    p = p * f + 2.4022650e-1f;
-    p = p * f + 6.9314718e-1f;
-    p = p * f + 1.0f;
-    vi bits = (__builtin_convertvector(n, vi) + 127) << 23;  // 2^n
-    vf scale;
-    memcpy(&scale, &bits, sizeof scale);
-    return p * scale;
-}
-
-// Sixteen vectors in, one out whose lane t is the sum of d[t]'s lanes: a transpose folded
-// into the adds, 15 shuffle pairs instead of 16 horizontal sums.
-inline vf transpose_sum(const vf* d) {
-    vf e[8], f[4], g[2];
-    for (int k = 0; k < 8; k++)  // lanes 0-7: d[2k], lanes 8-15: d[2k+1]
-        e[k] = __builtin_shufflevector(d[2 * k], d[2 * k + 1], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23)
-             + __builtin_shufflevector(d[2 * k], d[2 * k + 1], 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
-    for (int k = 0; k < 4; k++)  // lane quads: d[4k], d[4k+2], d[4k+1], d[4k+3]
-        f[k] = __builtin_shufflevector(e[2 * k], e[2 * k + 1], 0, 1, 2, 3, 16, 17, 18, 19, 8, 9, 10, 11, 24, 25, 26, 27)
-             + __builtin_shufflevector(e[2 * k], e[2 * k + 1], 4, 5, 6, 7, 20, 21, 22, 23, 12, 13, 14, 15, 28, 29, 30, 31);
-    for (int k = 0; k < 2; k++)  // lane pairs: d[8k + 0, 4, 2, 6, 1, 5, 3, 7]
-        g[k] = __builtin_shufflevector(f[2 * k], f[2 * k + 1], 0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13, 28, 29)
-             + __builtin_shufflevector(f[2 * k], f[2 * k + 1], 2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26, 27, 14, 15, 30, 31);
-    // lanes: d0 d8 d4 d12 d2 d10 d6 d14 d1 d9 d5 d13 d3 d11 d7 d15
-    vf h = __builtin_shufflevector(g[0], g[1], 0, 16, 2, 18, 4, 20, 6, 22, 8, 24, 10, 26, 12, 28, 14, 30)
-         + __builtin_shufflevector(g[0], g[1], 1, 17, 3, 19, 5, 21, 7, 23, 9, 25, 11, 27, 13, 29, 15, 31);
-    return __builtin_shufflevector(h, h, 0, 8, 4, 12, 2, 10, 6, 14, 1, 9, 5, 13, 3, 11, 7, 15);
-}
-
-struct CacheView {
-    const float* keys;  // this kv head's slot 0 of block 0
-    const float* values;
-    int64_t block_stride, slot_stride;
-    int block_size;
-};
-
-// One decode, one kv head: the `group` query heads of the head, online softmax over the
-// sequence's keys, 16 at a time (a block of fewer slots makes shorter runs).
-template <int kVectors>  // head_size / 16
-void decode_head(const float* query, int64_t query_head_stride, const CacheView& cache, const int32_t* block_table,
-                 int seq_len, int group, float scale, float* out, int64_t out_head_stride) {
-    vf q[kMaxGroup][kVectors], acc[kMaxGroup][kVectors];
-    float running_max[kMaxGroup], running_sum[kMaxGroup];
-    for (int g = 0; g < group; g++) {
-        for (int c = 0; c < kVectors; c++) {
-            q[g][c] = load(query + g * query_head_stride + c * kLanes) * scale;
-            acc[g][c] = vf{};
-        }
-        running_max[g] = -1e30f;  // finite: exp(-1e30 - max) is 0, never NaN
-        running_sum[g] = 0.0f;
-    }
-    const vi lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
-    const int block_size = cache.block_size;
-    const int num_blocks = (seq_len + block_size - 1) / block_size;
-    const int64_t block_bytes = (int64_t)block_size * cache.slot_stride * sizeof(float);
-    for (int j = 0; j < num_blocks; j++) {
-        const int64_t block = block_table[j];
-        const int num_slots = seq_len - j * block_size < block_size ? seq_len - j * block_size : block_size;
-        // The next block is elsewhere in memory, where no hardware prefetcher looks: its lines
-        // are fetched a few per key of this block, spread over the work (all at once, they
-        // fill the line-fill buffers and stall the core until they arrive).
-        const char* next_keys = nullptr;
-        const char* next_values = nullptr;
-        if (j + 1 < num_blocks) {
-            next_keys = (const char*)(cache.keys + block_table[j + 1] * cache.block_stride);
-            next_values = (const char*)(cache.values + block_table[j + 1] * cache.block_stride);
-        }
-        const int64_t fetch_per_slot = ((block_bytes + 63) / 64 + num_slots - 1) / num_slots * 64;
-        int64_t fetched = 0;
-        for (int first = 0; first < num_slots; first += kLanes) {
-            const int count = num_slots - first < kLanes ? num_slots - first : kLanes;
-            const float* keys = cache.keys + block * cache.block_stride + first * cache.slot_stride;
-            const float* values = cache.values + block * cache.block_stride + first * cache.slot_stride;
-            for (int g = 0; g < group; g++) {
-                vf partial[kLanes];
-                for (int t = 0; t < kLanes; t++) {
-                    partial[t] = vf{};
-                    if (t < count) {
-                        const float* key = keys + t * cache.slot_stride;
-                        for (int c = 0; c < kVectors; c++) partial[t] += q[g][c] * load(key + c * kLanes);
-                        if (g == 0 && next_keys != nullptr)
-                            for (int64_t end = fetched + fetch_per_slot; fetched < end && fetched < block_bytes;
-                                 fetched += 64) {
-                                __builtin_prefetch(next_keys + fetched);
-                                __builtin_prefetch(next_values + fetched);
-                            }
-                    }
-                }
-                vf scores = transpose_sum(partial);
-                scores = lane < count ? scores : splat(-1e30f);
-                float new_max = max_of(scores);
-                new_max = new_max > running_max[g] ? new_max : running_max[g];
-                vf probs = exp_clamped(scores - new_max);
-                float correction = exp_clamped(splat(running_max[g] - new_max))[0];
-                running_max[g] = new_max;
-                running_sum[g] = running_sum[g] * correction + sum_of(probs);
-                vf a[kVectors];
-                for (int c = 0; c < kVectors; c++) a[c] = acc[g][c] * correction;
-                for (int t = 0; t < count; t++) {
-                    const float* value = values + t * cache.slot_stride;
-                    vf p = splat(probs[t]);
-                    for (int c = 0; c < kVectors; c++) a[c] += p * load(value + c * kLanes);
-                }
-                for (int c = 0; c < kVectors; c++) acc[g][c] = a[c];
-            }
-        }
-    }
-    for (int g = 0; g < group; g++) {
-        const float inverse = 1.0f / running_sum[g];
-        for (int c = 0; c < kVectors; c++) store(out + g * out_head_stride + c * kLanes, acc[g][c] * inverse);
-    }
-}
-
-typedef void (*DecodeHead)(const float*, int64_t, const CacheView&, const int32_t*, int, int, float, float*, int64_t);
-
-// A kernel template's instance for a head size (head_size / 16 vectors), or null where
-// there is none: Kernel<V>::fn is the instance for V vectors.
-template <template <int> class Kernel>
-auto kernel_for(int head_size) -> decltype(Kernel<1>::fn) {
-    switch (head_size / kLanes) {
-        case 1: return Kernel<1>::fn;
-        case 2: return Kernel<2>::fn;
-        case 3: return Kernel<3>::fn;
-        case 4: return Kernel<4>::fn;
-        case 5: return Kernel<5>::fn;
-        case 6: return Kernel<6>::fn;
-        case 7: return Kernel<7>::fn;
-        case 8: return Kernel<8>::fn;
-        case 16: return Kernel<16>::fn;
-        default: return nullptr;
-    }
-}
-
-template <int V>
-struct DecodeHeadFor {
-    static constexpr DecodeHead fn = decode_head<V>;
-};
-
-constexpr int kPrefillRows = 64;  // query rows (tokens x heads of a kv head) a prefill task holds
-constexpr int kRowBlock = 4;  // rows whose accumulators sit in registers at once
-constexpr int kKeyVectors = 4;  // a prefill tile's keys: kKeyVectors * 16
-
-// A tile of query tokens of one prefill chunk, the `group` query heads of one kv head: each
-// row (token, head) against its causal keys (those up to its position) from the cache, 64
-// keys at a time. Keys are transposed per tile into dims x keys, so a row's scores are
-// vectors of multiply-adds with no horizontal sums; the online softmax then runs on whole
-// vectors, and the values are weighted into a few rows' accumulators at a time.
-template <int kVectors>  // head_size / 16
-void prefill_tile(const float* query, int64_t query_token_stride, int64_t query_head_stride, const CacheView& cache,
-                  const int32_t* block_table, int first_position, int num_tokens, int group, float scale, float* out,
-                  int64_t out_token_stride, int64_t out_head_stride) {
-    constexpr int kHead = kVectors * kLanes, kTile = kKeyVectors * kLanes;
-    const int rows = num_tokens * group;  // row r: token r / group, head r % group
-    alignas(64) float q[kPrefillRows][kHead];
-    alignas(64) float acc[kPrefillRows][kHead];
-    alignas(64) float probs[kPrefillRows][kTile];
-    alignas(64) float keys_t[kHead][kTile];  // the tile's keys, transposed
-    float running_max[kPrefillRows], running_sum[kPrefillRows];
-    int position[kPrefillRows];
-    for (int r = 0; r < kPrefillRows && (r < rows || r % kRowBlock); r++) {  // the last row block's spare rows: 0
-        const float* src = query + (r / group) * query_token_stride + (r % group) * query_head_stride;
-        for (int c = 0; c < kVectors; c++) {
-            store(q[r] + c * kLanes, r < rows ? load(src + c * kLanes) * scale : vf{});
-            store(acc[r] + c * kLanes, vf{});
-        }
-        running_max[r] = -1e30f;
-        running_sum[r] = 0.0f;
-        position[r] = first_position + r / group;
-    }
-    const vi lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
-    const int num_keys = first_position + num_tokens;  // the last token's keys, and so everyone's
-    const float* value_rows[kTile];
-    for (int first = 0; first < num_keys; first += kTile) {
-        const int count = num_keys - first < kTile ? num_keys - first : kTile;
-        for (int t = 0; t < kTile; t++) {
-            const int key = first + (t < count ? t : 0);
-            const int64_t offset = block_table[key / cache.block_size] * cache.block_stride
-                                   + (key % cache.block_size) * cache.slot_stride;
-            const float* k = cache.keys + offset;
-            value_rows[t] = cache.values + offset;
-            for (int d = 0; d < kHead; d++) keys_t[d][t] = k[d];
-        }
-        // 1. scores and the online softmax, kRowBlock rows at a time
-        for (int r0 = 0; r0 < rows; r0 += kRowBlock) {
-            vf s[kRowBlock][kKeyVectors] = {};
-            for (int d = 0; d < kHead; d++) {
-                vf k[kKeyVectors];
-                for (int v = 0; v < kKeyVectors; v++) k[v] = load(keys_t[d] + v * kLanes);
-                for (int i = 0; i < kRowBlock; i++) {
-                    const vf x = splat(q[r0 + i][d]);
-                    for (int v = 0; v < kKeyVectors; v++) s[i][v] += x * k[v];
-                }
-            }
-            for (int i = 0; i < kRowBlock && r0 + i < rows; i++) {
-                const int r = r0 + i;
-                vf m = splat(-1e30f);
-                for (int v = 0; v < kKeyVectors; v++) {
-                    const vi key = lane + (first + v * kLanes);
-                    s[i][v] = (key < num_keys) & (key <= position[r]) ? s[i][v] : splat(-1e30f);
-                    m = s[i][v] > m ? s[i][v] : m;
-                }
-                float new_max = max_of(m);
-                new_max = new_max > running_max[r] ? new_max : running_max[r];
-                vf sum = vf{};
-                for (int v = 0; v < kKeyVectors; v++) {
-                    const vf p = exp_clamped(s[i][v] - new_max);
-                    store(probs[r] + v * kLanes, p);
-                    sum += p;
-                }
-                const float correction = expf(running_max[r] - new_max);
-                running_max[r] = new_max;
-                running_sum[r] = running_sum[r] * correction + sum_of(sum);
-                if (correction != 1.0f)
-                    for (int c = 0; c < kVectors; c++)
-                        store(acc[r] + c * kLanes, load(acc[r] + c * kLanes) * correction);
-            }
-        }
-        // 2. values, weighted by the probabilities
-        for (int r0 = 0; r0 < rows; r0 += kRowBlock) {
-            vf a[kRowBlock][kVectors];
-            for (int i = 0; i < kRowBlock; i++)
-                for (int c = 0; c < kVectors; c++) a[i][c] = load(acc[r0 + i] + c * kLanes);
-            for (int t = 0; t < count; t++) {
-                vf v[kVectors];
-                for (int c = 0; c < kVectors; c++) v[c] = load(value_rows[t] + c * kLanes);
-                for (int i = 0; i < kRowBlock; i++) {
-                    const vf p = splat(probs[r0 + i][t]);
-                    for (int c = 0; c < kVectors; c++) a[i][c] += p * v[c];
-                }
-            }
-            for (int i = 0; i < kRowBlock; i++)
-                for (int c = 0; c < kVectors; c++) store(acc[r0 + i] + c * kLanes, a[i][c]);
-        }
-    }
-    for (int r = 0; r < rows; r++) {
-        const float inverse = 1.0f / running_sum[r];
-        float* dst = out + (r / group) * out_token_stride + (r % group) * out_head_stride;
-        for (int c = 0; c < kVectors; c++) store(dst + c * kLanes, load(acc[r] + c * kLanes) * inverse);
-    }
-}
-
-typedef void (*PrefillTile)(const float*, int64_t, int64_t, const CacheView&, const int32_t*, int, int, int, float,
-                            float*, int64_t, int64_t);
-
-template <int V>
-struct PrefillTileFor {
-    static constexpr PrefillTile fn = prefill_tile<V>;
-};
 
 // The linear's register tile: MR rows of x by kWeightRows weight rows of accumulators,
 // each a vector of kLinearLanes floats. AVX-512 has 32 registers of 16 floats: 4 x 4
@@ -365,85 +88,6 @@ inline void linear_tile(const float* x, int64_t x_stride, const float* const* w,
 }  // namespace
 
 extern "C" {
-
-// Returns 0, or -1 for a head size it has no code for (the caller checks first).
-int paged_decode_f32(
-    const float* query, int64_t query_token_stride, int64_t query_head_stride,  // [num_tokens, num_heads, head_size]
-    const float* key_cache, const float* value_cache,  // [num_blocks, num_kv_heads, block_size, head_size]
-    int64_t cache_block_stride, int64_t cache_head_stride, int64_t cache_slot_stride,
-    const int32_t* block_tables, int64_t block_table_stride,  // [num_seqs, max_blocks_per_seq]
-    const int32_t* seq_lens,  // [num_seqs]
-    const int32_t* query_start_loc,  // [num_seqs + 1]
-    const int32_t* decode_seqs, int num_decodes,  // the sequences with one query token
-    int num_kv_heads, int group, int head_size, int block_size, float scale,
-    float* out, int64_t out_token_stride, int64_t out_head_stride,  // [num_tokens, num_heads, head_size]
-    int num_threads) {
-    DecodeHead run = kernel_for<DecodeHeadFor>(head_size);
-    if (run == nullptr || head_size % kLanes || group > kMaxGroup) return -1;
-    auto decode = [&](int i, int h) {
-        const int seq = decode_seqs[i];
-        const int64_t token = query_start_loc[seq];
-        const CacheView cache = {key_cache + h * cache_head_stride, value_cache + h * cache_head_stride,
-                                 cache_block_stride, cache_slot_stride, block_size};
-        run(query + token * query_token_stride + (int64_t)h * group * query_head_stride, query_head_stride, cache,
-            block_tables + (int64_t)seq * block_table_stride, seq_lens[seq], group, scale,
-            out + token * out_token_stride + (int64_t)h * group * out_head_stride, out_head_stride);
-    };
-    if (num_decodes >= 4 * num_threads) {
-        // a thread takes all kv heads of a decode in turn: each block's heads are neighbours in memory
-#pragma omp parallel for schedule(dynamic, 1) num_threads(num_threads)
-        for (int i = 0; i < num_decodes; i++)
-            for (int h = 0; h < num_kv_heads; h++) decode(i, h);
-    } else {  // few decodes: their heads spread over the threads too
-#pragma omp parallel for collapse(2) schedule(dynamic, 1) num_threads(num_threads)
-        for (int i = 0; i < num_decodes; i++)
-            for (int h = 0; h < num_kv_heads; h++) decode(i, h);
-    }
-    return 0;
-}
-
-// Prefill chunks: each of its query tokens attends to the sequence's keys up to its own
-// position, from the cache (this step's keys already stored). Tasks of up to kPrefillRows
-// query rows of one kv head spread over the threads. Returns 0, or -1 for a head size it has
-// no code for (the caller checks first).
-int paged_prefill_f32(
-    const float* query, int64_t query_token_stride, int64_t query_head_stride,  // [num_tokens, num_heads, head_size]
-    const float* key_cache, const float* value_cache,  // [num_blocks, num_kv_heads, block_size, head_size]
-    int64_t cache_block_stride, int64_t cache_head_stride, int64_t cache_slot_stride,
-    const int32_t* block_tables, int64_t block_table_stride,  // [num_seqs, max_blocks_per_seq]
-    const int32_t* seq_lens,  // [num_seqs]
-    const int32_t* query_start_loc,  // [num_seqs + 1]
-    const int32_t* prefill_seqs, int num_prefills,  // the sequences with more than one query token
-    int num_kv_heads, int group, int head_size, int block_size, float scale,
-    float* out, int64_t out_token_stride, int64_t out_head_stride,  // [num_tokens, num_heads, head_size]
-    int num_threads) {
-    PrefillTile run = kernel_for<PrefillTileFor>(head_size);
-    if (run == nullptr || head_size % kLanes || group > kPrefillRows) return -1;
-    const int tokens_per_tile = kPrefillRows / group;
-    struct Task { int seq, head, first, count; };
-    std::vector<Task> tasks;
-    for (int i = 0; i < num_prefills; i++) {
-        const int seq = prefill_seqs[i];
-        const int query_len = query_start_loc[seq + 1] - query_start_loc[seq];
-        for (int h = 0; h < num_kv_heads; h++)
-            for (int first = 0; first < query_len; first += tokens_per_tile)
-                tasks.push_back({seq, h, first, query_len - first < tokens_per_tile ? query_len - first : tokens_per_tile});
-    }
-#pragma omp parallel for schedule(dynamic, 1) num_threads(num_threads) if (tasks.size() > 1)
-    for (size_t i = 0; i < tasks.size(); i++) {
-        const Task& task = tasks[i];
-        const int query_len = query_start_loc[task.seq + 1] - query_start_loc[task.seq];
-        const int64_t token = query_start_loc[task.seq] + task.first;
-        const CacheView cache = {key_cache + task.head * cache_head_stride, value_cache + task.head * cache_head_stride,
-                                 cache_block_stride, cache_slot_stride, block_size};
-        run(query + token * query_token_stride + (int64_t)task.head * group * query_head_stride, query_token_stride,
-            query_head_stride, cache, block_tables + (int64_t)task.seq * block_table_stride,
-            seq_lens[task.seq] - query_len + task.first, task.count, group, scale,
-            out + token * out_token_stride + (int64_t)task.head * group * out_head_stride, out_token_stride,
-            out_head_stride);
-    }
-    return 0;
-}
 
 // y = x @ weight.T (+ bias) for a few rows of x: each weight row is read from memory once and
 // used for every row of x while it sits in L1. MKL's sgemm streams the weights about once per
@@ -609,6 +253,10 @@ struct DecoderLayer {  // one layer's weights (null where the model has none) an
     // each projection's weight type: 0 float32, else a ggml block type (Q4_0, Q4_1, Q8_0) whose
     // blocks the projection's pointer points at, run by DecoderShape::quant_linear
     int64_t qkv_type, o_type, gate_up_type, down_type;
+    // the layer's attention variant (cpu_attention.h): zeros and null for plain causal attention
+    const float* sinks;  // [num_heads] or null
+    int64_t sliding_window;
+    float logits_soft_cap;
 };
 
 // kernels/gguf_linear.cpp's gguf_linear_f32
@@ -793,8 +441,8 @@ int model_step_f32(const DecoderShape* shape_, const DecoderLayer* layers, const
                 qkv, qkv_size, head_size, layer.key_cache, layer.value_cache, shape.cache_block_stride,
                 shape.cache_head_stride, shape.cache_slot_stride, batch.block_tables, batch.block_table_stride,
                 batch.seq_lens, batch.query_start_loc, seqs, (int)count, (int)shape.num_kv_heads,
-                (int)(shape.num_heads / shape.num_kv_heads), (int)head_size, (int)shape.block_size, shape.scale, attn,
-                q_size, head_size, num_threads);
+                (int)(shape.num_heads / shape.num_kv_heads), (int)head_size, (int)shape.block_size, shape.scale,
+                (int)layer.sliding_window, layer.logits_soft_cap, layer.sinks, attn, q_size, head_size, num_threads);
             if (status != 0) return status;
         }
         decoder_linear(shape, sgemm, attn, q_size, tokens, layer.o_proj, layer.o_type, q_size, hidden_size, nullptr,

@@ -25,7 +25,8 @@ class NativeKernels:
         self._decode = library.paged_decode_f32
         self._decode.restype = _i32
         self._decode.argtypes = [_ptr, _i64, _i64, _ptr, _ptr, _i64, _i64, _i64, _ptr, _i64, _ptr, _ptr,
-                                 _ptr, _i32, _i32, _i32, _i32, _i32, ctypes.c_float, _ptr, _i64, _i64, _i32]
+                                 _ptr, _i32, _i32, _i32, _i32, _i32, ctypes.c_float, _i32, ctypes.c_float, _ptr,
+                                 _ptr, _i64, _i64, _i32]
         self._prefill = library.paged_prefill_f32
         self._prefill.restype = _i32
         self._prefill.argtypes = self._decode.argtypes
@@ -67,9 +68,10 @@ class NativeKernels:
                query_start_loc: torch.Tensor,  # [num_seqs + 1] int32
                decode_seqs: torch.Tensor,  # [num_decodes] int32: sequences with one query token
                scale: float,
-               out: torch.Tensor) -> None:  # [num_tokens, num_heads, head_size]: the decodes' rows written
+               out: torch.Tensor,  # [num_tokens, num_heads, head_size]: the decodes' rows written
+               **variant) -> None:  # sliding_window, logits_soft_cap, sinks: paged_attention_ref's
         self._attend(self._decode, query, key_cache, value_cache, block_tables, seq_lens, query_start_loc,
-                     decode_seqs, scale, out)
+                     decode_seqs, scale, out, **variant)
 
     def prefill(self, query: torch.Tensor,  # [num_tokens, num_heads, head_size]
                 key_cache: torch.Tensor,  # [num_blocks, num_kv_heads, block_size, head_size]: this step's keys stored
@@ -79,13 +81,15 @@ class NativeKernels:
                 query_start_loc: torch.Tensor,  # [num_seqs + 1] int32
                 prefill_seqs: torch.Tensor,  # [num_prefills] int32: sequences with several query tokens
                 scale: float,
-                out: torch.Tensor) -> None:  # [num_tokens, num_heads, head_size]: the prefills' rows written
+                out: torch.Tensor,  # [num_tokens, num_heads, head_size]: the prefills' rows written
+                **variant) -> None:  # sliding_window, logits_soft_cap, sinks: paged_attention_ref's
         """Causal attention of prefill chunks over their sequences' cached keys and values."""
         self._attend(self._prefill, query, key_cache, value_cache, block_tables, seq_lens, query_start_loc,
-                     prefill_seqs, scale, out)
+                     prefill_seqs, scale, out, **variant)
 
     def _attend(self, kernel, query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, seqs, scale,
-                out) -> None:
+                out, sliding_window: int | None = None, logits_soft_cap: float | None = None,
+                sinks: torch.Tensor | None = None) -> None:
         num_heads, head_size = query.shape[1:]
         num_kv_heads, block_size = key_cache.shape[1:3]
         assert self.supports_attention(query, key_cache) and value_cache.dtype == out.dtype == torch.float32
@@ -94,11 +98,14 @@ class NativeKernels:
         assert block_tables.dtype == seq_lens.dtype == query_start_loc.dtype == seqs.dtype == torch.int32
         assert block_tables.stride(1) == 1 and seq_lens.is_contiguous() and query_start_loc.is_contiguous()
         assert seqs.is_contiguous()
+        if sinks is not None:
+            assert sinks.shape == (num_heads,) and sinks.dtype == torch.float32 and sinks.is_contiguous()
         status = kernel(
             query.data_ptr(), query.stride(0), query.stride(1), key_cache.data_ptr(), value_cache.data_ptr(),
             *key_cache.stride()[:3], block_tables.data_ptr(), block_tables.stride(0), seq_lens.data_ptr(),
             query_start_loc.data_ptr(), seqs.data_ptr(), seqs.numel(), num_kv_heads,
-            num_heads // num_kv_heads, head_size, block_size, scale, out.data_ptr(), out.stride(0), out.stride(1),
+            num_heads // num_kv_heads, head_size, block_size, scale, sliding_window or 0, logits_soft_cap or 0.0,
+            sinks.data_ptr() if sinks is not None else None, out.data_ptr(), out.stride(0), out.stride(1),
             torch.get_num_threads())
         assert status == 0
 
@@ -188,7 +195,9 @@ class DecoderLayer(ctypes.Structure):
     _fields_ = [(name, _ptr) for name in (
         "input_norm", "qkv_proj", "qkv_bias", "q_norm", "k_norm", "o_proj", "post_attention_norm", "gate_up_proj",
         "down_proj", "key_cache", "value_cache")] + [
-        (name, _i64) for name in ("qkv_type", "o_type", "gate_up_type", "down_type")]  # 0: float32, else ggml's
+        (name, _i64) for name in ("qkv_type", "o_type", "gate_up_type", "down_type")] + [  # 0: float32, else ggml's
+        # the layer's attention variant; zeros (ctypes' default) for plain causal attention
+        ("sinks", _ptr), ("sliding_window", _i64), ("logits_soft_cap", ctypes.c_float)]
 
 
 class StepBatch(ctypes.Structure):

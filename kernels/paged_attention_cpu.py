@@ -16,6 +16,11 @@
   which are what the cache holds for it), and a chunk after a cached prefix gathers its
   blocks as the reference does.
 - store_kv: one row copy per token and kv head (cpu_kernels.cpp's store_kv_f32).
+
+The attention variants (a sliding window, a logit soft cap, sinks, the scale: see
+paged_attention_ref's docstring) are per call, as a model's layers differ: one plan serves
+every layer of the step, windowed or not (the reference's decodes, where they run, plan
+each window once).
 """
 
 from __future__ import annotations
@@ -26,8 +31,8 @@ import torch
 import torch.nn.functional as F
 
 from kernels.cpu_kernels import NativeKernels
-from kernels.paged_attention_ref import (PagedAttentionPlan, PrefillChunk, SequenceSplit, decode_attention,
-                                         plan_decodes, prefill_attention, prefill_chunks)
+from kernels.paged_attention_ref import (PagedAttentionPlan, PrefillChunk, SequenceSplit, check_variant,
+                                         decode_attention, plan_decodes, prefill_attention, prefill_chunks)
 from kernels.store_kv import store_kv_ref
 
 
@@ -43,7 +48,8 @@ class CpuAttentionPlan:
     host: SequenceSplit  # seq_lens, query_start_loc and the split on the host
     prefills: list[PrefillChunk]
     block_size: int
-    reference: PagedAttentionPlan | None = field(default=None)  # made when a decode takes the reference's way
+    # made when a decode takes the reference's way, one per sliding window (None: none)
+    reference: dict[int | None, PagedAttentionPlan] = field(default_factory=dict)
 
 
 def plan_paged_attention_cpu(
@@ -67,28 +73,40 @@ def paged_attention_cpu(
     key_cache: torch.Tensor,  # [num_blocks, num_kv_heads, block_size, head_size]
     value_cache: torch.Tensor,  # [num_blocks, num_kv_heads, block_size, head_size]
     plan: CpuAttentionPlan,
-    scale: float,
+    scale: float | None,  # None: head_size ** -0.5
     native: NativeKernels | None,
+    *,
+    sliding_window: int | None = None,  # see paged_attention_ref's docstring for these
+    logits_soft_cap: float | None = None,
+    sinks: torch.Tensor | None = None,  # [num_heads] fp32
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_size]
     """paged_attention_ref's result (to fp32 rounding)."""
+    check_variant(query.shape[1], sliding_window, logits_soft_cap, sinks)
+    if scale is None:
+        scale = query.shape[2] ** -0.5
     out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
+    variant = dict(logits_soft_cap=logits_soft_cap, sinks=sinks)
+    in_native = native is not None and native.supports_attention(query, key_cache)
     if plan.decode_seqs.numel():
-        if native is not None and native.supports_attention(query, key_cache):
+        if in_native:
             native.decode(query, key_cache, value_cache, plan.block_tables, plan.seq_lens, plan.query_start_loc,
-                          plan.decode_seqs, scale, out)
+                          plan.decode_seqs, scale, out, sliding_window=sliding_window, **variant)
         else:
-            reference = _reference_plan(plan, query.dtype)
-            out[reference.decode_query_index] = decode_attention(query, key_cache, value_cache, reference, scale)
-    if plan.prefills and native is not None and native.supports_attention(query, key_cache):
+            reference = _reference_plan(plan, query.dtype, sliding_window)
+            out[reference.decode_query_index] = decode_attention(query, key_cache, value_cache, reference, scale,
+                                                                 **variant)
+    if plan.prefills and in_native:
         native.prefill(query, key_cache, value_cache, plan.block_tables, plan.seq_lens, plan.query_start_loc,
-                       plan.prefill_seqs, scale, out)
+                       plan.prefill_seqs, scale, out, sliding_window=sliding_window, **variant)
         return out
+    plain = sliding_window is None and logits_soft_cap is None and sinks is None
     for chunk in plan.prefills:
         rows = slice(chunk.query_start, chunk.query_start + chunk.query_len)
-        if chunk.query_len == chunk.seq_len:
+        if chunk.query_len == chunk.seq_len and plain:
             out[rows] = _causal_attention(query[rows], key[rows], value[rows], scale)
         else:
-            out[rows] = prefill_attention(query[rows], key_cache, value_cache, chunk, scale)
+            out[rows] = prefill_attention(query[rows], key_cache, value_cache, chunk, scale,
+                                          sliding_window=sliding_window, **variant)
     return out
 
 
@@ -109,8 +127,9 @@ def _causal_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
     return out[0].transpose(0, 1)
 
 
-def _reference_plan(plan: CpuAttentionPlan, dtype: torch.dtype) -> PagedAttentionPlan:
-    if plan.reference is None:
-        decodes = plan_decodes(plan.block_tables, plan.seq_lens, plan.host, plan.block_size, dtype)
-        plan.reference = PagedAttentionPlan(prefills=plan.prefills, **decodes)
-    return plan.reference
+def _reference_plan(plan: CpuAttentionPlan, dtype: torch.dtype, sliding_window: int | None) -> PagedAttentionPlan:
+    if sliding_window not in plan.reference:
+        decodes = plan_decodes(plan.block_tables, plan.seq_lens, plan.host, plan.block_size, dtype, sliding_window)
+        plan.reference[sliding_window] = PagedAttentionPlan(prefills=plan.prefills, sliding_window=sliding_window,
+                                                            **decodes)
+    return plan.reference[sliding_window]

@@ -18,6 +18,14 @@ keys and values token by token through the block table, so a tile may span block
 block size works; _online_softmax_update folds the tile into the running softmax, in fp32
 with exp2 (the scale is pre-multiplied by log2(e)). Cache offsets start from int64 block
 ids: block_id * stride passes 2**31 in a cache of a few GB.
+
+Attention variants (paged_attention_ref's docstring has their semantics), each a constexpr
+switch so that plain attention compiles as it did: SLIDING (a window: a decode's splits cover
+its window only, from its first key, so the grid and the work stay the window's whatever the
+context; a prefill program's keys start at its first query's window; blocks before it are
+never read, nor their block table entries), SOFT_CAP (the cap, times log2(e) as the scores
+are), HAS_SINKS (a sink logit per head joins the softmax's denominator where the output is
+normalised: the one-split decode, the reduction, the prefill).
 """
 
 from __future__ import annotations
@@ -57,19 +65,42 @@ def _online_softmax_update(
     row_max, row_sum,  # [ROWS] fp32: the running max (base 2) and sum of exp2 of the scores
     acc,  # [ROWS, BLOCK_D] fp32: the running unnormalised output
     scale_log2,  # scale * log2(e)
+    soft_cap_log2,  # the logit soft cap * log2(e), read when SOFT_CAP
     INPUT_PRECISION: tl.constexpr,  # "ieee" for fp32 (tf32 keeps 10 mantissa bits); else None
+    SOFT_CAP: tl.constexpr = False,
+    MAY_SEE_NOTHING: tl.constexpr = False,  # a row may see no key in its first tiles (a window)
 ):
     """The running softmax after one more tile: rescaled to the new max, plus the tile's
     share. The new max stays finite as long as each row saw a key in its first tile (a
-    later tile may hide all its keys from a row)."""
+    later tile may hide all its keys from a row); where it may not (MAY_SEE_NOTHING), a row
+    that has seen nothing yet keeps a max of -inf and a sum of 0."""
     scores = tl.dot(q, tl.trans(k), input_precision=INPUT_PRECISION) * scale_log2  # [ROWS, BLOCK_N]
+    if SOFT_CAP:  # cap * tanh(scores / cap), tanh(y) = 1 - 2 / (e^2y + 1), all in base 2
+        scores = soft_cap_log2 * (1.0 - 2.0 / (tl.exp2(scores * (2.0 * 1.4426950408889634 / soft_cap_log2)) + 1.0))
     scores = tl.where(visible, scores, float("-inf"))
     new_max = tl.maximum(row_max, tl.max(scores, 1))
-    correction = tl.exp2(row_max - new_max)
-    p = tl.exp2(scores - new_max[:, None])
+    if MAY_SEE_NOTHING:  # exp2(-inf - -inf) would be NaN: rescale by 0 instead
+        new_max_or_0 = tl.where(new_max == float("-inf"), 0.0, new_max)
+        correction = tl.exp2(row_max - new_max_or_0)
+        p = tl.exp2(scores - new_max_or_0[:, None])
+    else:
+        correction = tl.exp2(row_max - new_max)
+        p = tl.exp2(scores - new_max[:, None])
     row_sum = row_sum * correction + tl.sum(p, 1)
     acc = acc * correction[:, None] + tl.dot(p.to(v.dtype), v, input_precision=INPUT_PRECISION)
     return new_max, row_sum, acc
+
+
+@jit
+def _normalized(acc, row_max, row_sum,  # [ROWS, BLOCK_D], [ROWS], [ROWS] fp32: a finished softmax
+                sink_log2,  # [ROWS] fp32: the rows' sink logits * log2(e), read when HAS_SINKS
+                HAS_SINKS: tl.constexpr):
+    """The output rows: acc over the softmax's denominator, the sink's exp2 in it."""
+    if HAS_SINKS:
+        new_max = tl.maximum(row_max, sink_log2)
+        correction = tl.exp2(row_max - new_max)
+        return acc * (correction / (row_sum * correction + tl.exp2(sink_log2 - new_max)))[:, None]
+    return acc / row_sum[:, None]
 
 
 @jit
@@ -83,7 +114,10 @@ def _paged_decode_kernel(
     out_ptr,  # [num_tokens, num_heads, head_size]: written when NUM_SPLITS == 1
     partial_out_ptr,  # [num_decodes, num_heads, NUM_SPLITS, head_size] fp32: each split's output
     partial_max_ptr, partial_sum_ptr,  # [num_decodes, num_heads, NUM_SPLITS] fp32: its softmax max, sum
+    sinks_ptr,  # [num_heads] fp32, read when HAS_SINKS
     scale_log2,  # scale * log2(e)
+    soft_cap_log2,  # logits_soft_cap * log2(e), read when SOFT_CAP
+    sliding_window,  # keys a query sees, read when SLIDING
     query_stride_token, query_stride_head, out_stride_token, out_stride_head,
     cache_stride_block, cache_stride_head, cache_stride_slot, block_tables_stride,
     num_heads, head_size,
@@ -96,14 +130,18 @@ def _paged_decode_kernel(
     NUM_SPLITS: tl.constexpr,
     DOT_IN_FP32: tl.constexpr,  # see kernels._triton.dot_in_fp32
     INPUT_PRECISION: tl.constexpr,  # "ieee" for fp32 (tf32 keeps 10 mantissa bits); else None
+    SLIDING: tl.constexpr, SOFT_CAP: tl.constexpr, HAS_SINKS: tl.constexpr,  # the variant (see the docstring)
 ):
     decode = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
     seq = tl.load(decode_seqs_ptr + decode)
     seq_len = tl.load(seq_lens_ptr + seq)
-    start = split * PARTITION_SIZE
-    if start >= seq_len:  # a shorter sequence than the longest decode
+    first_key = 0  # the splits cover first_key ... seq_len - 1: the window's keys
+    if SLIDING:
+        first_key = tl.maximum(seq_len - sliding_window, 0)
+    start = first_key + split * PARTITION_SIZE
+    if start >= seq_len:  # a shorter sequence (or window) than the longest decode's
         return
     end = tl.minimum(start + PARTITION_SIZE, seq_len)
     token = tl.load(query_start_loc_ptr + seq).to(tl.int64)
@@ -127,15 +165,20 @@ def _paged_decode_kernel(
                              head_size, cache_stride_block, cache_stride_head, cache_stride_slot, BLOCK_SIZE,
                              DOT_IN_FP32)
         row_max, row_sum, acc = _online_softmax_update(q, k, v, token_mask[None, :], row_max, row_sum, acc,
-                                                       scale_log2, INPUT_PRECISION)
+                                                       scale_log2, soft_cap_log2, INPUT_PRECISION, SOFT_CAP)
 
     out = out_ptr + token * out_stride_token + heads[:, None] * out_stride_head + dims[None, :]
+    sink_log2 = row_max  # (unread without sinks)
+    if HAS_SINKS:
+        sink_log2 = tl.load(sinks_ptr + heads, mask=groups < GROUP, other=0.0) * 1.4426950408889634
     if NUM_SPLITS == 1:
-        tl.store(out, (acc / row_sum[:, None]).to(out_ptr.dtype.element_ty), mask=head_mask)
-    elif seq_len <= PARTITION_SIZE:
+        tl.store(out, _normalized(acc, row_max, row_sum, sink_log2, HAS_SINKS).to(out_ptr.dtype.element_ty),
+                 mask=head_mask)
+    elif seq_len - first_key <= PARTITION_SIZE:
         # the sequence's only split: its output is final, and the reduction skips it (a CUDA
         # graph launches max_model_len's splits, yet a short sequence costs one program)
-        tl.store(out, (acc / row_sum[:, None]).to(out_ptr.dtype.element_ty), mask=head_mask)
+        tl.store(out, _normalized(acc, row_max, row_sum, sink_log2, HAS_SINKS).to(out_ptr.dtype.element_ty),
+                 mask=head_mask)
     else:
         rows = (decode.to(tl.int64) * num_heads + heads) * NUM_SPLITS + split  # [BLOCK_G]
         tl.store(partial_out_ptr + rows[:, None] * head_size + dims[None, :], acc / row_sum[:, None],
@@ -152,18 +195,24 @@ def _paged_decode_reduce_kernel(
     seq_lens_ptr,  # [num_seqs] int32
     query_start_loc_ptr,  # [num_seqs + 1] int32
     decode_seqs_ptr,  # [num_decodes] int32
+    sinks_ptr,  # [num_heads] fp32, read when HAS_SINKS
+    sliding_window,  # read when SLIDING
     out_stride_token, out_stride_head, num_heads, head_size,
     PARTITION_SIZE: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
     BLOCK_S: tl.constexpr,  # NUM_SPLITS rounded up to a power of two
     BLOCK_D: tl.constexpr,
+    SLIDING: tl.constexpr, HAS_SINKS: tl.constexpr,
 ):
     """One program per (decode, head): the splits' outputs weighted by their softmax sums,
-    rescaled to a common max."""
+    rescaled to a common max (the sink's, where it is larger)."""
     decode = tl.program_id(0)
     head = tl.program_id(1)
     seq = tl.load(decode_seqs_ptr + decode)
-    num_splits = (tl.load(seq_lens_ptr + seq) + PARTITION_SIZE - 1) // PARTITION_SIZE
+    num_keys = tl.load(seq_lens_ptr + seq)
+    if SLIDING:
+        num_keys = tl.minimum(num_keys, sliding_window)
+    num_splits = (num_keys + PARTITION_SIZE - 1) // PARTITION_SIZE
     # one split: the decode kernel wrote this sequence's output itself; none: a CUDA graph's
     # dummy sequence (actors/worker/graph_inputs.py), nothing to write
     if num_splits <= 1:
@@ -173,9 +222,15 @@ def _paged_decode_reduce_kernel(
     split_mask = splits < num_splits
     rows = (decode.to(tl.int64) * num_heads + head) * NUM_SPLITS + splits
     maxes = tl.load(partial_max_ptr + rows, mask=split_mask, other=float("-inf"))
-    weights = tl.load(partial_sum_ptr + rows, mask=split_mask, other=0.0) * tl.exp2(maxes - tl.max(maxes, 0))
-    # normalised first, so that the weights sum to 1 as exactly as they can
-    weights = weights / tl.sum(weights, 0)
+    if HAS_SINKS:
+        sink_log2 = tl.load(sinks_ptr + head) * 1.4426950408889634
+        common_max = tl.maximum(tl.max(maxes, 0), sink_log2)
+        weights = tl.load(partial_sum_ptr + rows, mask=split_mask, other=0.0) * tl.exp2(maxes - common_max)
+        weights = weights / (tl.sum(weights, 0) + tl.exp2(sink_log2 - common_max))
+    else:
+        weights = tl.load(partial_sum_ptr + rows, mask=split_mask, other=0.0) * tl.exp2(maxes - tl.max(maxes, 0))
+        # normalised first, so that the weights sum to 1 as exactly as they can
+        weights = weights / tl.sum(weights, 0)
     partial = tl.load(partial_out_ptr + rows[:, None] * head_size + dims[None, :],
                       mask=split_mask[:, None] & (dims < head_size)[None, :], other=0.0)
     out = tl.sum(partial * weights[:, None], 0)
@@ -193,7 +248,10 @@ def _paged_prefill_kernel(
     query_start_loc_ptr,  # [num_seqs + 1] int32
     prefill_seqs_ptr,  # [num_prefills] int32
     out_ptr,  # [num_tokens, num_heads, head_size]
+    sinks_ptr,  # [num_heads] fp32, read when HAS_SINKS
     scale_log2,  # scale * log2(e)
+    soft_cap_log2,  # logits_soft_cap * log2(e), read when SOFT_CAP
+    sliding_window,  # keys a query sees, read when SLIDING
     query_stride_token, query_stride_head, out_stride_token, out_stride_head,
     cache_stride_block, cache_stride_head, cache_stride_slot, block_tables_stride,
     head_size,
@@ -204,6 +262,7 @@ def _paged_prefill_kernel(
     BLOCK_SIZE: tl.constexpr,  # tokens per cache block
     DOT_IN_FP32: tl.constexpr,
     INPUT_PRECISION: tl.constexpr,
+    SLIDING: tl.constexpr, SOFT_CAP: tl.constexpr, HAS_SINKS: tl.constexpr,  # the variant (see the docstring)
 ):
     query_tile = tl.program_id(0)
     seq = tl.load(prefill_seqs_ptr + tl.program_id(1))
@@ -227,16 +286,26 @@ def _paged_prefill_kernel(
     row_sum = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     block_table = block_tables_ptr + seq.to(tl.int64) * block_tables_stride
-    # keys up to this tile's last query; the first tile holds key 0, which every row sees
+    # keys up to this tile's last query; the first tile holds key 0, which every row sees (with a
+    # window: from the first row's window's first key, which later rows may not see)
     end = tl.minimum(seq_len, seq_len - query_len + (query_tile + 1) * BLOCK_M)
-    for tile_start in range(0, end, BLOCK_N):
+    first_key = 0
+    if SLIDING:
+        first_key = tl.maximum(seq_len - query_len + query_tile * BLOCK_M - sliding_window + 1, 0)
+    for tile_start in range(first_key, end, BLOCK_N):
         tokens = tile_start + tl.arange(0, BLOCK_N)
         token_mask = tokens < end
         k, v = _load_kv_tile(key_cache_ptr, value_cache_ptr, block_table, tokens, token_mask, kv_head, dims,
                              head_size, cache_stride_block, cache_stride_head, cache_stride_slot, BLOCK_SIZE,
                              DOT_IN_FP32)
         visible = token_mask[None, :] & (tokens[None, :] <= positions[:, None])  # causal on positions
+        if SLIDING:
+            visible = visible & (tokens[None, :] > positions[:, None] - sliding_window)
         row_max, row_sum, acc = _online_softmax_update(q, k, v, visible, row_max, row_sum, acc, scale_log2,
-                                                       INPUT_PRECISION)
+                                                       soft_cap_log2, INPUT_PRECISION, SOFT_CAP, SLIDING)
+    sink_log2 = row_max  # (unread without sinks)
+    if HAS_SINKS:
+        sink_log2 = tl.zeros([BLOCK_M], tl.float32) + tl.load(sinks_ptr + head) * 1.4426950408889634
     out = out_ptr + tokens_of_rows[:, None] * out_stride_token + head * out_stride_head + dims[None, :]
-    tl.store(out, (acc / row_sum[:, None]).to(out_ptr.dtype.element_ty), mask=query_mask)
+    tl.store(out, _normalized(acc, row_max, row_sum, sink_log2, HAS_SINKS).to(out_ptr.dtype.element_ty),
+             mask=query_mask)

@@ -10,7 +10,7 @@ from messages.errors import InvalidRequestError
 from messages.structured_outputs import StructuredOutputsParams
 
 DEFAULT_COMPILE_TIMEOUT_S = 30.0  # --grammar-compile-timeout
-DEFAULT_MAX_GRAMMAR_BYTES = 256 * 2**10  # --max-grammar-bytes: a schema of ~7,000 properties
+DEFAULT_MAX_GRAMMAR_BYTES = 64 * 2**10  # --max-grammar-bytes: a JSON schema of ~1,900 short properties
 # a worker's compiled grammars, kept for requests that repeat a constraint (least recently
 # used dropped first): a JSON schema of 1,200 properties compiles to 13 MB for a 49k vocabulary
 MAX_CACHED_GRAMMAR_BYTES = 256 * 2**20

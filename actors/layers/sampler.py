@@ -169,12 +169,17 @@ class Sampler:
                                           logprobs=values[i][: 1 + top], ranks=[ids[i][0]] + list(range(1, top + 1))))
         return tokens, logprobs
 
-    def reads_output(self, key: Hashable) -> bool:
-        """Whether a processor reads this request's output on the host (then its next step
-        needs this step's token read back first)."""
+    def output_readers(self) -> list[LogitsProcessor]:
+        """The processors that read a request's output on the host and hold a request now
+        (none, on most steps: then no request's next step waits for its token)."""
+        return [p for p in self.processors if getattr(p, "reads_output", False) and getattr(p, "count", 1)]
+
+    def reads_output(self, key: Hashable, readers: list[LogitsProcessor] | None = None) -> bool:
+        """Whether a processor (of readers, by default output_readers()) reads this request's
+        output on the host: then its next step needs this step's token read back first."""
         slot = self.batch.slot_of.get(key)
-        return slot is not None and any(getattr(p, "reads_output", False) and p.concerns(slot)
-                                        for p in self.processors)
+        readers = self.output_readers() if readers is None else readers
+        return slot is not None and any(p.concerns(slot) for p in readers)
 
     def _sample_random(self, logits: torch.Tensor, rows: StepRows, greedy: np.ndarray) -> torch.Tensor:
         device = logits.device

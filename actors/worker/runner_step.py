@@ -73,9 +73,13 @@ class StepExecution:
         for new in plan.new_requests:  # (a request resumed while the last step still samples it)
             if new.request_id in requests and requests[new.request_id].sampled_row is not None:
                 return False
+        readers = self.sampler.output_readers()
+        if not readers:
+            return True
         for request_id in plan.num_scheduled_tokens:
             request = requests.get(request_id)
-            if request is not None and request.sampled_row is not None and self.sampler.reads_output(request_id):
+            if request is not None and request.sampled_row is not None \
+                    and self.sampler.reads_output(request_id, readers):
                 return False
         return True
 

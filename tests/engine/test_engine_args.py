@@ -33,7 +33,8 @@ def test_every_field_is_a_flag_whose_default_is_the_keywords_default():
     assert EngineArgs.from_cli_args(parse_args([])) == EngineArgs()
 
 
-def test_flags_set_the_fields_of_the_same_name():
+def test_flags_set_the_fields_of_the_same_name(monkeypatch):
+    monkeypatch.setenv("TROUPE_ENGINE_KEY", "k" * 32)  # --nnodes 2: the nodes' shared secret (else refused)
     args = EngineArgs.from_cli_args(parse_args([
         "--model", "/models/x", "--max-num-seqs", "7", "--kv-cache-memory", "1GiB", "--num-kv-blocks", "40",
         "--dtype", "bfloat16", "--device", "cuda", "--gpu-memory-utilization", "0.5", "--no-async-scheduling",

@@ -1,7 +1,8 @@
 """Asynchronous steps (async_scheduling, on by default): a step is launched before the one
 before it is finished, its decodes taking that step's tokens on the device. The outputs are
 the same as with every step finished before the next (async_scheduling=False): greedy and
-seeded sampling, stops, min_tokens, n, logprobs, penalties, preemption, aborts; and a step
+seeded sampling, stops, min_tokens, n, logprobs, penalties, preemption, aborts, speculative
+decoding, LoRA adapters mixed in a batch; and a step
 that needs the last tokens on the host (a grammar, bad words, a custom processor) waits for
 them instead of running ahead. The in-process engine (LLM) runs ahead on the CPU too; the
 actor engine's worker does whenever the next plan is already there (always on a GPU)."""
@@ -38,12 +39,12 @@ def _assert_same(ahead: list, behind: list) -> None:
                 assert all(abs(step[t] - expected[t]) < 1e-4 for t in step)
 
 
-def _both(model: str, prompts, params, **engine_args) -> tuple[list, list, int]:
+def _both(model: str, prompts, params, lora_request=None, **engine_args) -> tuple[list, list, int]:
     """The outputs with and without asynchronous steps, and how many steps ran ahead."""
     results, run_ahead = [], 0
     for async_scheduling in (True, False):
         with LLM(model, **{**ENGINE_ARGS, **engine_args}, async_scheduling=async_scheduling) as llm:
-            results.append(_outputs(llm.generate(prompts, params, use_tqdm=False)))
+            results.append(_outputs(llm.generate(prompts, params, use_tqdm=False, lora_request=lora_request)))
             if async_scheduling:
                 run_ahead = llm.engine.runner.steps_run_ahead
     return results[0], results[1], run_ahead
@@ -78,6 +79,31 @@ def test_preemption_in_a_small_cache_gives_the_same_outputs(tiny_llama_dir, prom
     small = dict(num_kv_blocks=24, max_num_seqs=6)  # a few sequences' worth: preemption
     ahead_small, behind_small, run_ahead = _both(tiny_llama_dir, prompts * 2, params, **small)
     assert ahead_small == behind_small == ahead == behind
+    assert run_ahead > 0
+
+
+def test_speculative_decoding_gives_the_same_outputs(tiny_llama_dir, prompts):
+    # repetitive prompts, so the n-gram proposer finds drafts and some are accepted
+    repetitive = [(p[:4] * 12)[:40] for p in prompts]
+    params = [SamplingParams(temperature=0.0, max_tokens=24, stop_token_ids=[60 + i]) for i in range(len(prompts))]
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
+    ahead, behind, _ = _both(tiny_llama_dir, repetitive, params, speculative_config=spec)
+    _assert_same(ahead, behind)
+    plain, _, _ = _both(tiny_llama_dir, repetitive, params)
+    assert [[c[0] for c in o] for o in ahead] == [[c[0] for c in o] for o in plain]  # greedy: speculation changes nothing
+
+
+def test_lora_adapters_mixed_in_a_batch_give_the_same_outputs(tiny_llama_dir, prompts, tmp_path):
+    from actors import LoRARequest
+    from tests.lora_adapters import build_lora_adapter
+
+    adapters = [LoRARequest(f"a{i}", i + 1, build_lora_adapter(tiny_llama_dir, str(tmp_path / f"a{i}"), seed=i))
+                for i in range(2)]
+    loras = [adapters[0], None, adapters[1], adapters[0], None, adapters[1], adapters[1], None]
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    ahead, behind, run_ahead = _both(tiny_llama_dir, prompts, params, lora_request=loras, enable_lora=True,
+                                     max_loras=2, max_lora_rank=16)
+    _assert_same(ahead, behind)
     assert run_ahead > 0
 
 
