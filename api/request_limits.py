@@ -16,7 +16,7 @@ from typing import Any
 
 from actors.config import DEFAULT_MAX_N_SEQUENCES, max_n_sequences  # noqa: F401 - the bound's default, named here too
 from actors.errors import InvalidRequestError
-from actors.structured_output.limits import DEFAULT_MAX_GRAMMAR_BYTES
+from actors.config.structured_output import DEFAULT_MAX_GRAMMAR_BYTES
 
 MAX_STOP_STRINGS = 64
 MAX_STOP_STRING_CHARS = 1024
