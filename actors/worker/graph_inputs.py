@@ -8,8 +8,8 @@ Two kinds of graph read them (cuda_graphs.py):
   and decode list constant (0..B);
 - a mixed graph of T tokens (prefill chunks and decodes, at most MAX_PREFILLS chunks): the
   step's tokens padded to T, its sequences' lengths, offsets and tables, and the decode and
-  prefill lists padded with a dummy sequence (index max_seqs: no tokens, no keys), so every
-  attention program past the step's sequences exits at once.
+  prefill lists padded with a dummy sequence (index max_seqs: no tokens, no keys, an empty
+  query range), so every attention program past the step's sequences exits at once.
 """
 
 from __future__ import annotations
@@ -66,7 +66,12 @@ class GraphInputs:
         self._fill_tokens(longs, step, size)
         ints[:count], ints[dummy] = step.seq_lens, 0
         query_offsets = ints[offsets[1]: offsets[2]]
-        query_offsets[: count + 1], query_offsets[dummy: dummy + 2] = step.query_start_loc, 0
+        query_offsets[: count + 1] = step.query_start_loc
+        # the dummy's query range is empty: [end, end) of the last sequence when the step holds
+        # max_seqs of them (offset max_seqs is then that sequence's end, which must stay), else [0, 0)
+        if count < dummy:
+            query_offsets[dummy] = 0
+        query_offsets[dummy + 1] = query_offsets[dummy]
         decode_list = ints[offsets[2]: offsets[3]]
         decode_list[:decodes], decode_list[decodes: min(size, self.max_seqs)] = np.arange(decodes), dummy
         prefill_list = ints[offsets[3]: offsets[4]]

@@ -132,10 +132,14 @@ def test_replayed_decodes_equal_eager_ones_with_padding_and_long_sequences(qk_no
 
 @requires_triton
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU's stand-in; tests/gpu replays the real graphs")
+@pytest.mark.parametrize("max_num_seqs", [6, 5], ids=["room-to-spare", "a-full-batch"])
 @torch.inference_mode()
-def test_a_mixed_step_of_prefill_chunks_and_decodes_replays_as_it_runs_eagerly():
+def test_a_mixed_step_of_prefill_chunks_and_decodes_replays_as_it_runs_eagerly(max_num_seqs):
     """A mixed graph: decodes and prefill chunks (one fresh, one after cached tokens) padded to
-    the graph's token count, its decode and prefill lists padded with the dummy sequence."""
+    the graph's token count, its decode and prefill lists padded with the dummy sequence; with
+    max_num_seqs sequences too, where the last one's query end shares its place in the offsets
+    with the dummy's start (on an H100 that end was overwritten with the dummy's 0, and a full
+    batch's last prefill chunk came out wrong)."""
     torch.manual_seed(1)
     model = tiny_model()
     caches = [(torch.zeros(120, 2, BLOCK, 16), torch.zeros(120, 2, BLOCK, 16)) for _ in range(2)]
@@ -149,7 +153,8 @@ def test_a_mixed_step_of_prefill_chunks_and_decodes_replays_as_it_runs_eagerly()
     histories = [torch.randint(3, 300, (done,)).tolist() for done in cached]
     ids, positions, attention = step(model, [(b, 0, h) for b, h in zip(blocks, histories) if h])
     model.forward(ids, positions, caches, attention)  # the cached tokens' keys and values
-    graphs = CudaGraphs(model, caches, (1, 2, 4), MAX_MODEL_LEN, BLOCK, mixed_sizes=(32, 64), max_num_seqs=6)
+    graphs = CudaGraphs(model, caches, (1, 2, 4), MAX_MODEL_LEN, BLOCK, mixed_sizes=(32, 64),
+                         max_num_seqs=max_num_seqs)
     seqs = [(b, done, torch.randint(3, 300, (count,)).tolist()) for b, done, count in zip(blocks, cached, new)]
     before = [(k.clone(), v.clone()) for k, v in caches]
     eager = model.forward(*step(model, seqs)[:2], caches, step(model, seqs)[2])
