@@ -181,7 +181,7 @@ class NativeKernels:
 
 
 class DecoderShape(ctypes.Structure):
-    """cpu_kernels.cpp's DecoderShape."""
+    """cpu_model_step.h's DecoderShape."""
 
     _fields_ = [(name, _i64) for name in (
         "num_layers", "hidden_size", "num_heads", "num_kv_heads", "head_size", "intermediate_size", "block_size",
@@ -190,7 +190,7 @@ class DecoderShape(ctypes.Structure):
 
 
 class DecoderLayer(ctypes.Structure):
-    """cpu_kernels.cpp's DecoderLayer: pointers to one layer's weights and KV cache."""
+    """cpu_model_step.h's DecoderLayer: pointers to one layer's weights and KV cache."""
 
     _fields_ = [(name, _ptr) for name in (
         "input_norm", "qkv_proj", "qkv_bias", "q_norm", "k_norm", "o_proj", "post_attention_norm", "gate_up_proj",
@@ -201,7 +201,7 @@ class DecoderLayer(ctypes.Structure):
 
 
 class StepBatch(ctypes.Structure):
-    """cpu_kernels.cpp's StepBatch."""
+    """cpu_model_step.h's StepBatch."""
 
     _fields_ = [("num_tokens", _i64), ("positions", _ptr), ("cos_sin_cache", _ptr), ("cos_sin_stride", _i64),
                 ("slot_mapping", _ptr), ("block_tables", _ptr), ("seq_lens", _ptr), ("query_start_loc", _ptr),
@@ -210,7 +210,7 @@ class StepBatch(ctypes.Structure):
 
 
 class LoraStep(ctypes.Structure):
-    """cpu_kernels.cpp's LoraStep: a step's LoRA adapters (actors/lora/slots.py's layout)."""
+    """cpu_model_step.h's LoraStep: a step's LoRA adapters (actors/lora/slots.py's layout)."""
 
     _fields_ = [("num_slots", _i64), ("max_rank", _i64), ("num_segments", _i64), ("a", _ptr), ("b", _ptr),
                 ("rows", _ptr), ("col_offset", _ptr), ("rank", _ptr), ("seg_start", _ptr), ("seg_len", _ptr),
