@@ -1,6 +1,6 @@
 """A Llama-family decoder (Llama 2/3, SmolLM2, Mistral, Qwen2, Qwen3) over a flat batch
 of tokens: no padding, every token of every request in one [num_tokens, hidden] matrix,
-attention through the paged KV cache.
+attention through the paged KV cache (each layer with its config's sliding window, if any).
 
 Weights are plain tensors, not nn.Modules, so a step pays no module-dispatch overhead.
 Q/K/V and gate/up projections are fused into one matmul each."""
@@ -60,6 +60,9 @@ class LlamaModel:
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
         self.scale = self.head_dim**-0.5
+        # each layer's sliding window (None: full attention), from the config (hybrid_config.py)
+        self.sliding_windows: list[int | None] = [
+            window or None for window in config.sliding_windows] or [None] * config.num_hidden_layers
         self.cos_sin_cache = build_cos_sin_cache(
             self.head_dim, config.max_position_embeddings, config.rope_theta, config.rope_scaling
         ).to(device)
@@ -207,7 +210,8 @@ class LlamaModel:
             v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
             q, k = ops.rotary_store_kv(positions, q, k, v, self.cos_sin_cache, key_cache, value_cache,
                                        attention.slot_mapping, layer.q_norm, layer.k_norm, eps)
-            attn = ops.attention(q, k, v, key_cache, value_cache, attention, self.scale)
+            attn = ops.attention(q, k, v, key_cache, value_cache, attention, self.scale,
+                                 sliding_window=self.sliding_windows[index])
             attn = attn.view(num_tokens, self.q_size)
             hidden = ops.linear(attn, layer.o_proj)
             if lora is not None:

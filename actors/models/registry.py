@@ -30,7 +30,7 @@ class ModelEntry:
     class_name: str
 
 
-_DECODER_FAMILIES = ("Llama", "Mistral", "Qwen2", "Qwen3")  # (Mistral without a sliding window)
+_DECODER_FAMILIES = ("Llama", "Mistral", "Qwen2", "Qwen3")  # (sliding windows: hybrid_config.py)
 _LLAMA = ModelEntry("decoder", "actors.models.llama", "LlamaModel")
 _BERT = ModelEntry("encoder", "actors.models.bert", "BertModel")
 

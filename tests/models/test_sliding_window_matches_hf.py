@@ -1,0 +1,76 @@
+"""Issue 39's architectures against Hugging Face on tiny random fp32 models whose sliding
+windows (16-32 keys) are far shorter than the prompts (200-600 tokens): greedy tokens and
+logprobs of a batch of mixed lengths, the same with chunked prefill whose chunks cross the
+window's reach, and a second ask of the same prompts served from the prefix cache. Every
+architecture on the CPU's C++ kernels (the one-call step where the model takes it) and one
+windowed model on the torch reference backend."""
+
+from __future__ import annotations
+
+import pytest
+
+from actors import LLM, SamplingParams
+from tests.models.test_llm_matches_hf import hf_greedy, make_prompts
+
+LENGTHS = [230, 17, 600, 64, 333]  # prompts longer and shorter than the window, batched together
+MAX_TOKENS = 8
+GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=3)
+
+# name -> (tiny model arch, config overrides)
+MODELS = {
+    "mistral": ("mistral", dict(sliding_window=16)),
+    "qwen2": ("qwen2", dict(use_sliding_window=True, sliding_window=24, max_window_layers=1, num_hidden_layers=3,
+                            tie_word_embeddings=True)),
+    "qwen3-layer-types": ("qwen3", dict(use_sliding_window=True, sliding_window=20, num_hidden_layers=3,
+                                        layer_types=["sliding_attention", "full_attention", "sliding_attention"])),
+}
+
+
+def check_matches_hf(llm: LLM, model_dir: str, prompts: list[list[int]], expected: tuple) -> list:
+    expected_tokens, expected_logprobs = expected
+    outputs = llm.generate(prompts, GREEDY, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outputs] == expected_tokens
+    for output, steps in zip(outputs, expected_logprobs):
+        completion = output.outputs[0]
+        for token, position, hf_logprobs in zip(completion.token_ids, completion.logprobs, steps):
+            assert abs(position[token].logprob - float(hf_logprobs[token])) < 1e-3
+    return outputs
+
+
+def run_every_way(model_dir: str, **engine) -> None:
+    """Whole prompts batched; then chunked prefill (chunks of 40 across 16-32 key windows) and,
+    on that engine, the same prompts again from the prefix cache."""
+    llm = LLM(model_dir, kv_cache_memory="64MiB", **engine)
+    prompts = make_prompts(llm.config.model.vocab_size, LENGTHS, seed=39)
+    expected = hf_greedy(model_dir, prompts, MAX_TOKENS)
+    check_matches_hf(llm, model_dir, prompts, expected)
+    del llm
+    chunked = LLM(model_dir, kv_cache_memory="64MiB", max_num_batched_tokens=40, block_size=8, **engine)
+    check_matches_hf(chunked, model_dir, prompts, expected)
+    again = check_matches_hf(chunked, model_dir, prompts, expected)
+    assert all(o.num_cached_tokens > 0 for o, n in zip(again, LENGTHS) if n > 8)
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_windowed_llama_family_matches_hf(name, make_tiny_model):
+    arch, overrides = MODELS[name]
+    model_dir = make_tiny_model(arch, max_position_embeddings=1024, **overrides)
+    run_every_way(model_dir)
+
+
+def test_windowed_mistral_on_the_torch_backend_matches_hf(make_tiny_model):
+    model_dir = make_tiny_model("mistral", max_position_embeddings=1024, sliding_window=16)
+    run_every_way(model_dir, attention_backend="torch")
+
+
+def test_layer_windows_follow_hugging_face_rules(make_tiny_model):
+    from actors.models.loader import load_model_config
+
+    qwen2 = load_model_config(make_tiny_model("qwen2", max_position_embeddings=1024, **MODELS["qwen2"][1]))
+    assert qwen2.sliding_windows == (0, 24, 24)  # max_window_layers=1: layers 1 and on
+    off = load_model_config(make_tiny_model("qwen2", max_position_embeddings=1024, sliding_window=24))
+    assert off.sliding_windows == ()  # use_sliding_window defaults to False
+    mistral = load_model_config(make_tiny_model("mistral", max_position_embeddings=1024, sliding_window=16))
+    assert mistral.sliding_windows == (16, 16)
+    wide = load_model_config(make_tiny_model("mistral", max_position_embeddings=1024, sliding_window=4096))
+    assert wide.sliding_windows == ()  # a window past every position masks nothing
