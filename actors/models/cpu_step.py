@@ -59,7 +59,7 @@ class CpuModelStep:
     def build(model: LlamaModel, backend: AttentionBackend) -> CpuModelStep | None:
         """The one-call step of this model, or None where it cannot take the model's steps
         (another backend than the CPU's, ...)."""
-        if not isinstance(backend, CpuBackend):
+        if not isinstance(backend, CpuBackend) or not model.fused_cpu_step:
             return None
         native = backend.native
         if native is None or model.dtype != torch.float32 or model.device.type != "cpu" or model.parallel.enabled:

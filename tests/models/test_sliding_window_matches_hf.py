@@ -25,6 +25,15 @@ MODELS = {
                                         layer_types=["sliding_attention", "full_attention", "sliding_attention"])),
 }
 
+# Gemma: windows of 16-32 keys; Gemma 2's soft caps (50 and 30 are its defaults, small ones
+# here so they bind) and query_pre_attn_scalar; Gemma 3's 5:1 pattern, local RoPE base, q/k norms
+GEMMA = {
+    "gemma2": ("gemma2", dict(sliding_window=16, num_hidden_layers=3, query_pre_attn_scalar=24,
+                              attn_logit_softcapping=3.0, final_logit_softcapping=5.0, tie_word_embeddings=True)),
+    "gemma3": ("gemma3", dict(sliding_window=32, num_hidden_layers=7, query_pre_attn_scalar=16,
+                              rope_local_base_freq=100.0, rope_theta=50000.0, tie_word_embeddings=True)),
+}
+
 
 def check_matches_hf(llm: LLM, model_dir: str, prompts: list[list[int]], expected: tuple) -> list:
     expected_tokens, expected_logprobs = expected
@@ -51,9 +60,9 @@ def run_every_way(model_dir: str, **engine) -> None:
     assert all(o.num_cached_tokens > 0 for o, n in zip(again, LENGTHS) if n > 8)
 
 
-@pytest.mark.parametrize("name", MODELS)
-def test_windowed_llama_family_matches_hf(name, make_tiny_model):
-    arch, overrides = MODELS[name]
+@pytest.mark.parametrize("name", [*MODELS, *GEMMA])
+def test_windowed_models_match_hf(name, make_tiny_model):
+    arch, overrides = {**MODELS, **GEMMA}[name]
     model_dir = make_tiny_model(arch, max_position_embeddings=1024, **overrides)
     run_every_way(model_dir)
 
@@ -74,3 +83,27 @@ def test_layer_windows_follow_hugging_face_rules(make_tiny_model):
     assert mistral.sliding_windows == (16, 16)
     wide = load_model_config(make_tiny_model("mistral", max_position_embeddings=1024, sliding_window=4096))
     assert wide.sliding_windows == ()  # a window past every position masks nothing
+
+
+
+def test_gemma2_on_the_torch_backend_matches_hf(make_tiny_model):
+    arch, overrides = GEMMA["gemma2"]
+    run_every_way(make_tiny_model(arch, max_position_embeddings=1024, **overrides), attention_backend="torch")
+
+
+def test_gemma_dummy_weights_run(make_tiny_model):
+    llm = LLM(make_tiny_model("gemma3", max_position_embeddings=1024, **GEMMA["gemma3"][1]), load_format="dummy",
+              kv_cache_memory="16MiB")
+    assert len(llm.generate([[5, 6, 7]], SamplingParams(max_tokens=3, ignore_eos=True),
+                            use_tqdm=False)[0].outputs[0].token_ids) == 3
+
+
+def test_gemma3_layers_and_ropes_are_read_from_its_config(make_tiny_model):
+    from actors.models.loader import load_model_config
+
+    config = load_model_config(make_tiny_model("gemma3", max_position_embeddings=1024, **GEMMA["gemma3"][1]))
+    assert config.sliding_windows == (32, 32, 32, 32, 32, 0, 32)
+    assert config.family["local_rope"]["rope_theta"] == 100.0
+    assert config.family["global_rope"]["rope_theta"] == 50000.0
+    assert config.family["attn_logit_softcapping"] is None and config.qk_norm
+
