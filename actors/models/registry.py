@@ -41,6 +41,7 @@ MODELS: dict[str, ModelEntry] = {
        for family in _DECODER_FAMILIES},
     "Gemma2ForCausalLM": _GEMMA,
     "Gemma3ForCausalLM": _GEMMA,
+    "Phi3ForCausalLM": ModelEntry("decoder", "actors.models.phi3", "Phi3Model"),
     **{f"{family}{kind}": _BERT for family in ("Bert", "Roberta", "XLMRoberta")
        for kind in ("Model", "ForSequenceClassification")},
     "LlavaForConditionalGeneration": ModelEntry("vision", "actors.models.vision_runner", "VisionRunner"),

@@ -34,6 +34,17 @@ GEMMA = {
                               rope_local_base_freq=100.0, rope_theta=50000.0, tie_word_embeddings=True)),
 }
 
+# Phi-3: fused projections; LongRoPE (8 factors a head of 16) whose attention factor binds
+# (max_position_embeddings 2048 over original 700: every test sequence stays within 700,
+# where Hugging Face uses the short factors: phi3.py's docstring)
+_LONGROPE = {"rope_type": "longrope", "short_factor": [1.0, 1.1, 1.3, 1.6, 2.0, 2.5, 3.0, 4.0],
+             "long_factor": [1.0, 1.5, 2.0, 3.0, 4.0, 6.0, 8.0, 12.0]}
+PHI3 = {
+    "phi3-window": ("phi3", dict(sliding_window=32, max_position_embeddings=1024, pad_token_id=0)),
+    "phi3-longrope": ("phi3", dict(rope_scaling=_LONGROPE, max_position_embeddings=2048, pad_token_id=0,
+                                   original_max_position_embeddings=700)),
+}
+
 
 def check_matches_hf(llm: LLM, model_dir: str, prompts: list[list[int]], expected: tuple) -> list:
     expected_tokens, expected_logprobs = expected
@@ -60,10 +71,10 @@ def run_every_way(model_dir: str, **engine) -> None:
     assert all(o.num_cached_tokens > 0 for o, n in zip(again, LENGTHS) if n > 8)
 
 
-@pytest.mark.parametrize("name", [*MODELS, *GEMMA])
+@pytest.mark.parametrize("name", [*MODELS, *GEMMA, *PHI3])
 def test_windowed_models_match_hf(name, make_tiny_model):
-    arch, overrides = {**MODELS, **GEMMA}[name]
-    model_dir = make_tiny_model(arch, max_position_embeddings=1024, **overrides)
+    arch, overrides = {**MODELS, **GEMMA, **PHI3}[name]
+    model_dir = make_tiny_model(arch, **{"max_position_embeddings": 1024, **overrides})
     run_every_way(model_dir)
 
 
@@ -107,3 +118,26 @@ def test_gemma3_layers_and_ropes_are_read_from_its_config(make_tiny_model):
     assert config.family["global_rope"]["rope_theta"] == 50000.0
     assert config.family["attn_logit_softcapping"] is None and config.qk_norm
 
+
+
+def test_longrope_tables_are_hugging_faces_short_and_long_ones(make_tiny_model):
+    """Below original_max_position_embeddings each row is Hugging Face's short-factor
+    rotation, from it the long-factor one (which Hugging Face takes for a longer forward)."""
+    import torch
+    from transformers import AutoConfig
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    from actors.models.loader import load_model_config
+    from actors.models.phi3 import longrope_cos_sin_cache
+
+    model_dir = make_tiny_model(*PHI3["phi3-longrope"][:1], **PHI3["phi3-longrope"][1])
+    config = load_model_config(model_dir)
+    table = longrope_cos_sin_cache(config.head_dim, config.max_position_embeddings, config.family["rope_theta"],
+                                   config.family["longrope"])
+    hf_config = AutoConfig.from_pretrained(model_dir)
+    positions = torch.arange(config.max_position_embeddings, dtype=torch.float32)
+    for seq_len, rows in ((None, slice(0, 700)), (701, slice(700, None))):
+        inv_freq, attention_factor = ROPE_INIT_FUNCTIONS["longrope"](hf_config, seq_len=seq_len)
+        freqs = positions[rows, None] * inv_freq[None, :]
+        expected = torch.cat([freqs.cos() * attention_factor, freqs.sin() * attention_factor], dim=-1)
+        torch.testing.assert_close(table[rows], expected, rtol=0, atol=0)
