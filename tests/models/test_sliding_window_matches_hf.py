@@ -155,3 +155,17 @@ def test_windowed_models_match_hf_under_preemption(name, make_tiny_model):
     stats = llm.scheduler.stats()
     assert stats["num_preemptions"] > 0
     assert stats["num_free_blocks"] == stats["num_total_blocks"]
+
+
+def test_gemma3_drafting_for_itself_accepts_every_draft_and_matches_hf(make_tiny_model):
+    """A draft model runs its own architecture's code (the registry's), windows and all: a
+    Gemma 3 draft equal to its target accepts every draft, and the output is Hugging Face's."""
+    model_dir = make_tiny_model("gemma3", max_position_embeddings=1024, **GEMMA["gemma3"][1])
+    llm = LLM(model_dir, kv_cache_memory="64MiB", block_size=8,
+              speculative_config={"method": "draft_model", "model": model_dir, "num_speculative_tokens": 3})
+    prompts = make_prompts(llm.config.model.vocab_size, [120, 45], seed=42)
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outputs] == hf_greedy(model_dir, prompts, params.max_tokens)[0]
+    stats = llm.scheduler.stats()
+    assert stats["spec_decode_num_accepted_tokens"] == stats["spec_decode_num_draft_tokens"] > 0
