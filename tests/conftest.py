@@ -55,7 +55,8 @@ _CHAT_TEMPLATE = (
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
 )
 
-_MODEL_TYPES = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3"}
+_MODEL_TYPES = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3",
+                "gemma2": "gemma2", "gemma3": "gemma3_text", "phi3": "phi3"}
 _TINY_CONFIG = dict(
     hidden_size=64,
     intermediate_size=128,
@@ -140,7 +141,7 @@ def build_tiny_model(out_dir: str, arch: str, *, seed: int = 0, max_shard_size: 
 def make_tiny_model(tmp_path_factory) -> Callable[..., str]:
     """make_tiny_model(arch, *, seed=0, max_shard_size=None, **config_overrides) -> directory.
 
-    arch is "llama", "mistral", "qwen2" or "qwen3"; config_overrides replace _TINY_CONFIG's
+    arch is one of _MODEL_TYPES' keys ("llama", "gemma2", ...); config_overrides replace _TINY_CONFIG's
     values or add any other config field (rope_scaling=..., num_hidden_layers=4). Equal
     arguments give the same directory, built once per session."""
     built: dict[str, str] = {}

@@ -33,6 +33,11 @@ class ModelConfig:
     bos_token_id: int | None = None
     sep_token_id: int | None = None  # an encoder's [SEP] (where a pair's second segment starts)
     vision: VisionConfig | None = None  # a vision-language model's vision side (LLaVA); None: text only
+    # each layer's sliding window (0: full attention); empty: every layer full (issue 39)
+    sliding_windows: tuple[int, ...] = ()
+    # what a family's own config reader keeps beyond the Llama shape (Gemma's soft caps and
+    # scalars, Phi-3's LongRoPE): actors/models/hybrid_config.py, read by that family's model
+    family: dict | None = None
 
     @property
     def can_generate(self) -> bool:

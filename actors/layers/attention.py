@@ -50,8 +50,18 @@ class TorchBackend:
                                          dtype, step.host)
 
     def attention(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
-                  value_cache: torch.Tensor, step: AttentionMetadata, scale: float) -> torch.Tensor:
-        return paged_attention_planned(query, key_cache, value_cache, step.plan, scale)
+                  value_cache: torch.Tensor, step: AttentionMetadata, scale: float, *,
+                  sliding_window: int | None = None, logits_soft_cap: float | None = None,
+                  sinks: torch.Tensor | None = None) -> torch.Tensor:
+        plan = step.plan
+        if sliding_window is not None:  # (a plan per window, the step's first windowed layer makes it)
+            plan = step.window_plans.get(sliding_window)
+            if plan is None:
+                plan = step.window_plans[sliding_window] = plan_paged_attention(
+                    step.block_tables, step.seq_lens, step.query_start_loc, step.block_size, query.dtype,
+                    step.host, sliding_window=sliding_window)
+        return paged_attention_planned(query, key_cache, value_cache, plan, scale, logits_soft_cap=logits_soft_cap,
+                                       sinks=sinks)
 
 
 class CpuBackend:
@@ -108,8 +118,11 @@ class CpuBackend:
                                              step.block_size, step.host)
 
     def attention(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
-                  value_cache: torch.Tensor, step: AttentionMetadata, scale: float) -> torch.Tensor:
-        return paged_attention_cpu(query, key, value, key_cache, value_cache, step.plan, scale, self.native)
+                  value_cache: torch.Tensor, step: AttentionMetadata, scale: float, *,
+                  sliding_window: int | None = None, logits_soft_cap: float | None = None,
+                  sinks: torch.Tensor | None = None) -> torch.Tensor:
+        return paged_attention_cpu(query, key, value, key_cache, value_cache, step.plan, scale, self.native,
+                                   sliding_window=sliding_window, logits_soft_cap=logits_soft_cap, sinks=sinks)
 
 
 class TritonBackend:
@@ -129,9 +142,12 @@ class TritonBackend:
                                            decode_seqs=step.decode_seqs, prefill_seqs=step.prefill_seqs)
 
     def attention(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
-                  value_cache: torch.Tensor, step: AttentionMetadata, scale: float) -> torch.Tensor:
+                  value_cache: torch.Tensor, step: AttentionMetadata, scale: float, *,
+                  sliding_window: int | None = None, logits_soft_cap: float | None = None,
+                  sinks: torch.Tensor | None = None) -> torch.Tensor:
         return paged_attention(query, key_cache, value_cache, step.block_tables, step.seq_lens,
-                               step.query_start_loc, scale, launch=step.plan)
+                               step.query_start_loc, scale, launch=step.plan, sliding_window=sliding_window,
+                               logits_soft_cap=logits_soft_cap, sinks=sinks)
 
 
 AttentionBackend = TorchBackend | CpuBackend | TritonBackend

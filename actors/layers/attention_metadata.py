@@ -11,7 +11,7 @@ chunks, so the decodes' tokens are the first num_decode_tokens of the flat batch
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -48,6 +48,9 @@ class AttentionMetadata:
     # with them (actors/worker/step_inputs.py); else the backend makes them from host
     decode_seqs: torch.Tensor | None = None
     prefill_seqs: torch.Tensor | None = None
+    # the torch backend's plans of windowed layers, one per window, made on a layer's first
+    # ask (the decodes' block pairs differ by window; the plain plan above is the window None's)
+    window_plans: dict[int, BackendPlan] = field(default_factory=dict)
 
     @staticmethod
     def build(seq_lens: list[int],  # [num_seqs]: tokens in the cache after this step

@@ -59,7 +59,7 @@ class CpuModelStep:
     def build(model: LlamaModel, backend: AttentionBackend) -> CpuModelStep | None:
         """The one-call step of this model, or None where it cannot take the model's steps
         (another backend than the CPU's, ...)."""
-        if not isinstance(backend, CpuBackend):
+        if not isinstance(backend, CpuBackend) or not model.fused_cpu_step:
             return None
         native = backend.native
         if native is None or model.dtype != torch.float32 or model.device.type != "cpu" or model.parallel.enabled:
@@ -154,7 +154,8 @@ class CpuModelStep:
                              o_proj=_address(w.o_proj), post_attention_norm=_address(w.post_attention_norm),
                              gate_up_proj=_address(w.gate_up_proj), down_proj=_address(w.down_proj),
                              key_cache=k.data_ptr(), value_cache=v.data_ptr(), qkv_type=_type(w.qkv_proj),
-                             o_type=_type(w.o_proj), gate_up_type=_type(w.gate_up_proj), down_type=_type(w.down_proj))
-                for w, (k, v) in zip(model.layers, kv_caches)])
+                             o_type=_type(w.o_proj), gate_up_type=_type(w.gate_up_proj), down_type=_type(w.down_proj),
+                             sliding_window=window or 0)  # (0: full attention)
+                for w, (k, v), window in zip(model.layers, kv_caches, model.sliding_windows)])
             self._prepared_for, self._prepared_key = (shape, layers), key
         return self._prepared_for

@@ -22,6 +22,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from actors.models import gguf_families
+
 # Part of the cache key: bump it when the output of convert_gguf changes, so stale
 # conversions in users' caches are not reused.
 CONVERTER_VERSION = 1
@@ -42,6 +44,10 @@ _ARCHITECTURES = {
     "llama": _GGUFArchitecture("LlamaForCausalLM", "llama", unpermute_qk=True),
     "qwen2": _GGUFArchitecture("Qwen2ForCausalLM", "qwen2", unpermute_qk=False),
     "qwen3": _GGUFArchitecture("Qwen3ForCausalLM", "qwen3", unpermute_qk=False),
+    # issue 39's families: what differs is gguf_families.py's
+    "gemma2": _GGUFArchitecture("Gemma2ForCausalLM", "gemma2", unpermute_qk=False),
+    "gemma3": _GGUFArchitecture("Gemma3ForCausalLM", "gemma3_text", unpermute_qk=False),
+    "phi3": _GGUFArchitecture("Phi3ForCausalLM", "phi3", unpermute_qk=False),
 }
 
 _GLOBAL_TENSOR_TO_HF = {
@@ -182,6 +188,8 @@ def _hf_config(reader, tensors: dict, spec: _GGUFArchitecture, gguf_path: str) -
     }
     if spec.model_type == "llama":
         config["attention_bias"] = "blk.0.attn_q.bias" in tensors
+    gguf_families.family_config(lambda key, default=None: _field(reader, key, default), arch, config, tensors,
+                                _float32_value)
     return config
 
 
@@ -246,15 +254,16 @@ def llama3_rope_factors(scaling: dict, rope_theta: float, head_dim: int) -> np.n
     return np.array(divisors, dtype=np.float32)
 
 
-def hf_tensor_name(gguf_name: str) -> str:
+def hf_tensor_name(gguf_name: str, arch: str = "llama") -> str:
     """The Hugging Face name of a llama.cpp tensor name; ValueError for one we do not know."""
     base, _, suffix = gguf_name.rpartition(".")
     if base in _GLOBAL_TENSOR_TO_HF and suffix in ("weight", "bias"):
         return f"{_GLOBAL_TENSOR_TO_HF[base]}.{suffix}"
     match = _LAYER_TENSOR_NAME.fullmatch(gguf_name)
-    if match and match.group(2) in _LAYER_TENSOR_TO_HF:
+    table = {**_LAYER_TENSOR_TO_HF, **gguf_families.LAYER_TENSOR_OVERRIDES.get(arch, {})}
+    if match and match.group(2) in table:
         layer, kind, suffix = match.groups()
-        return f"model.layers.{layer}.{_LAYER_TENSOR_TO_HF[kind]}.{suffix}"
+        return f"model.layers.{layer}.{table[kind]}.{suffix}"
     raise ValueError(f"GGUF tensor {gguf_name!r} has no Hugging Face counterpart in a Llama-family model")
 
 
@@ -275,14 +284,16 @@ def _dequantized(tensor, hf_config: dict, spec: _GGUFArchitecture) -> np.ndarray
         values = unpermute_rotary_rows(values, hf_config["num_attention_heads"])
     elif spec.unpermute_qk and ".attn_k." in tensor.name:
         values = unpermute_rotary_rows(values, hf_config["num_key_value_heads"])
-    return values
+    return gguf_families.restore_values(spec.model_type.removesuffix("_text"), tensor.name, values)
 
 
 def _write_weights(tensors: dict, hf_config: dict, spec: _GGUFArchitecture, out_dir: str) -> None:
     import torch
     from safetensors.torch import save_file
 
-    weight_tensors = [tensor for name, tensor in tensors.items() if name != _ROPE_FREQS_TENSOR]
+    weight_tensors = [tensor for name, tensor in tensors.items()
+                      if name != _ROPE_FREQS_TENSOR and name not in gguf_families.ROPE_FACTOR_TENSORS]
+    arch = spec.model_type.removesuffix("_text")  # (gemma3_text's GGUF name is gemma3)
     shards = _plan_shards(weight_tensors)
     weight_map = {}
     for shard_index, shard in enumerate(shards):
@@ -291,7 +302,7 @@ def _write_weights(tensors: dict, hf_config: dict, spec: _GGUFArchitecture, out_
             else f"model-{shard_index + 1:05d}-of-{len(shards):05d}.safetensors"
         )
         shard_weights = {
-            hf_tensor_name(tensor.name): torch.from_numpy(_dequantized(tensor, hf_config, spec))
+            hf_tensor_name(tensor.name, arch): torch.from_numpy(_dequantized(tensor, hf_config, spec))
             for tensor in shard
         }
         save_file(shard_weights, os.path.join(out_dir, file_name), metadata={"format": "pt"})

@@ -1,6 +1,6 @@
 """A Llama-family decoder (Llama 2/3, SmolLM2, Mistral, Qwen2, Qwen3) over a flat batch
 of tokens: no padding, every token of every request in one [num_tokens, hidden] matrix,
-attention through the paged KV cache.
+attention through the paged KV cache (each layer with its config's sliding window, if any).
 
 Weights are plain tensors, not nn.Modules, so a step pays no module-dispatch overhead.
 Q/K/V and gate/up projections are fused into one matmul each."""
@@ -46,6 +46,9 @@ class DecoderLayerWeights:
 class LlamaModel:
     holds_embedding = True  # False on a pipeline stage after the first
     holds_head = True  # False on a pipeline stage before the last
+    # its layer is the one the CPU's one-call step runs (cpu_step.py); a family whose layer
+    # differs (gemma.py) sets False and runs op by op
+    fused_cpu_step = True
 
     def __init__(self, config: ModelConfig, dtype: torch.dtype, device: torch.device,
                  backend: AttentionBackend, parallel: TensorParallel = TensorParallel()) -> None:
@@ -60,6 +63,9 @@ class LlamaModel:
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
         self.scale = self.head_dim**-0.5
+        # each layer's sliding window (None: full attention), from the config (hybrid_config.py)
+        self.sliding_windows: list[int | None] = [
+            window or None for window in config.sliding_windows] or [None] * config.num_hidden_layers
         self.cos_sin_cache = build_cos_sin_cache(
             self.head_dim, config.max_position_embeddings, config.rope_theta, config.rope_scaling
         ).to(device)
@@ -189,30 +195,11 @@ class LlamaModel:
         after them, not yet added together."""
         ops = self.backend
         eps = self.config.rms_norm_eps
-        num_tokens = hidden.shape[0]
         for index, (layer, (key_cache, value_cache)) in enumerate(zip(self.layers, kv_caches)):
-            # 1. attention block: norm (fused with the residual add), qkv, q/k norms (Qwen3) with
-            # rotary and the KV store (one kernel on the Triton backend), paged attention
-            if residual is None:
-                residual = hidden
-                x = ops.rms_norm(hidden, layer.input_norm, eps)
-            else:
-                x, residual = ops.rms_norm(hidden, layer.input_norm, eps, residual)
-            qkv = ops.linear(x, layer.qkv_proj, layer.qkv_bias)
-            if lora is not None:
-                lora.add(index, _QKV, x, qkv)
-            q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-            q = q.view(num_tokens, self.num_heads, self.head_dim)
-            k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
-            v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
-            q, k = ops.rotary_store_kv(positions, q, k, v, self.cos_sin_cache, key_cache, value_cache,
-                                       attention.slot_mapping, layer.q_norm, layer.k_norm, eps)
-            attn = ops.attention(q, k, v, key_cache, value_cache, attention, self.scale)
-            attn = attn.view(num_tokens, self.q_size)
-            hidden = ops.linear(attn, layer.o_proj)
-            if lora is not None:
-                lora.add(index, _O, attn, hidden)
-            hidden = self.parallel.all_reduce(hidden)
+            # 1. attention block: norm (fused with the residual add), then attention_block
+            x, residual = self.input_norm(hidden, residual, layer.input_norm)
+            hidden = self.attention_block(index, layer, x, positions, self.cos_sin_cache, key_cache, value_cache,
+                                          attention, lora)
             # 2. MLP block
             x, residual = ops.rms_norm(hidden, layer.post_attention_norm, eps, residual)
             gate_up = ops.linear(x, layer.gate_up_proj)
@@ -224,6 +211,38 @@ class LlamaModel:
                 lora.add(index, _DOWN, x, hidden)
             hidden = self.parallel.all_reduce(hidden)
         return hidden, residual
+
+    def input_norm(self, hidden: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+        """A layer's input norm, fused with the residual add (the first layer's residual is its input)."""
+        if residual is None:
+            return self.backend.rms_norm(hidden, weight, self.config.rms_norm_eps), hidden
+        return self.backend.rms_norm(hidden, weight, self.config.rms_norm_eps, residual)
+
+    def attention_block(self, index: int, layer: DecoderLayerWeights, x: torch.Tensor,  # [num_tokens, hidden], normed
+                        positions: torch.Tensor, cos_sin_cache: torch.Tensor, key_cache: torch.Tensor,
+                        value_cache: torch.Tensor, attention: AttentionMetadata, lora: LoRABatch | None,
+                        logits_soft_cap: float | None = None) -> torch.Tensor:  # [num_tokens, hidden]
+        """One layer's attention: qkv, q/k norms (Qwen3) with rotary and the KV store (one
+        kernel on the Triton backend), paged attention with the layer's window, o_proj (all-reduced)."""
+        ops = self.backend
+        num_tokens = x.shape[0]
+        qkv = ops.linear(x, layer.qkv_proj, layer.qkv_bias)
+        if lora is not None:
+            lora.add(index, _QKV, x, qkv)
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(num_tokens, self.num_heads, self.head_dim)
+        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
+        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
+        q, k = ops.rotary_store_kv(positions, q, k, v, cos_sin_cache, key_cache, value_cache,
+                                   attention.slot_mapping, layer.q_norm, layer.k_norm, self.config.rms_norm_eps)
+        attn = ops.attention(q, k, v, key_cache, value_cache, attention, self.scale,
+                             sliding_window=self.sliding_windows[index], logits_soft_cap=logits_soft_cap)
+        attn = attn.view(num_tokens, self.q_size)
+        hidden = ops.linear(attn, layer.o_proj)
+        if lora is not None:
+            lora.add(index, _O, attn, hidden)
+        return self.parallel.all_reduce(hidden)
 
     def final_norm_of(self, hidden: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:
         eps = self.config.rms_norm_eps

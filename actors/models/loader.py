@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING
 from actors.config import ModelConfig, cache_dir
 from actors.config.vision import split_vision_config
 from actors.models.bert_config import encoder_model_config
+from actors.models.hybrid_config import GEMMA_FAMILIES, family_config, layer_windows
 from actors.models.registry import architectures, model_entry
 
 if TYPE_CHECKING:
@@ -109,7 +110,10 @@ def load_model_config(model_dir: str) -> ModelConfig:
 
     hidden_size = required("hidden_size")
     num_attention_heads = required("num_attention_heads")
-    rope_theta, rope_scaling = _rope_theta_and_scaling(config, config_path)
+    family = family_config(config, architecture, config_path)
+    # a family that reads its own RoPE (Gemma's two bases, Phi-3's LongRoPE) keeps it in `family`
+    rope_theta, rope_scaling = (_rope_theta_and_scaling(config, config_path) if family is None
+                                else (family.get("global_rope", family)["rope_theta"], None))
     return ModelConfig(
         model_path=model_dir,
         architecture=architecture,
@@ -129,10 +133,12 @@ def load_model_config(model_dir: str) -> ModelConfig:
         tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
         # Qwen2's q/k/v projections always carry a bias; its config has no key for it.
         attention_bias=architecture.startswith("Qwen2") or bool(config.get("attention_bias", False)),
-        qk_norm=architecture.startswith("Qwen3"),
+        qk_norm=architecture.startswith(("Qwen3", "Gemma3")),
         eos_token_ids=_eos_token_ids(config, model_dir),
         bos_token_id=config.get("bos_token_id"),
         vision=vision,
+        sliding_windows=layer_windows(config, architecture, config_path),
+        family=family,
     )
 
 
@@ -144,15 +150,8 @@ def _read_json(path: str) -> dict:
 
 
 def _check_supported_features(config: dict, architecture: str, config_path: str) -> None:
-    # Mistral applies its window whenever one is set; Qwen2/3 only with use_sliding_window.
-    uses_sliding_window = config.get("use_sliding_window", architecture.startswith("Mistral"))
-    sliding_window = config.get("sliding_window")
-    max_position_embeddings = config.get("max_position_embeddings") or 0
-    if uses_sliding_window and sliding_window is not None and sliding_window < max_position_embeddings:
-        raise ValueError(
-            f"{config_path}: sliding-window attention (sliding_window={sliding_window}) is not supported"
-        )
-    if config.get("hidden_act", "silu") != "silu":
+    # (sliding windows and a family's activation: hybrid_config.py's, checked there)
+    if not architecture.startswith(GEMMA_FAMILIES) and config.get("hidden_act", "silu") != "silu":
         raise ValueError(f"{config_path}: hidden_act {config['hidden_act']!r} is not supported (only silu)")
     if config.get("mlp_bias"):
         raise ValueError(f"{config_path}: mlp_bias is not supported")

@@ -30,14 +30,18 @@ class ModelEntry:
     class_name: str
 
 
-_DECODER_FAMILIES = ("Llama", "Mistral", "Qwen2", "Qwen3")  # (Mistral without a sliding window)
+_DECODER_FAMILIES = ("Llama", "Mistral", "Qwen2", "Qwen3")  # (sliding windows: hybrid_config.py)
 _LLAMA = ModelEntry("decoder", "actors.models.llama", "LlamaModel")
 _BERT = ModelEntry("encoder", "actors.models.bert", "BertModel")
+_GEMMA = ModelEntry("decoder", "actors.models.gemma", "GemmaModel")  # Gemma 2 and 3 (text)
 
 # architecture -> its entry, in the order an error lists them
 MODELS: dict[str, ModelEntry] = {
     **{f"{family}{kind}": _LLAMA for kind in ("ForCausalLM", "Model", "ForSequenceClassification")
        for family in _DECODER_FAMILIES},
+    "Gemma2ForCausalLM": _GEMMA,
+    "Gemma3ForCausalLM": _GEMMA,
+    "Phi3ForCausalLM": ModelEntry("decoder", "actors.models.phi3", "Phi3Model"),
     **{f"{family}{kind}": _BERT for family in ("Bert", "Roberta", "XLMRoberta")
        for kind in ("Model", "ForSequenceClassification")},
     "LlavaForConditionalGeneration": ModelEntry("vision", "actors.models.vision_runner", "VisionRunner"),

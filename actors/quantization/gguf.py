@@ -18,7 +18,8 @@ import numpy as np
 import torch
 
 from actors.layers.attention import CpuBackend
-from actors.quantization.gguf_types import KERNEL_TYPES, GGUFError, layer_tensor_names, lm_head_name
+from actors.quantization.gguf_types import (KERNEL_TYPES, GGUFError, has_fused_projections, layer_tensor_names,
+                                            lm_head_name)
 from kernels.gguf_gemm import GGUFTiledKernels, GGUFTiles, gguf_tiled_kernels
 from kernels.gguf_linear import U8X16, GGUFKernels, gguf_kernels
 
@@ -101,7 +102,7 @@ def use_gguf_weights(model, backend: CpuBackend, gguf_path: str) -> GGUFCpuBacke
     unpermute = architecture == "llama"
     heads = {"attn_q": model.config.num_attention_heads, "attn_k": model.config.num_key_value_heads}
     for index, layer in enumerate(model.layers):
-        for attribute, names in layer_tensor_names(index).items():
+        for attribute, names in layer_tensor_names(index, has_fused_projections(tensors)).items():
             parts = [_blocks(tensors[name], kernels, heads.get(name.split(".")[2]) if unpermute else None)
                      for name in names]
             types = [int(tensors[name].tensor_type) for name in names]

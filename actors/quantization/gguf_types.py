@@ -16,12 +16,22 @@ class GGUFError(ValueError):
     """A GGUF file or setting the quantized path cannot run."""
 
 
-def layer_tensor_names(layer: int) -> dict[str, list[str]]:
-    """A layer's fused projections (DecoderLayerWeights' names) and the file's tensors in each."""
+def layer_tensor_names(layer: int, fused: bool = False) -> dict[str, list[str]]:
+    """A layer's fused projections (DecoderLayerWeights' names) and the file's tensors in each;
+    fused: the file keeps q/k/v as one attn_qkv and gate/up as one ffn_up (phi3), in the
+    decoder's row order already."""
     prefix = f"blk.{layer}."
+    if fused:
+        return {"qkv_proj": [f"{prefix}attn_qkv.weight"], "o_proj": [f"{prefix}attn_output.weight"],
+                "gate_up_proj": [f"{prefix}ffn_up.weight"], "down_proj": [f"{prefix}ffn_down.weight"]}
     return {"qkv_proj": [f"{prefix}attn_{p}.weight" for p in "qkv"], "o_proj": [f"{prefix}attn_output.weight"],
             "gate_up_proj": [f"{prefix}ffn_gate.weight", f"{prefix}ffn_up.weight"],
             "down_proj": [f"{prefix}ffn_down.weight"]}
+
+
+def has_fused_projections(tensor_names) -> bool:
+    """The file keeps q/k/v and gate/up fused (llama.cpp's phi3)."""
+    return "blk.0.attn_qkv.weight" in tensor_names
 
 
 def lm_head_name(tensor_names) -> str:
@@ -44,7 +54,8 @@ def tensor_types(gguf_path: str, num_layers: int) -> dict[str, tuple[str, int]]:
     import gguf
 
     tensors = {t.name: t for t in gguf.GGUFReader(gguf_path).tensors}
-    names = [name for layer in range(num_layers) for group in layer_tensor_names(layer).values()
+    fused = has_fused_projections(tensors)
+    names = [name for layer in range(num_layers) for group in layer_tensor_names(layer, fused).values()
              for name in group] + [lm_head_name(tensors)]
     return {name: (tensors[name].tensor_type.name, int(tensors[name].tensor_type)) for name in names}
 
@@ -61,8 +72,9 @@ def check_gguf_types(gguf_path: str, num_layers: int) -> bool:
             raise GGUFError(f"{gguf_path}: tensor {name!r} is {type_name}, which has no CPU kernel (kernels: "
                             f"{', '.join(KERNEL_TYPES.values())}); --quantization none runs it dequantized to "
                             "float32")
+    fused = has_fused_projections(types)
     for layer in range(num_layers):
-        for group in layer_tensor_names(layer).values():
+        for group in layer_tensor_names(layer, fused).values():
             group_types = {types[name][0] for name in group}
             mixable = group_types <= DECODED_TYPES
             if (len(group_types) > 1 and not mixable) or group_types & set(FLOAT_TYPES.values()):

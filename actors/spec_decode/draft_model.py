@@ -34,6 +34,7 @@ from actors.layers.attention import AttentionBackend
 from actors.layers.attention_metadata import AttentionMetadata
 from actors.models.cpu_step import CpuModelStep
 from actors.models.llama import LlamaModel
+from actors.models.registry import model_class
 from actors.layers.random_sampling import filtered_probs
 from actors.layers.sampler import argmax_tokens, position_seed
 
@@ -60,7 +61,7 @@ class DraftModel:
                  backend: AttentionBackend) -> None:
         config = engine.draft_model
         assert config is not None
-        self.model = LlamaModel(config, dtype, device, backend)
+        self.model: LlamaModel = model_class(config.architecture)(config, dtype, device, backend)  # (the registry's)
         if engine.load_format == "dummy":
             self.model.init_dummy_weights(engine.seed)
         else:

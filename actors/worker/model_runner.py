@@ -144,7 +144,7 @@ class ModelRunner(StepExecution):
         if self.encoder is not None:
             self.encoder.model = None  # (the step object stays: it marks the runner as an encoder's)
         else:
-            self.model = LlamaModel(self.engine.model, self.dtype, self.device, self.backend, self.parallel)
+            self.model = type(self.model)(self.engine.model, self.dtype, self.device, self.backend, self.parallel)
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
         m = self.engine.model

@@ -90,7 +90,8 @@ def join_stage_groups(stage: PipelineStage) -> TensorParallel:
 def stage_engine(engine: EngineConfig, stage: PipelineStage) -> EngineConfig:
     """The engine config a stage's runner is built with: its layer count, so the KV cache
     and its block count cover its layers only."""
-    model = dataclasses.replace(engine.model, num_hidden_layers=len(stage.layers))
+    windows = engine.model.sliding_windows[stage.layers.start:stage.layers.stop]  # (its layers' own)
+    model = dataclasses.replace(engine.model, num_hidden_layers=len(stage.layers), sliding_windows=windows)
     return dataclasses.replace(engine, model=model)
 
 

@@ -8,6 +8,7 @@ import importlib.util
 import os
 import shutil
 import time
+from collections.abc import Callable
 
 import numpy as np
 import pytest
@@ -38,12 +39,15 @@ def llama3_rope_divisors(model_dir: str) -> np.ndarray:
     return (default_inv_freq / scaled_inv_freq).numpy().astype(np.float32)
 
 
-def write_gguf(model_dir: str, gguf_path: str) -> None:
-    """Export a tiny Hugging Face model the way llama.cpp would (F32 tensors, so exactly)."""
+def write_gguf(model_dir: str, gguf_path: str, family: Callable | None = None) -> None:
+    """Export a tiny Hugging Face model the way llama.cpp would (F32 tensors, so exactly).
+    family(writer, config) -> (name, values) -> values: a family's metadata written, and what
+    llama.cpp does to its tensors (tests/models/test_gguf_families.py)."""
     import gguf
 
     config = read_json(os.path.join(model_dir, "config.json"))
-    arch = {"llama": gguf.MODEL_ARCH.LLAMA, "qwen2": gguf.MODEL_ARCH.QWEN2, "qwen3": gguf.MODEL_ARCH.QWEN3}[
+    arch = {"llama": gguf.MODEL_ARCH.LLAMA, "qwen2": gguf.MODEL_ARCH.QWEN2, "qwen3": gguf.MODEL_ARCH.QWEN3,
+            "gemma2": gguf.MODEL_ARCH.GEMMA2, "gemma3_text": gguf.MODEL_ARCH.GEMMA3, "phi3": gguf.MODEL_ARCH.PHI3}[
         config["model_type"]]
     arch_name = gguf.MODEL_ARCH_NAMES[arch]
     tensor_names = gguf.get_tensor_name_map(arch, config["num_hidden_layers"])
@@ -55,7 +59,8 @@ def write_gguf(model_dir: str, gguf_path: str) -> None:
     writer.add_head_count(config["num_attention_heads"])
     writer.add_head_count_kv(config["num_key_value_heads"])
     writer.add_key_length(config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"])
-    writer.add_rope_freq_base(config["rope_parameters"]["rope_theta"])
+    rope = config["rope_parameters"]
+    writer.add_rope_freq_base(rope.get("full_attention", rope)["rope_theta"])  # (Gemma 3's global layers')
     writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
     writer.add_vocab_size(config["vocab_size"])
 
@@ -72,7 +77,8 @@ def write_gguf(model_dir: str, gguf_path: str) -> None:
     writer.add_add_bos_token(False)
     writer.add_chat_template(load_tokenizer(model_dir).chat_template)
 
-    if config["rope_parameters"]["rope_type"] == "llama3":
+    transform = family(writer, config) if family is not None else None
+    if config["rope_parameters"].get("rope_type") == "llama3":
         writer.add_tensor("rope_freqs.weight", llama3_rope_divisors(model_dir))
     for hf_name, tensor in read_safetensors(model_dir).items():
         base_name, suffix = hf_name.rsplit(".", 1)
@@ -81,6 +87,7 @@ def write_gguf(model_dir: str, gguf_path: str) -> None:
             values = llama_cpp_permute(values, config["num_attention_heads"])
         elif arch == gguf.MODEL_ARCH.LLAMA and base_name.endswith("k_proj"):
             values = llama_cpp_permute(values, config["num_key_value_heads"])
+        values = transform(hf_name, values) if transform is not None else values
         writer.add_tensor(f"{tensor_names.get_name(base_name)}.{suffix}", np.ascontiguousarray(values))
     writer.write_header_to_file()
     writer.write_kv_data_to_file()

@@ -129,10 +129,16 @@ def test_mistral_without_sliding_window_is_supported(tmp_path):
     assert load_model_config(write_config(tmp_path, **config_json)).head_dim == 16
 
 
+def test_sliding_windows_are_read_per_layer(tmp_path):
+    mistral = llama_config(architectures=["MistralForCausalLM"], sliding_window=512)
+    assert load_model_config(write_config(tmp_path, **mistral)).sliding_windows == (512,) * 2
+
+
 @pytest.mark.parametrize("overrides, message", [
     (dict(architectures=["GPT2LMHeadModel"]), "GPT2LMHeadModel"),
-    (dict(architectures=["MistralForCausalLM"], sliding_window=512), "sliding_window=512"),
-    (dict(architectures=["Qwen2ForCausalLM"], sliding_window=512, use_sliding_window=True), "sliding"),
+    (dict(architectures=["MistralForCausalLM"], sliding_window=-5), "sliding_window must be a positive integer"),
+    (dict(architectures=["Qwen2ForCausalLM"], sliding_window=512, use_sliding_window=True,
+          layer_types=["sliding_attention"]), "layer_types"),
     (dict(rope_scaling={"rope_type": "yarn", "factor": 4.0}), "'yarn'"),
     (dict(rope_scaling={"rope_type": "llama3", "factor": 8.0}), "low_freq_factor"),
     (dict(hidden_act="gelu"), "gelu"),
