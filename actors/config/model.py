@@ -33,6 +33,9 @@ class ModelConfig:
     bos_token_id: int | None = None
     sep_token_id: int | None = None  # an encoder's [SEP] (where a pair's second segment starts)
     vision: VisionConfig | None = None  # a vision-language model's vision side (LLaVA); None: text only
+    # which code runs it (--model-impl, resolved): "troupe" (the registry's) or "transformers"
+    # (Hugging Face's modeling code over the paged KV cache: actors/models/transformers_fallback.py)
+    model_impl: str = "troupe"
 
     @property
     def can_generate(self) -> bool:

@@ -60,7 +60,13 @@ def architectures(kind: str) -> tuple[str, ...]:
     return tuple(name for name, entry in MODELS.items() if entry.kind == kind)
 
 
-def model_class(architecture: str) -> type:
-    """The class that runs an architecture, its module imported now (torch with it)."""
-    entry = model_entry(architecture)
+# --model-impl transformers: Hugging Face's modeling code over the paged KV cache, for any
+# causal LM transformers implements (transformers_config.py decides at start-up)
+TRANSFORMERS_FALLBACK = ModelEntry("decoder", "actors.models.transformers_fallback", "TransformersModel")
+
+
+def model_class(architecture: str, model_impl: str = "troupe") -> type:
+    """The class that runs an architecture (model_impl: ModelConfig's, resolved), its module
+    imported now (torch with it)."""
+    entry = TRANSFORMERS_FALLBACK if model_impl == "transformers" else model_entry(architecture)
     return getattr(importlib.import_module(entry.module), entry.class_name)
