@@ -15,7 +15,8 @@ Three kinds, which the rest of the engine branches on (never on a name):
   decoder it wraps is itself a "decoder" here (config/vision.py splits the two configs).
 
 An architecture that is not here fails at start-up (the loader, in the launching process),
-naming it and the supported ones."""
+naming it and the supported ones, unless --model-impl lets the Transformers fallback run it
+(transformers_config.py)."""
 
 from __future__ import annotations
 

@@ -102,7 +102,9 @@ def test_sleep_level_2_reloads_the_fallbacks_modules(fallback_model):
 def test_auto_logs_its_choice_and_troupe_refuses_what_the_registry_lacks(fallback_model, caplog):
     model_dir = fallback_model("olmo2")
     with caplog.at_level("INFO", logger="actors.models.transformers_config"):
-        assert EngineArgs(model=model_dir).build().model.model_impl == "transformers"
+        config = EngineArgs(model=model_dir).build()
+    assert config.model.model_impl == "transformers"
+    assert config.cuda_graph_sizes == config.cuda_graph_mixed_sizes == ()  # (its steps run eagerly)
     assert "Transformers fallback for Olmo2ForCausalLM" in caplog.text
     with pytest.raises(ValueError, match="'Olmo2ForCausalLM' is not supported.*LlamaForCausalLM"):
         EngineArgs(model=model_dir, model_impl="troupe").build()
