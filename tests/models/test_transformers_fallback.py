@@ -84,10 +84,32 @@ def test_transformers_impl_of_a_registered_architecture_gives_troupes_tokens(tin
     prompts = make_prompts(300, [4, 21, 40], seed=5)
     native = LLM(tiny_llama_dir, kv_cache_memory="16MiB", max_num_batched_tokens=16)
     assert native.config.model.model_impl == "troupe"
-    fallback = LLM(tiny_llama_dir, kv_cache_memory="16MiB", max_num_batched_tokens=16, model_impl="transformers")
-    assert fallback.config.model.model_impl == "transformers"
-    assert [o.outputs[0].token_ids for o in fallback.generate(prompts, GREEDY, use_tqdm=False)] == \
-        [o.outputs[0].token_ids for o in native.generate(prompts, GREEDY, use_tqdm=False)]
+    expected = [o.outputs[0].token_ids for o in native.generate(prompts, GREEDY, use_tqdm=False)]
+    for backend in ("cpu", "torch"):  # (the C++ kernels' store and attention, and the torch references')
+        fallback = LLM(tiny_llama_dir, kv_cache_memory="16MiB", max_num_batched_tokens=16, model_impl="transformers",
+                       attention_backend=backend)
+        assert fallback.config.model.model_impl == "transformers"
+        assert [o.outputs[0].token_ids for o in fallback.generate(prompts, GREEDY, use_tqdm=False)] == expected
+
+
+def test_preemption_logprobs_and_ngram_drafts_on_the_fallback(fallback_model):
+    model_dir = fallback_model("gpt_neox")
+    # 24 blocks of 4 tokens cannot hold the batch at once: the newest requests are preempted
+    # and recomputed; each step verifies up to 3 ngram drafts a decode, as one causal chunk
+    llm = LLM(model_dir, max_num_batched_tokens=16, block_size=4, num_kv_blocks=24,
+              speculative_config={"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1,
+                                  "prompt_lookup_max": 3})
+    vocab = llm.config.model.vocab_size
+    prompts = make_prompts(vocab, [3, 17, 33, 50], seed=9) + [make_prompts(vocab, [4], seed=10)[0] * 8]
+    expected, hf_logprobs = hf_greedy(model_dir, prompts, GREEDY.max_tokens)
+    assert [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)] == expected
+    stats = llm.scheduler.stats()
+    assert stats["num_preemptions"] > 0 and stats["spec_decode_num_draft_tokens"] > 0
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True, logprobs=3)
+    for output, steps in zip(llm.generate(prompts[:2], params, use_tqdm=False), hf_logprobs):
+        for position, hf_step in zip(output.outputs[0].logprobs, steps):
+            for token_id, logprob in position.items():
+                assert abs(logprob.logprob - float(hf_step[token_id])) < 1e-3
 
 
 def test_sleep_level_2_reloads_the_fallbacks_modules(fallback_model):
