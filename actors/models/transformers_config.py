@@ -84,18 +84,26 @@ def fallback_model_config(model_dir: str, config_path: str, eos_token_ids: tuple
 
 
 def _check_attention(hf, config_path: str) -> None:
-    # troupe's paged attention is full causal attention: a window or a soft cap would be
-    # dropped without a word, so such a config is refused by its key
+    """What the fallback's attention cannot honour, refused by name: a family whose modeling
+    code computes attention itself (ALiBi's Bloom, MPT; Mamba's none) never calls the
+    registered function; a window or a soft cap would be dropped without a word."""
+    import importlib
+
+    import transformers
+
+    architecture = hf.architectures[0]
+    model_class = getattr(transformers, architecture, None)
+    if model_class is None or not hasattr(importlib.import_module(model_class.__module__), "ALL_ATTENTION_FUNCTIONS"):
+        raise ValueError(f"{config_path}: transformers' {architecture} does not run its attention through "
+                         "transformers' attention interface, where the Transformers fallback plugs in")
     window = getattr(hf, "sliding_window", None)
     if window is not None and getattr(hf, "use_sliding_window", True) \
             and window < (getattr(hf, "max_position_embeddings", None) or 0):
         raise ValueError(f"{config_path}: sliding_window={window}: sliding-window attention does not run on the "
                          "Transformers fallback")
-    for key in ("attn_logit_softcapping", "alibi", "position_embedding_type"):
-        value = getattr(hf, key, None)
-        if value and not (key == "position_embedding_type" and value in ("rotary", "absolute")):
-            raise ValueError(f"{config_path}: {key}={value!r} does not run on the Transformers fallback "
-                             "(paged causal attention only)")
+    if getattr(hf, "attn_logit_softcapping", None):
+        raise ValueError(f"{config_path}: attn_logit_softcapping={hf.attn_logit_softcapping}: soft-capped attention "
+                         "does not run on the Transformers fallback")
 
 
 def check_fallback_engine(model: ModelConfig, *, tensor_parallel_size: int, pipeline_parallel_size: int,

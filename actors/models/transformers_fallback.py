@@ -137,11 +137,9 @@ class TransformersModel:
                                                        attn_implementation=ATTENTION_NAME)
         self.hf.eval().requires_grad_(False)
         self.step = _Step(backend)
-        self.num_attention_modules = 0
-        for module in self.hf.modules():
-            if hasattr(module, "layer_idx") and hasattr(module, "config"):
+        for module in self.hf.modules():  # (the attention modules, and any other that knows its layer: harmless)
+            if hasattr(module, "layer_idx"):
                 module.troupe_step = self.step
-                self.num_attention_modules += 1
         head_config = self.hf.config
         self.logit_scale = float(getattr(head_config, "logit_scale", None) or 1.0)  # Cohere
         self.logit_scale /= float(getattr(head_config, "logits_scaling", None) or 1.0)  # Granite

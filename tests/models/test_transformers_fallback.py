@@ -148,6 +148,12 @@ def test_an_architecture_neither_knows_is_an_error_at_start_up_naming_it(fallbac
             EngineArgs(model=model_dir, model_impl=model_impl).build()
 
 
+def test_a_family_whose_attention_bypasses_the_interface_is_refused_at_start_up(tmp_path):
+    model_dir = build_fallback_model(str(tmp_path / "bloom"), "bloom")  # (ALiBi, computed in its own module)
+    with pytest.raises(ValueError, match="BloomForCausalLM does not run its attention through transformers'"):
+        EngineArgs(model=model_dir).build()
+
+
 @pytest.mark.parametrize("feature, keywords", [
     ("enable_lora", {"enable_lora": True}),
     ("tensor_parallel_size", {"tensor_parallel_size": 2}),
