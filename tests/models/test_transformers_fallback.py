@@ -14,7 +14,7 @@ import torch
 
 from actors import LLM, SamplingParams
 from actors.engine.args import EngineArgs
-from tests.conftest import _randomize_weights, build_tiny_tokenizer
+from tests.conftest import _GENERATION_EOS_TOKEN_IDS, _randomize_weights, build_tiny_tokenizer
 from tests.models.test_llm_matches_hf import hf_greedy, make_prompts
 
 _TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
@@ -41,6 +41,7 @@ def build_fallback_model(out_dir: str, model_type: str, seed: int = 0, **overrid
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     _randomize_weights(model)
+    model.generation_config.eos_token_id = _GENERATION_EOS_TOKEN_IDS
     model.save_pretrained(out_dir)
     tokenizer.save_pretrained(out_dir)
     return out_dir
@@ -158,8 +159,13 @@ def test_a_family_whose_attention_bypasses_the_interface_is_refused_at_start_up(
     ("enable_lora", {"enable_lora": True}),
     ("tensor_parallel_size", {"tensor_parallel_size": 2}),
     ("quantization", {"quantization": "int8"}),
+    ("pipeline_parallel_size", {"pipeline_parallel_size": 2}),
+    ("speculative_config \\(draft_model\\)", {"speculative_config": "draft"}),
 ])
-def test_what_the_fallback_cannot_run_is_refused_at_start_up_by_name(feature, keywords, fallback_model):
+def test_what_the_fallback_cannot_run_is_refused_at_start_up_by_name(feature, keywords, fallback_model, request):
+    if keywords.get("speculative_config") == "draft":  # (a draft of the same tokenizer: troupe's own Llama)
+        keywords = {"speculative_config": {"method": "draft_model", "model": request.getfixturevalue("tiny_llama_dir"),
+                                           "num_speculative_tokens": 2}}
     with pytest.raises(ValueError, match=f"{feature}.*Transformers fallback|Transformers fallback.*{feature}"):
         EngineArgs(model=fallback_model("granite"), **keywords).build()
     with pytest.raises(ValueError, match="pool"):  # (no pooling for such a family: refused before the above)
