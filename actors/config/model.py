@@ -38,6 +38,9 @@ class ModelConfig:
     # what a family's own config reader keeps beyond the Llama shape (Gemma's soft caps and
     # scalars, Phi-3's LongRoPE): actors/models/hybrid_config.py, read by that family's model
     family: dict | None = None
+    # which code runs it (--model-impl, resolved): "troupe" (the registry's) or "transformers"
+    # (Hugging Face's modeling code over the paged KV cache: actors/models/transformers_fallback.py)
+    model_impl: str = "troupe"
 
     @property
     def can_generate(self) -> bool:

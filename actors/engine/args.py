@@ -40,6 +40,7 @@ from actors.spec_decode.draft_config import load_draft_model_config
 from actors.config.structured_output import DEFAULT_COMPILE_TIMEOUT_S, DEFAULT_MAX_GRAMMAR_BYTES
 from actors.tracing.spans import DETAILED_TRACES, check_tracing_available
 from actors.models.loader import load_model_config, resolve_model
+from actors.models.transformers_config import MODEL_IMPLS, check_fallback_engine
 
 DTYPES, DEVICES, LOAD_FORMATS = ("auto", "float32", "bfloat16", "float16"), ("auto", "cpu", "cuda"), ("auto", "dummy")
 ATTENTION_BACKENDS = ("auto", "cpu", "torch", "triton")
@@ -89,6 +90,9 @@ class EngineArgs(InputArgs):
               "'auto' on a .gguf model (the embedded default's), else its quantization_config or none",
         group="model",
         choices=("none",) + QUANTIZATION_METHODS)
+    model_impl: str = _arg("auto", "which code runs the model: 'troupe' its own, 'transformers' Hugging Face's "
+                                   "modeling code over troupe's paged KV cache (any causal LM transformers "
+                                   "implements), 'auto' troupe's where it has one", group="model", choices=MODEL_IMPLS)
     seed: int = _arg(0, "the engine's random seed", group="model")
     max_logprobs: int = _arg(20, "the most logprobs / prompt_logprobs a request may ask for", group="model",
                              metavar="N")  # vLLM's default
@@ -257,7 +261,8 @@ class EngineArgs(InputArgs):
                              f"{self.max_lora_rank!r}")
         if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
             raise ValueError(f"max_cpu_loras ({self.max_cpu_loras}) must be at least max_loras ({self.max_loras})")
-        for name, allowed in (("dtype", DTYPES), ("device", DEVICES), ("attention_backend", ATTENTION_BACKENDS),
+        for name, allowed in (("dtype", DTYPES), ("model_impl", MODEL_IMPLS), ("device", DEVICES),
+                              ("attention_backend", ATTENTION_BACKENDS),
                               ("scheduling_policy", SCHEDULING_POLICIES), ("load_format", LOAD_FORMATS),
                               ("preemption_mode", PREEMPTION_MODES),
                               ("structured_outputs_backend", STRUCTURED_OUTPUTS_BACKENDS),
@@ -298,7 +303,9 @@ class EngineArgs(InputArgs):
         args.check()
         check_gpu_memory_utilization(args.device, args.gpu_memory_utilization)
         model_dir = resolve_model(args.model)
-        model_config = load_model_config(model_dir)
+        model_config = load_model_config(model_dir, args.model_impl)
+        if model_config.model_impl == "transformers":  # (its steps run eagerly: no CUDA graph holds HF's modules)
+            args = dataclasses.replace(args, enforce_eager=True)
         hf_overrides = parse_hf_overrides(args.hf_overrides)
         if "architectures" in hf_overrides:
             model_config = override_architecture(model_config, hf_overrides["architectures"][0])
@@ -331,6 +338,10 @@ class EngineArgs(InputArgs):
             tensor_parallel_size=args.tensor_parallel_size, tokenizer_path=model_dir,
         ) if speculative is not None and speculative.method == "draft_model" else None
         check_distributed(args, model_config, pooler)
+        check_fallback_engine(model_config, tensor_parallel_size=args.tensor_parallel_size,
+                              pipeline_parallel_size=args.pipeline_parallel_size, enable_lora=args.enable_lora,
+                              quantization=quantization, pooling=pooler is not None,
+                              draft_model=draft_model is not None)
         return EngineConfig(
             model=model_config,
             cache=CacheConfig(block_size=args.block_size, kv_cache_memory=parse_size(args.kv_cache_memory),

@@ -23,6 +23,7 @@ from actors.config.vision import split_vision_config
 from actors.models.bert_config import encoder_model_config
 from actors.models.hybrid_config import GEMMA_FAMILIES, family_config, layer_windows
 from actors.models.registry import architectures, model_entry
+from actors.models.transformers_config import fallback_model_config, resolve_model_impl
 
 if TYPE_CHECKING:
     import torch
@@ -86,11 +87,14 @@ def _convert_gguf(gguf_path: str) -> str:
     return cached_conversion(gguf_path, cache_dir())
 
 
-def load_model_config(model_dir: str) -> ModelConfig:
-    """The ModelConfig of a Hugging Face directory; ValueError for what the engine cannot run."""
+def load_model_config(model_dir: str, model_impl: str = "troupe") -> ModelConfig:
+    """The ModelConfig of a Hugging Face directory; ValueError for what the engine cannot run.
+    model_impl: --model-impl (transformers_config.py), "auto" in the engine arguments."""
     config_path = os.path.join(model_dir, "config.json")
     config = _read_json(config_path)
     architecture = (config.get("architectures") or [None])[0]
+    if resolve_model_impl(architecture, model_impl, config_path) == "transformers":
+        return fallback_model_config(model_dir, config_path, _eos_token_ids(config, model_dir))
     kind = model_entry(architecture, config_path).kind  # (ValueError naming the supported ones)
     if kind == "encoder":
         return encoder_model_config(model_dir, config, config_path)

@@ -15,7 +15,8 @@ Three kinds, which the rest of the engine branches on (never on a name):
   decoder it wraps is itself a "decoder" here (config/vision.py splits the two configs).
 
 An architecture that is not here fails at start-up (the loader, in the launching process),
-naming it and the supported ones."""
+naming it and the supported ones, unless --model-impl lets the Transformers fallback run it
+(transformers_config.py)."""
 
 from __future__ import annotations
 
@@ -64,7 +65,13 @@ def architectures(kind: str) -> tuple[str, ...]:
     return tuple(name for name, entry in MODELS.items() if entry.kind == kind)
 
 
-def model_class(architecture: str) -> type:
-    """The class that runs an architecture, its module imported now (torch with it)."""
-    entry = model_entry(architecture)
+# --model-impl transformers: Hugging Face's modeling code over the paged KV cache, for any
+# causal LM transformers implements (transformers_config.py decides at start-up)
+TRANSFORMERS_FALLBACK = ModelEntry("decoder", "actors.models.transformers_fallback", "TransformersModel")
+
+
+def model_class(architecture: str, model_impl: str = "troupe") -> type:
+    """The class that runs an architecture (model_impl: ModelConfig's, resolved), its module
+    imported now (torch with it)."""
+    entry = TRANSFORMERS_FALLBACK if model_impl == "transformers" else model_entry(architecture)
     return getattr(importlib.import_module(entry.module), entry.class_name)

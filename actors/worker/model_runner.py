@@ -115,7 +115,8 @@ class ModelRunner(StepExecution):
             self.encoder = build_encoder(engine.model, self.dtype, self.device, self.load_format == "dummy",
                                          engine.seed, classify, engine.quantization)
         else:
-            decoder = model_class(engine.model.architecture)  # (the registry's: actors/models/registry.py)
+            # (the registry's: actors/models/registry.py; or the Transformers fallback)
+            decoder = model_class(engine.model.architecture, engine.model.model_impl)
             self.model = decoder(engine.model, self.dtype, self.device, self.backend, parallel)
             self.vision = VisionRunner.build(engine.model.vision, self.dtype, self.device) \
                 if engine.model.vision else None
@@ -130,13 +131,16 @@ class ModelRunner(StepExecution):
                                         for name, weight_slice in split_score_weight(weights, head_weights))
             if self.vision is not None:
                 self.vision.load(self.load_format == "dummy", engine.model.hidden_size, engine.seed)
+        # (the Transformers fallback's modules run op by op: no C++ linear, no one-call step)
+        fallback = engine.model.model_impl == "transformers"
         if self.encoder is None and self.backend.name == "cpu" and self.backend.native is not None \
-                and self.dtype == torch.float32:
+                and self.dtype == torch.float32 and not fallback:
             # past this many rows sgemm beats the C++ linear, which depends on the CPU's vectors
             self.backend.few_rows = tune_few_rows(self.backend.native, self.model.layers, MAX_FEW_ROWS)
         self.backend = quantized_backend(self.model, self.backend, engine, parallel)  # (--quantization)
         # the CPU's whole-step fast path (one C++ call) where there is one; else model.forward
-        self.model_step = CpuModelStep.build(self.model, self.backend) if self.encoder is None else None
+        self.model_step = CpuModelStep.build(self.model, self.backend) if self.encoder is None and not fallback \
+            else None
 
     def drop_weights(self) -> None:
         """Lets the model's weights go (sleep level 2); load_weights() brings them back."""

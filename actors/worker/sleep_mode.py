@@ -58,8 +58,10 @@ class SleepMode:
             runner.graphs.drop()  # (the graphs hold the old cache's addresses, and their memory)
             self.asleep.add(KV_CACHE)
         if WEIGHTS not in self.asleep:
-            if level == 2 or (runner.device.type != "cpu" and runner.model is None):
-                runner.drop_weights()  # (an encoder's weights are reloaded rather than moved)
+            # (an encoder's weights, and the Transformers fallback's modules, are reloaded rather than moved)
+            reloaded = runner.model is None or runner.engine.model.model_impl == "transformers"
+            if level == 2 or (runner.device.type != "cpu" and reloaded):
+                runner.drop_weights()
             elif runner.device.type != "cpu":
                 self._move_weights(torch.device("cpu"))
             self.level = level
