@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 # a field of ModelConfig, which msgspec decodes in every actor process: imported for real
+from actors.config.moe import MoeConfig
 from actors.config.vision import VisionConfig
 
 
@@ -33,6 +34,7 @@ class ModelConfig:
     bos_token_id: int | None = None
     sep_token_id: int | None = None  # an encoder's [SEP] (where a pair's second segment starts)
     vision: VisionConfig | None = None  # a vision-language model's vision side (LLaVA); None: text only
+    moe: MoeConfig | None = None  # a mixture-of-experts decoder's experts (actors/models/moe.py); None: dense
 
     @property
     def can_generate(self) -> bool:

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING
 from actors.config import ModelConfig, cache_dir
 from actors.config.vision import split_vision_config
 from actors.models.bert_config import encoder_model_config
+from actors.models.moe_config import read_moe_config
 from actors.models.registry import architectures, model_entry
 
 if TYPE_CHECKING:
@@ -133,6 +134,7 @@ def load_model_config(model_dir: str) -> ModelConfig:
         eos_token_ids=_eos_token_ids(config, model_dir),
         bos_token_id=config.get("bos_token_id"),
         vision=vision,
+        moe=read_moe_config(config, architecture, config_path),
     )
 
 

@@ -33,11 +33,14 @@ class ModelEntry:
 _DECODER_FAMILIES = ("Llama", "Mistral", "Qwen2", "Qwen3")  # (Mistral without a sliding window)
 _LLAMA = ModelEntry("decoder", "actors.models.llama", "LlamaModel")
 _BERT = ModelEntry("encoder", "actors.models.bert", "BertModel")
+# mixture-of-experts decoders (actors/models/moe.py; their experts' shape: moe_config.py)
+_MOE = ModelEntry("decoder", "actors.models.moe", "MoeModel")
 
 # architecture -> its entry, in the order an error lists them
 MODELS: dict[str, ModelEntry] = {
     **{f"{family}{kind}": _LLAMA for kind in ("ForCausalLM", "Model", "ForSequenceClassification")
        for family in _DECODER_FAMILIES},
+    **{f"{family}ForCausalLM": _MOE for family in ("Qwen3Moe", "Qwen2Moe", "Mixtral", "Olmoe")},
     **{f"{family}{kind}": _BERT for family in ("Bert", "Roberta", "XLMRoberta")
        for kind in ("Model", "ForSequenceClassification")},
     "LlavaForConditionalGeneration": ModelEntry("vision", "actors.models.vision_runner", "VisionRunner"),
