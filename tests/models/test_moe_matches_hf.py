@@ -47,3 +47,15 @@ def test_moe_matches_hf_with_chunked_prefill_prefix_caching_and_preemption(moe_d
     stats = llm.scheduler.stats()
     assert stats["num_preemptions"] > 0
     assert stats["num_free_blocks"] == stats["num_total_blocks"]
+
+
+def test_sparse_layers_hold_stacked_experts_for_the_cpu_kernel(moe_dir):
+    # on the CPU the experts are moe_cpu.cpp's packed fp32 panels; dense layers keep their MLP
+    model = LLM(moe_dir, kv_cache_memory="16MiB").engine.runner.model
+    moe = model.config.moe
+    assert sorted(model.sparse) == list(moe.sparse_layers) and moe.num_experts >= 8 and moe.top_k >= 2
+    for index, layer in enumerate(model.layers):
+        sparse = model.sparse.get(index)
+        assert (layer.gate_up_proj is None) == (sparse is not None)
+        if sparse is not None:
+            assert sparse.experts.cpu is not None and sparse.experts.cpu.num_experts == moe.num_experts
