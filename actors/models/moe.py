@@ -130,6 +130,27 @@ class MoeModel(LlamaModel):
             total += sparse.experts.num_bytes() + sum(t.numel() * t.element_size() for t in tensors if t is not None)
         return total
 
+    def use_gguf_experts(self, tensors: dict, kernels) -> None:
+        """The sparse layers' experts as a GGUF file's blocks (ffn_gate_exps and ffn_up_exps
+        concatenated per expert, gate first; ffn_down_exps), in place of the fp32 ones the
+        converted checkpoint gave (actors/quantization/gguf.py calls it): moe_cpu.cpp
+        multiplies the blocks, never dequantized. The router and Qwen2-MoE's shared expert stay fp32."""
+        import numpy as np
+
+        def blocks(name: str) -> tuple[torch.Tensor, int]:
+            tensor = tensors[name]
+            in_features, out_features, num_experts = (int(d) for d in tensor.shape)  # fastest-first
+            ggml_type = int(tensor.tensor_type)
+            rows = np.asarray(tensor.data).reshape(num_experts, out_features, kernels.row_bytes(ggml_type, in_features))
+            return torch.from_numpy(np.array(rows)), ggml_type  # a copy: the reader maps the file read-only
+
+        for index, sparse in self.sparse.items():
+            prefix = f"blk.{index}."
+            (gate, w13_type), (up, _) = blocks(f"{prefix}ffn_gate_exps.weight"), blocks(f"{prefix}ffn_up_exps.weight")
+            w2, w2_type = blocks(f"{prefix}ffn_down_exps.weight")
+            sparse.experts = FusedExperts.from_gguf(torch.cat([gate, up], dim=1), w13_type, w2, w2_type,
+                                                    self.config.hidden_size, self.moe.intermediate_size)
+
     def init_dummy_weights(self, seed: int = 0) -> None:
         raise ValueError(f"load_format='dummy' is not supported for {self.config.architecture} (a mixture-of-"
                          "experts model): save random weights as a checkpoint instead (benchmarks/moe_offline.py)")

@@ -16,12 +16,19 @@ class GGUFError(ValueError):
     """A GGUF file or setting the quantized path cannot run."""
 
 
-def layer_tensor_names(layer: int) -> dict[str, list[str]]:
-    """A layer's fused projections (DecoderLayerWeights' names) and the file's tensors in each."""
+def layer_tensor_names(layer: int, file_names=()) -> dict[str, list[str]]:
+    """A layer's fused projections (DecoderLayerWeights' names) and the file's tensors in each.
+    A sparse MoE layer (file_names holds its ffn_gate_exps) has its experts' instead of an MLP:
+    "experts_w13" (gate and up, concatenated per expert) and "experts_w2" (actors/models/moe.py)."""
     prefix = f"blk.{layer}."
-    return {"qkv_proj": [f"{prefix}attn_{p}.weight" for p in "qkv"], "o_proj": [f"{prefix}attn_output.weight"],
-            "gate_up_proj": [f"{prefix}ffn_gate.weight", f"{prefix}ffn_up.weight"],
-            "down_proj": [f"{prefix}ffn_down.weight"]}
+    names = {"qkv_proj": [f"{prefix}attn_{p}.weight" for p in "qkv"], "o_proj": [f"{prefix}attn_output.weight"],
+             "gate_up_proj": [f"{prefix}ffn_gate.weight", f"{prefix}ffn_up.weight"],
+             "down_proj": [f"{prefix}ffn_down.weight"]}
+    if f"{prefix}ffn_gate_exps.weight" in file_names:
+        del names["gate_up_proj"], names["down_proj"]
+        names.update(experts_w13=[f"{prefix}ffn_gate_exps.weight", f"{prefix}ffn_up_exps.weight"],
+                     experts_w2=[f"{prefix}ffn_down_exps.weight"])
+    return names
 
 
 def lm_head_name(tensor_names) -> str:
@@ -44,7 +51,7 @@ def tensor_types(gguf_path: str, num_layers: int) -> dict[str, tuple[str, int]]:
     import gguf
 
     tensors = {t.name: t for t in gguf.GGUFReader(gguf_path).tensors}
-    names = [name for layer in range(num_layers) for group in layer_tensor_names(layer).values()
+    names = [name for layer in range(num_layers) for group in layer_tensor_names(layer, tensors).values()
              for name in group] + [lm_head_name(tensors)]
     return {name: (tensors[name].tensor_type.name, int(tensors[name].tensor_type)) for name in names}
 
@@ -53,7 +60,7 @@ def check_gguf_types(gguf_path: str, num_layers: int) -> bool:
     """True where the file's projections are block types with kernels, False where they are all
     float (nothing to run quantized); GGUFError naming the first tensor whose type has no
     kernel, or a fused group (q/k/v, gate/up) mixing types other than DECODED_TYPES."""
-    types = tensor_types(gguf_path, num_layers)
+    types = tensor_types(gguf_path, num_layers)  # (its names: an MoE layer's experts' among them)
     if all(type_id in FLOAT_TYPES for name, (_, type_id) in types.items() if name.startswith("blk.")):
         return False
     for name, (type_name, type_id) in types.items():
@@ -62,9 +69,10 @@ def check_gguf_types(gguf_path: str, num_layers: int) -> bool:
                             f"{', '.join(KERNEL_TYPES.values())}); --quantization none runs it dequantized to "
                             "float32")
     for layer in range(num_layers):
-        for group in layer_tensor_names(layer).values():
+        for group in layer_tensor_names(layer, types).values():
             group_types = {types[name][0] for name in group}
-            mixable = group_types <= DECODED_TYPES
+            # an MoE layer's experts: one type for gate and up (moe_cpu.cpp's w13)
+            mixable = group_types <= DECODED_TYPES and not group[0].endswith("_exps.weight")
             if (len(group_types) > 1 and not mixable) or group_types & set(FLOAT_TYPES.values()):
                 raise GGUFError(f"{gguf_path}: tensors {', '.join(group)} are {', '.join(sorted(group_types))}; "
                                 "the quantized path runs projections quantized alike (--quantization none runs "

@@ -36,3 +36,35 @@ def build_tiny_moe(out_dir: str, family: str, seed: int = 0, **overrides) -> str
     model.save_pretrained(out_dir)
     tokenizer.save_pretrained(out_dir)
     return out_dir
+
+
+def gguf_expert_writer(expert_type):
+    """write_gguf's write_experts for a Qwen3-MoE / Qwen2-MoE model: its metadata, and each
+    sparse layer's experts stacked as llama.cpp's ffn_{gate,up,down}_exps, quantized to
+    expert_type (a gguf.GGMLQuantizationType)."""
+    import gguf
+    import numpy as np
+
+    def write(writer, config: dict, weights: dict) -> set[str]:
+        num_experts = config.get("num_experts", config.get("num_local_experts"))
+        writer.add_expert_count(num_experts)
+        writer.add_expert_used_count(config["num_experts_per_tok"])
+        writer.add_expert_feed_forward_length(config["moe_intermediate_size"])
+        writer.add_expert_weights_norm(bool(config.get("norm_topk_prob")))
+        if config.get("shared_expert_intermediate_size"):  # Qwen2-MoE's shared expert
+            writer.add_expert_shared_feed_forward_length(config["shared_expert_intermediate_size"])
+        written = set()
+        for layer in range(config["num_hidden_layers"]):
+            prefix = f"model.layers.{layer}.mlp.experts."
+            if f"{prefix}0.gate_proj.weight" not in weights:
+                continue
+            for projection, gguf_name in (("gate_proj", "ffn_gate_exps"), ("up_proj", "ffn_up_exps"),
+                                          ("down_proj", "ffn_down_exps")):
+                names = [f"{prefix}{e}.{projection}.weight" for e in range(num_experts)]
+                stacked = np.stack([weights[name].numpy() for name in names])
+                writer.add_tensor(f"blk.{layer}.{gguf_name}.weight", gguf.quants.quantize(stacked, expert_type),
+                                  raw_dtype=expert_type)
+                written.update(names)
+        return written
+
+    return write

@@ -38,13 +38,15 @@ def llama3_rope_divisors(model_dir: str) -> np.ndarray:
     return (default_inv_freq / scaled_inv_freq).numpy().astype(np.float32)
 
 
-def write_gguf(model_dir: str, gguf_path: str) -> None:
-    """Export a tiny Hugging Face model the way llama.cpp would (F32 tensors, so exactly)."""
+def write_gguf(model_dir: str, gguf_path: str, write_experts=None) -> None:
+    """Export a tiny Hugging Face model the way llama.cpp would (F32 tensors, so exactly).
+    write_experts(writer, config, weights) -> the HF names it wrote: an MoE model's experts
+    (tests/models/moe_models.py)."""
     import gguf
 
     config = read_json(os.path.join(model_dir, "config.json"))
-    arch = {"llama": gguf.MODEL_ARCH.LLAMA, "qwen2": gguf.MODEL_ARCH.QWEN2, "qwen3": gguf.MODEL_ARCH.QWEN3}[
-        config["model_type"]]
+    arch = {"llama": gguf.MODEL_ARCH.LLAMA, "qwen2": gguf.MODEL_ARCH.QWEN2, "qwen3": gguf.MODEL_ARCH.QWEN3,
+            "qwen3_moe": gguf.MODEL_ARCH.QWEN3MOE, "qwen2_moe": gguf.MODEL_ARCH.QWEN2MOE}[config["model_type"]]
     arch_name = gguf.MODEL_ARCH_NAMES[arch]
     tensor_names = gguf.get_tensor_name_map(arch, config["num_hidden_layers"])
     writer = gguf.GGUFWriter(gguf_path, arch_name)
@@ -74,7 +76,11 @@ def write_gguf(model_dir: str, gguf_path: str) -> None:
 
     if config["rope_parameters"]["rope_type"] == "llama3":
         writer.add_tensor("rope_freqs.weight", llama3_rope_divisors(model_dir))
-    for hf_name, tensor in read_safetensors(model_dir).items():
+    weights = read_safetensors(model_dir)
+    written = write_experts(writer, config, weights) if write_experts is not None else set()
+    for hf_name, tensor in weights.items():
+        if hf_name in written:
+            continue
         base_name, suffix = hf_name.rsplit(".", 1)
         values = tensor.numpy()
         if arch == gguf.MODEL_ARCH.LLAMA and base_name.endswith("q_proj"):
