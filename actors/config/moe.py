@@ -23,7 +23,8 @@ class MoeConfig:
 
 
 def check_moe_engine(moe: MoeConfig | None, architecture: str, *, tensor_parallel_size: int,
-                     enable_expert_parallel: bool, enable_lora: bool, pipeline_parallel_size: int) -> None:
+                     enable_expert_parallel: bool, enable_lora: bool, pipeline_parallel_size: int,
+                     quantization: str | None = None) -> None:
     """ValueError naming the field, for what troupe does not run on a mixture-of-experts
     model (checked at start-up, before any worker loads a weight)."""
     if moe is None:
@@ -32,6 +33,10 @@ def check_moe_engine(moe: MoeConfig | None, architecture: str, *, tensor_paralle
         return
     if enable_lora:
         raise ValueError(f"enable_lora: LoRA on a mixture-of-experts model ({architecture}) is not supported")
+    # the experts run as fp32 (or bf16/fp16) stacks or as a GGUF file's blocks; no other method packs them
+    if quantization not in (None, "none", "auto", "gguf"):
+        raise ValueError(f"quantization {quantization!r} is not supported for a mixture-of-experts model "
+                         f"({architecture}): 'none', or a GGUF file's own blocks ('auto' / 'gguf')")
     if pipeline_parallel_size > 1:
         raise ValueError(f"pipeline_parallel_size > 1 is not supported for a mixture-of-experts model ({architecture})")
     tp = tensor_parallel_size

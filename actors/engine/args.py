@@ -308,7 +308,7 @@ class EngineArgs(InputArgs):
         check_tensor_parallel_size(model_config, args.tensor_parallel_size)
         check_moe_engine(model_config.moe, model_config.architecture, tensor_parallel_size=args.tensor_parallel_size,
                          enable_expert_parallel=args.enable_expert_parallel, enable_lora=args.enable_lora,
-                         pipeline_parallel_size=args.pipeline_parallel_size)
+                         pipeline_parallel_size=args.pipeline_parallel_size, quantization=args.quantization)
         max_model_len = args.max_model_len
         if max_model_len is None:
             max_model_len = model_config.max_position_embeddings

@@ -16,6 +16,9 @@ def read_moe_config(config: dict, architecture: str, config_path: str) -> MoeCon
     """The experts' shape; ValueError naming the key for what troupe cannot run."""
     if architecture not in _EXPERT_COUNT_KEYS:
         return None
+    if config.get("quantization_config"):  # (GPTQ/AWQ/FP8 experts: no kernel stacks them)
+        raise ValueError(f"{config_path}: quantization_config is not supported for {architecture} (a mixture-of-"
+                         "experts model); a GGUF file's blocks are")
     num_layers = config["num_hidden_layers"]
     # transformers 5 saves each family's count as num_local_experts (an attribute_map alias)
     num_experts = config.get(_EXPERT_COUNT_KEYS[architecture], config.get("num_local_experts"))

@@ -37,6 +37,12 @@ def test_lora_on_an_moe_model_is_refused_by_name(moe_dirs):
         LLM(moe_dirs["qwen3_moe"], enable_lora=True)
 
 
+def test_other_quantization_methods_on_an_moe_model_are_refused_by_name(moe_dirs):
+    with pytest.raises(ValueError, match="quantization 'int8' is not supported for a mixture-of-experts model "
+                                         "\\(MixtralForCausalLM\\)"):
+        LLM(moe_dirs["mixtral"], quantization="int8")
+
+
 def test_expert_parallel_refusals_name_the_field(tmp_path, tiny_llama_dir):
     with pytest.raises(ValueError, match="enable_expert_parallel: LlamaForCausalLM is not a mixture-of-experts"):
         LLM(tiny_llama_dir, enable_expert_parallel=True)
