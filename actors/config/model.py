@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 # a field of ModelConfig, which msgspec decodes in every actor process: imported for real
+from actors.config.moe import MoeConfig
 from actors.config.vision import VisionConfig
 
 
@@ -41,6 +42,7 @@ class ModelConfig:
     # which code runs it (--model-impl, resolved): "troupe" (the registry's) or "transformers"
     # (Hugging Face's modeling code over the paged KV cache: actors/models/transformers_fallback.py)
     model_impl: str = "troupe"
+    moe: MoeConfig | None = None  # a mixture-of-experts decoder's experts (actors/models/moe.py); None: dense
 
     @property
     def can_generate(self) -> bool:

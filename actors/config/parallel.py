@@ -25,6 +25,7 @@ class ParallelConfig:
     # tensor_parallel_size ranks; rank = stage * tensor_parallel_size + tensor-parallel rank
     pipeline_parallel_size: int = 1
     distributed_executor_backend: str = "mp"  # "mp": worker processes; "ray": Ray actors (actors/engine/ray_executor.py)
+    enable_expert_parallel: bool = False  # MoE: whole experts per tensor-parallel rank (actors/layers/tensor_parallel.py)
     data_parallel_size: int = 1  # engine replicas behind one AsyncClient (actors/frontend/data_parallel.py); each has the above
 
     @property

@@ -35,6 +35,7 @@ from actors.quantization import QUANTIZATION_METHODS
 from actors.quantization.resolve import resolve_quantization
 from actors.config.input_flags import InputArgs
 from actors.config.vision import check_vision_engine
+from actors.config.moe import check_moe_engine
 from actors.config.speculative import check_engine_fit, parse_speculative_config
 from actors.spec_decode.draft_config import load_draft_model_config
 from actors.config.structured_output import DEFAULT_COMPILE_TIMEOUT_S, DEFAULT_MAX_GRAMMAR_BYTES
@@ -134,6 +135,8 @@ class EngineArgs(InputArgs):
                                      metavar="N")
     pipeline_parallel_size: int = _arg(1, "pipeline stages, each a contiguous range of layers on its own "
                                           "tensor_parallel_size workers (docs/distributed.md)", metavar="N")
+    enable_expert_parallel: bool = _arg(False, "a mixture-of-experts model's whole experts spread over the "
+                                               "tensor-parallel ranks, instead of a slice of every expert on each")
     data_parallel_size: int = _arg(1, "engine replicas behind one frontend, each with its own scheduler and workers",
                                    metavar="N")
     distributed_executor_backend: str = _arg("mp", "'mp': a process per worker; 'ray': Ray actors in a placement "
@@ -310,6 +313,9 @@ class EngineArgs(InputArgs):
         if "architectures" in hf_overrides:
             model_config = override_architecture(model_config, hf_overrides["architectures"][0])
         check_tensor_parallel_size(model_config, args.tensor_parallel_size)
+        check_moe_engine(model_config.moe, model_config.architecture, tensor_parallel_size=args.tensor_parallel_size,
+                         enable_expert_parallel=args.enable_expert_parallel, enable_lora=args.enable_lora,
+                         pipeline_parallel_size=args.pipeline_parallel_size, quantization=args.quantization)
         max_model_len = args.max_model_len
         if max_model_len is None:
             max_model_len = model_config.max_position_embeddings
@@ -359,7 +365,8 @@ class EngineArgs(InputArgs):
                                     node_rank=args.node_rank, master_addr=args.master_addr,
                                     master_port=args.master_port, pipeline_parallel_size=args.pipeline_parallel_size,
                                     distributed_executor_backend=args.distributed_executor_backend,
-                                    data_parallel_size=args.data_parallel_size),
+                                    data_parallel_size=args.data_parallel_size,
+                                    enable_expert_parallel=args.enable_expert_parallel),
             dtype=args.dtype, device=args.device, seed=args.seed, tokenizer_path=model_dir,
             attention_backend=args.attention_backend, load_format=args.load_format, quantization=quantization,
             max_logprobs=args.max_logprobs,

@@ -32,6 +32,9 @@ class TensorParallel:
     # global rank of the stage's tensor-parallel rank 0 (None, 0: the whole world)
     group: object = None
     root: int = 0
+    # a mixture-of-experts model's experts: whole ones on each rank (--enable-expert-parallel),
+    # not a slice of every one; the attention and dense MLPs stay split as above
+    expert_parallel: bool = False
 
     @property
     def enabled(self) -> bool:
@@ -69,6 +72,8 @@ class TensorParallel:
         if not self.enabled:
             return tensor_slice[:]
         head_dim = model.head_dim
+        if ".experts." in name or ".shared_expert." in name:
+            return self._shard_expert(name, tensor_slice, model)
         if name.endswith(("q_proj.weight", "q_proj.bias")):
             rows = self.num_heads(model) * head_dim
             return tensor_slice[self.rank * rows:(self.rank + 1) * rows]
@@ -92,6 +97,28 @@ class TensorParallel:
                 rows = torch.cat([rows, rows.new_zeros(padding, rows.shape[1])])
             return rows
         return tensor_slice[:]  # norms: replicated
+
+    def expert_range(self, num_experts: int) -> tuple[int, int]:
+        """(first, count) of the experts this rank holds: all of them, but for expert parallelism."""
+        if not (self.enabled and self.expert_parallel):
+            return 0, num_experts
+        count = num_experts // self.size
+        return self.rank * count, count
+
+    def _shard_expert(self, name: str, tensor_slice, model: ModelConfig) -> torch.Tensor:
+        """An MoE expert's projection (or Qwen2-MoE's shared expert's): sliced as the dense
+        MLP's (gate/up rows, down columns: "down_proj", Mixtral's "w2"), or with expert
+        parallelism whole on the rank that holds the expert and empty (nothing read) on the others."""
+        if self.expert_parallel and ".experts." in name:
+            expert = int(name.split(".experts.", 1)[1].split(".", 1)[0])
+            first, count = self.expert_range(model.moe.num_experts)
+            return tensor_slice[:] if first <= expert < first + count else torch.empty(0)
+        shape = tensor_slice.get_shape() if hasattr(tensor_slice, "get_shape") else tensor_slice.shape
+        if name.endswith(("down_proj.weight", "w2.weight")):
+            cols = shape[1] // self.size
+            return tensor_slice[:, self.rank * cols:(self.rank + 1) * cols]
+        rows = shape[0] // self.size
+        return tensor_slice[self.rank * rows:(self.rank + 1) * rows]
 
     # ---- collectives ----
 

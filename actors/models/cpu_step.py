@@ -64,6 +64,8 @@ class CpuModelStep:
         native = backend.native
         if native is None or model.dtype != torch.float32 or model.device.type != "cpu" or model.parallel.enabled:
             return None
+        if getattr(model.config, "moe", None) is not None:  # no MoE block in model_step_f32 yet (actors/models/moe.py)
+            return None
         probe_query = torch.empty(1, model.num_heads, model.head_dim)
         probe_cache = torch.empty(1, model.num_kv_heads, 1, model.head_dim)
         if not native.supports_attention(probe_query, probe_cache) or model.num_heads % model.num_kv_heads:

@@ -23,6 +23,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from actors.models import gguf_families
+from actors.models.gguf_moe import MOE_NORM_TOPK_PROB, MOE_TENSOR_TO_HF, moe_config, \
+    reshape_shared_gate, split_experts
 
 # Part of the cache key: bump it when the output of convert_gguf changes, so stale
 # conversions in users' caches are not reused.
@@ -48,6 +50,9 @@ _ARCHITECTURES = {
     "gemma2": _GGUFArchitecture("Gemma2ForCausalLM", "gemma2", unpermute_qk=False),
     "gemma3": _GGUFArchitecture("Gemma3ForCausalLM", "gemma3_text", unpermute_qk=False),
     "phi3": _GGUFArchitecture("Phi3ForCausalLM", "phi3", unpermute_qk=False),
+    # mixture-of-experts files (gguf_moe.py: their expert keys and tensors)
+    "qwen3moe": _GGUFArchitecture("Qwen3MoeForCausalLM", "qwen3_moe", unpermute_qk=False),
+    "qwen2moe": _GGUFArchitecture("Qwen2MoeForCausalLM", "qwen2_moe", unpermute_qk=False),
 }
 
 _GLOBAL_TENSOR_TO_HF = {
@@ -68,6 +73,7 @@ _LAYER_TENSOR_TO_HF = {
     "ffn_gate": "mlp.gate_proj",
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
+    **MOE_TENSOR_TO_HF,
 }
 
 _LAYER_TENSOR_NAME = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
@@ -170,7 +176,9 @@ def _hf_config(reader, tensors: dict, spec: _GGUFArchitecture, gguf_path: str) -
         "model_type": spec.model_type,
         "vocab_size": vocab_size,
         "hidden_size": hidden_size,
-        "intermediate_size": required("feed_forward_length"),
+        # an MoE file may have no dense MLP, so no feed_forward_length
+        "intermediate_size": required("feed_forward_length") if arch not in MOE_NORM_TOPK_PROB
+        else _field(reader, f"{arch}.feed_forward_length") or required("expert_feed_forward_length"),
         "num_hidden_layers": required("block_count"),
         "num_attention_heads": num_attention_heads,
         "num_key_value_heads": num_key_value_heads,
@@ -190,6 +198,8 @@ def _hf_config(reader, tensors: dict, spec: _GGUFArchitecture, gguf_path: str) -
         config["attention_bias"] = "blk.0.attn_q.bias" in tensors
     gguf_families.family_config(lambda key, default=None: _field(reader, key, default), arch, config, tensors,
                                 _float32_value)
+    if arch in MOE_NORM_TOPK_PROB:
+        config.update(moe_config(arch, lambda key: _field(reader, f"{arch}.{key}"), gguf_path))
     return config
 
 
@@ -301,10 +311,12 @@ def _write_weights(tensors: dict, hf_config: dict, spec: _GGUFArchitecture, out_
             "model.safetensors" if len(shards) == 1
             else f"model-{shard_index + 1:05d}-of-{len(shards):05d}.safetensors"
         )
-        shard_weights = {
-            hf_tensor_name(tensor.name, arch): torch.from_numpy(_dequantized(tensor, hf_config, spec))
-            for tensor in shard
-        }
+        shard_weights = {}
+        for tensor in shard:
+            values = reshape_shared_gate(tensor.name, _dequantized(tensor, hf_config, spec))
+            experts = split_experts(tensor.name, values)  # an MoE file's [num_experts, ...] tensors
+            for name, array in (experts or {hf_tensor_name(tensor.name, arch): values}).items():
+                shard_weights[name] = torch.from_numpy(array)
         save_file(shard_weights, os.path.join(out_dir, file_name), metadata={"format": "pt"})
         weight_map.update(dict.fromkeys(shard_weights, file_name))
     if len(shards) > 1:

@@ -202,14 +202,7 @@ class LlamaModel:
                                           attention, lora)
             # 2. MLP block
             x, residual = ops.rms_norm(hidden, layer.post_attention_norm, eps, residual)
-            gate_up = ops.linear(x, layer.gate_up_proj)
-            if lora is not None:
-                lora.add(index, _GATE_UP, x, gate_up)
-            x = ops.silu_mul(gate_up)
-            hidden = ops.linear(x, layer.down_proj)
-            if lora is not None:
-                lora.add(index, _DOWN, x, hidden)
-            hidden = self.parallel.all_reduce(hidden)
+            hidden = self.mlp(index, layer, x, lora)
         return hidden, residual
 
     def input_norm(self, hidden: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor
@@ -230,7 +223,7 @@ class LlamaModel:
         qkv = ops.linear(x, layer.qkv_proj, layer.qkv_bias)
         if lora is not None:
             lora.add(index, _QKV, x, qkv)
-        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q, k, v = self.split_qkv(index, qkv)
         q = q.view(num_tokens, self.num_heads, self.head_dim)
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
@@ -242,6 +235,25 @@ class LlamaModel:
         hidden = ops.linear(attn, layer.o_proj)
         if lora is not None:
             lora.add(index, _O, attn, hidden)
+        return self.parallel.all_reduce(hidden)
+
+    def split_qkv(self, index: int, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q, k and v of layer index's fused projection output (a family with norms over the
+        whole projections overrides it: actors/models/moe.py's OLMoE)."""
+        return qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+
+    def mlp(self, index: int, layer: DecoderLayerWeights, x: torch.Tensor,
+            lora: LoRABatch | None = None) -> torch.Tensor:
+        """The MLP block of one layer over its normed input, reduced across ranks (a
+        mixture-of-experts model overrides it for its sparse layers: actors/models/moe.py)."""
+        ops = self.backend
+        gate_up = ops.linear(x, layer.gate_up_proj)
+        if lora is not None:
+            lora.add(index, _GATE_UP, x, gate_up)
+        x = ops.silu_mul(gate_up)
+        hidden = ops.linear(x, layer.down_proj)
+        if lora is not None:
+            lora.add(index, _DOWN, x, hidden)
         return self.parallel.all_reduce(hidden)
 
     def final_norm_of(self, hidden: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:

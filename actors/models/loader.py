@@ -22,6 +22,7 @@ from actors.config import ModelConfig, cache_dir
 from actors.config.vision import split_vision_config
 from actors.models.bert_config import encoder_model_config
 from actors.models.hybrid_config import GEMMA_FAMILIES, family_config, layer_windows
+from actors.models.moe_config import read_moe_config
 from actors.models.registry import architectures, model_entry
 from actors.models.transformers_config import fallback_model_config, resolve_model_impl
 
@@ -143,6 +144,7 @@ def load_model_config(model_dir: str, model_impl: str = "troupe") -> ModelConfig
         vision=vision,
         sliding_windows=layer_windows(config, architecture, config_path),
         family=family,
+        moe=read_moe_config(config, architecture, config_path),
     )
 
 

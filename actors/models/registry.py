@@ -35,6 +35,8 @@ _DECODER_FAMILIES = ("Llama", "Mistral", "Qwen2", "Qwen3")  # (sliding windows: 
 _LLAMA = ModelEntry("decoder", "actors.models.llama", "LlamaModel")
 _BERT = ModelEntry("encoder", "actors.models.bert", "BertModel")
 _GEMMA = ModelEntry("decoder", "actors.models.gemma", "GemmaModel")  # Gemma 2 and 3 (text)
+# mixture-of-experts decoders (actors/models/moe.py; their experts' shape: moe_config.py)
+_MOE = ModelEntry("decoder", "actors.models.moe", "MoeModel")
 
 # architecture -> its entry, in the order an error lists them
 MODELS: dict[str, ModelEntry] = {
@@ -43,6 +45,7 @@ MODELS: dict[str, ModelEntry] = {
     "Gemma2ForCausalLM": _GEMMA,
     "Gemma3ForCausalLM": _GEMMA,
     "Phi3ForCausalLM": ModelEntry("decoder", "actors.models.phi3", "Phi3Model"),
+    **{f"{family}ForCausalLM": _MOE for family in ("Qwen3Moe", "Qwen2Moe", "Mixtral", "Olmoe")},
     **{f"{family}{kind}": _BERT for family in ("Bert", "Roberta", "XLMRoberta")
        for kind in ("Model", "ForSequenceClassification")},
     "LlavaForConditionalGeneration": ModelEntry("vision", "actors.models.vision_runner", "VisionRunner"),

@@ -102,7 +102,9 @@ def use_gguf_weights(model, backend: CpuBackend, gguf_path: str) -> GGUFCpuBacke
     unpermute = architecture == "llama"
     heads = {"attn_q": model.config.num_attention_heads, "attn_k": model.config.num_key_value_heads}
     for index, layer in enumerate(model.layers):
-        for attribute, names in layer_tensor_names(index, has_fused_projections(tensors)).items():
+        for attribute, names in layer_tensor_names(index, tensors, has_fused_projections(tensors)).items():
+            if attribute.startswith("experts_"):  # an MoE layer's experts: the model's own (below)
+                continue
             parts = [_blocks(tensors[name], kernels, heads.get(name.split(".")[2]) if unpermute else None)
                      for name in names]
             types = [int(tensors[name].tensor_type) for name in names]
@@ -111,6 +113,8 @@ def use_gguf_weights(model, backend: CpuBackend, gguf_path: str) -> GGUFCpuBacke
                 parts = [kernels.decode_rows(part, t, in_features) for part, t in zip(parts, types)]
                 types = [U8X16]
             setattr(layer, attribute, GGUFWeight(torch.cat(parts), types[0], in_features))
+    if hasattr(model, "use_gguf_experts"):  # actors/models/moe.py: each expert's blocks, as the file has them
+        model.use_gguf_experts(tensors, kernels)
     head = tensors[lm_head_name(tensors)]
     if int(head.tensor_type) in KERNEL_TYPES:
         model.lm_head = GGUFWeight(_blocks(head, kernels), int(head.tensor_type), int(head.shape[0]))

@@ -16,17 +16,24 @@ class GGUFError(ValueError):
     """A GGUF file or setting the quantized path cannot run."""
 
 
-def layer_tensor_names(layer: int, fused: bool = False) -> dict[str, list[str]]:
+def layer_tensor_names(layer: int, file_names=(), fused: bool = False) -> dict[str, list[str]]:
     """A layer's fused projections (DecoderLayerWeights' names) and the file's tensors in each;
     fused: the file keeps q/k/v as one attn_qkv and gate/up as one ffn_up (phi3), in the
-    decoder's row order already."""
+    decoder's row order already. A sparse MoE layer (file_names holds its ffn_gate_exps) has its
+    experts' instead of an MLP: "experts_w13" (gate and up, concatenated per expert) and
+    "experts_w2" (actors/models/moe.py)."""
     prefix = f"blk.{layer}."
     if fused:
         return {"qkv_proj": [f"{prefix}attn_qkv.weight"], "o_proj": [f"{prefix}attn_output.weight"],
                 "gate_up_proj": [f"{prefix}ffn_up.weight"], "down_proj": [f"{prefix}ffn_down.weight"]}
-    return {"qkv_proj": [f"{prefix}attn_{p}.weight" for p in "qkv"], "o_proj": [f"{prefix}attn_output.weight"],
-            "gate_up_proj": [f"{prefix}ffn_gate.weight", f"{prefix}ffn_up.weight"],
-            "down_proj": [f"{prefix}ffn_down.weight"]}
+    names = {"qkv_proj": [f"{prefix}attn_{p}.weight" for p in "qkv"], "o_proj": [f"{prefix}attn_output.weight"],
+             "gate_up_proj": [f"{prefix}ffn_gate.weight", f"{prefix}ffn_up.weight"],
+             "down_proj": [f"{prefix}ffn_down.weight"]}
+    if f"{prefix}ffn_gate_exps.weight" in file_names:
+        del names["gate_up_proj"], names["down_proj"]
+        names.update(experts_w13=[f"{prefix}ffn_gate_exps.weight", f"{prefix}ffn_up_exps.weight"],
+                     experts_w2=[f"{prefix}ffn_down_exps.weight"])
+    return names
 
 
 def has_fused_projections(tensor_names) -> bool:
@@ -55,7 +62,7 @@ def tensor_types(gguf_path: str, num_layers: int) -> dict[str, tuple[str, int]]:
 
     tensors = {t.name: t for t in gguf.GGUFReader(gguf_path).tensors}
     fused = has_fused_projections(tensors)
-    names = [name for layer in range(num_layers) for group in layer_tensor_names(layer, fused).values()
+    names = [name for layer in range(num_layers) for group in layer_tensor_names(layer, tensors, fused).values()
              for name in group] + [lm_head_name(tensors)]
     return {name: (tensors[name].tensor_type.name, int(tensors[name].tensor_type)) for name in names}
 
@@ -64,7 +71,7 @@ def check_gguf_types(gguf_path: str, num_layers: int) -> bool:
     """True where the file's projections are block types with kernels, False where they are all
     float (nothing to run quantized); GGUFError naming the first tensor whose type has no
     kernel, or a fused group (q/k/v, gate/up) mixing types other than DECODED_TYPES."""
-    types = tensor_types(gguf_path, num_layers)
+    types = tensor_types(gguf_path, num_layers)  # (its names: an MoE layer's experts' among them)
     if all(type_id in FLOAT_TYPES for name, (_, type_id) in types.items() if name.startswith("blk.")):
         return False
     for name, (type_name, type_id) in types.items():
@@ -74,9 +81,10 @@ def check_gguf_types(gguf_path: str, num_layers: int) -> bool:
                             "float32")
     fused = has_fused_projections(types)
     for layer in range(num_layers):
-        for group in layer_tensor_names(layer, fused).values():
+        for group in layer_tensor_names(layer, types, fused).values():
             group_types = {types[name][0] for name in group}
-            mixable = group_types <= DECODED_TYPES
+            # an MoE layer's experts: one type for gate and up (moe_cpu.cpp's w13)
+            mixable = group_types <= DECODED_TYPES and not group[0].endswith("_exps.weight")
             if (len(group_types) > 1 and not mixable) or group_types & set(FLOAT_TYPES.values()):
                 raise GGUFError(f"{gguf_path}: tensors {', '.join(group)} are {', '.join(sorted(group_types))}; "
                                 "the quantized path runs projections quantized alike (--quantization none runs "

@@ -66,7 +66,8 @@ class WorkerActor(Actor):
             runner, num_blocks, output_rank = build_stage_runner(engine, rank)
             return cls(spec.name, spec.addresses, sockets, runner, num_blocks, rank, output_rank,
                        engine.grammar_compile_timeout)
-        parallel = TensorParallel(rank, engine.parallel.tensor_parallel_size)
+        parallel = TensorParallel(rank, engine.parallel.tensor_parallel_size,
+                                  expert_parallel=engine.parallel.enable_expert_parallel)
         if parallel.enabled:
             _join_group(engine, rank, parallel.size, spec.options["distributed_init_method"])
         runner, num_blocks = build_model_runner(engine, parallel)

@@ -64,7 +64,8 @@ def tune_few_rows(native, layers: list, limit: int = 16, baseline=None, clock=No
     clock = clock or time.perf_counter
 
     weights = [w for layer in layers[:_TUNING_LAYERS]
-               for w in (layer.qkv_proj, layer.o_proj, layer.gate_up_proj, layer.down_proj)]
+               for w in (layer.qkv_proj, layer.o_proj, layer.gate_up_proj, layer.down_proj)
+               if w is not None]  # (an MoE model's sparse layers have no dense MLP)
 
     def seconds(linear, inputs: list) -> float:
         start = clock()

@@ -39,16 +39,17 @@ def llama3_rope_divisors(model_dir: str) -> np.ndarray:
     return (default_inv_freq / scaled_inv_freq).numpy().astype(np.float32)
 
 
-def write_gguf(model_dir: str, gguf_path: str, family: Callable | None = None) -> None:
+def write_gguf(model_dir: str, gguf_path: str, family: Callable | None = None, write_experts=None) -> None:
     """Export a tiny Hugging Face model the way llama.cpp would (F32 tensors, so exactly).
     family(writer, config) -> (name, values) -> values: a family's metadata written, and what
-    llama.cpp does to its tensors (tests/models/test_gguf_families.py)."""
+    llama.cpp does to its tensors (tests/models/test_gguf_families.py). write_experts(writer,
+    config, weights) -> the HF names it wrote: an MoE model's experts (tests/models/moe_models.py)."""
     import gguf
 
     config = read_json(os.path.join(model_dir, "config.json"))
     arch = {"llama": gguf.MODEL_ARCH.LLAMA, "qwen2": gguf.MODEL_ARCH.QWEN2, "qwen3": gguf.MODEL_ARCH.QWEN3,
-            "gemma2": gguf.MODEL_ARCH.GEMMA2, "gemma3_text": gguf.MODEL_ARCH.GEMMA3, "phi3": gguf.MODEL_ARCH.PHI3}[
-        config["model_type"]]
+            "gemma2": gguf.MODEL_ARCH.GEMMA2, "gemma3_text": gguf.MODEL_ARCH.GEMMA3, "phi3": gguf.MODEL_ARCH.PHI3,
+            "qwen3_moe": gguf.MODEL_ARCH.QWEN3MOE, "qwen2_moe": gguf.MODEL_ARCH.QWEN2MOE}[config["model_type"]]
     arch_name = gguf.MODEL_ARCH_NAMES[arch]
     tensor_names = gguf.get_tensor_name_map(arch, config["num_hidden_layers"])
     writer = gguf.GGUFWriter(gguf_path, arch_name)
@@ -80,7 +81,11 @@ def write_gguf(model_dir: str, gguf_path: str, family: Callable | None = None) -
     transform = family(writer, config) if family is not None else None
     if config["rope_parameters"].get("rope_type") == "llama3":
         writer.add_tensor("rope_freqs.weight", llama3_rope_divisors(model_dir))
-    for hf_name, tensor in read_safetensors(model_dir).items():
+    weights = read_safetensors(model_dir)
+    written = write_experts(writer, config, weights) if write_experts is not None else set()
+    for hf_name, tensor in weights.items():
+        if hf_name in written:
+            continue
         base_name, suffix = hf_name.rsplit(".", 1)
         values = tensor.numpy()
         if arch == gguf.MODEL_ARCH.LLAMA and base_name.endswith("q_proj"):

@@ -7,6 +7,7 @@ the same blocks, activations quantized per block of 32 as the kernel quantizes t
 from __future__ import annotations
 
 import asyncio
+import contextlib
 
 import gguf
 import pytest
@@ -26,7 +27,7 @@ from tests.kernels.test_gguf_linear import HAND_BUILT, hand_built_blocks
 
 def write_quantized_gguf(model_dir: str, path: str, ggml_type: gguf.GGMLQuantizationType,
                          head_type: gguf.GGMLQuantizationType = gguf.GGMLQuantizationType.Q8_0,
-                         overrides: dict[str, gguf.GGMLQuantizationType] | None = None) -> None:
+                         overrides: dict[str, gguf.GGMLQuantizationType] | None = None, write_experts=None) -> None:
     """write_gguf's file, its projections quantized to ggml_type (or overrides' type for the
     tensors whose names contain its key), embedding and LM head to head_type."""
     original = gguf.GGUFWriter.add_tensor
@@ -45,7 +46,7 @@ def write_quantized_gguf(model_dir: str, path: str, ggml_type: gguf.GGMLQuantiza
 
     gguf.GGUFWriter.add_tensor = quantizing
     try:
-        write_gguf(model_dir, path)
+        write_gguf(model_dir, path, write_experts=write_experts)
     finally:
         gguf.GGUFWriter.add_tensor = original
 
@@ -61,10 +62,11 @@ class ReferenceBackend(GGUFCpuBackend):
         return gguf_linear_reference(x, weight.blocks, weight.ggml_type, weight.in_features, bias, quantize_x)
 
 
-def one_mixed_step(runner, shapes, generator, reference: bool = True):
+def one_mixed_step(runner, shapes, generator, reference: bool = True, swap=None):
     """A step of decodes over cached keys and prefill chunks ((cached, new) tokens each) through
-    the fused step and the op-by-op forward (with the reference linears where reference): their
-    logits."""
+    the fused step (the op-by-op forward where the runner has none) and the op-by-op forward
+    (with the reference linears where reference, and what the context manager swap(model)
+    swaps in): their logits."""
     batch, next_block = [], 1
     for index, (num_cached, num_new) in enumerate(shapes):
         seq_len = num_cached + num_new
@@ -80,12 +82,15 @@ def one_mixed_step(runner, shapes, generator, reference: bool = True):
     reference_caches = [(k.clone(), v.clone()) for k, v in caches]
     model = runner.model
     with torch.inference_mode():
-        fused = model.compute_logits(runner.model_step(model.embed(input_ids), positions, caches, attention))
+        fused = model.compute_logits(runner.model_step(model.embed(input_ids), positions, caches, attention)
+                                     if runner.model_step is not None
+                                     else model.forward(input_ids, positions, caches, attention))
         quantized_backend = model.backend
         if reference:
             model.backend = ReferenceBackend(quantized_backend, quantized_backend.kernels)
         try:
-            reference = model.compute_logits(model.forward(input_ids, positions, reference_caches, attention))
+            with swap(model) if swap is not None else contextlib.nullcontext():
+                reference = model.compute_logits(model.forward(input_ids, positions, reference_caches, attention))
         finally:
             model.backend = quantized_backend
     return fused, reference
