@@ -39,7 +39,6 @@ for part in "${@:-tests engine-tests attention decode offline}"; do for s in $pa
     tests) stage tests "${T_TESTS:-110}" $PYTEST $KERNEL_TESTS ;;
     kernels-all) stage kernels-all "${T_KERNELS:-150}" $PYTEST -p xdist.plugin -n "${XDIST:-6}" tests/kernels ;;
     engine-tests) stage engine-tests "${T_ENGINE:-150}" $PYTEST tests/gpu --ignore-glob='*diag*' ;;
-    diag) TROUPE_TEST_DEVICE=cuda TAIL=40 stage diag "${T_DIAG:-90}" $PYTEST -s tests/gpu/test_zz_structured_diag.py ;;
     attention) stage attention "${T_ATTENTION:-45}" python3 benchmarks/kernels.py --parts attention ;;
     decode) stage decode "${T_DECODE:-90}" python3 benchmarks/gpu_engine.py --parts decode --repeats "${DECODE_REPEATS:-3}" ;;
     fused) stage fused "${T_FUSED:-40}" python3 benchmarks/kernels.py --parts fused,splits,layer ;;
