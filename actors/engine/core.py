@@ -137,19 +137,8 @@ class EngineCore:
         plan = self.scheduler.schedule()
         if not self.run_ahead:
             return self._apply(plan, self.runner.execute(plan))
-        finished: list[RequestOutput | PoolingRequestOutput] = []
-        previous, self._launched = self._launched, None
-        if previous is not None and (not plan.num_scheduled_tokens or not self.runner.runs_ahead(plan)):
-            finished += self._apply(previous.plan, self.runner.finish(previous))
-            previous = None
-        launched = self.runner.launch(plan, previous)
-        if previous is not None:
-            finished += self._apply(previous.plan, self.runner.finish(previous))
-        if plan.num_scheduled_tokens:
-            self._launched = launched  # finished by the next step
-        else:
-            finished += self._apply(plan, self.runner.finish(launched))
-        return finished
+        steps, self._launched = self.runner.step_ahead(plan, self._launched)  # (the new one: finished next step)
+        return [output for done, result in steps for output in self._apply(done, result)]
 
     def finish_launched(self) -> list[RequestOutput | PoolingRequestOutput]:
         """Finishes the step launched last, if any (before the engine changes state)."""

@@ -100,18 +100,11 @@ class WorkerActor(Actor):
             self._answer(plan, self.runner.execute(plan))
         else:
             # asynchronous steps: this plan is launched before the last one is finished, so the
-            # device computes that one while the host prepares this one (runner_step.py)
-            previous, self.launched = self.launched, None
-            if previous is not None and (not plan.num_scheduled_tokens or not self.runner.runs_ahead(plan)):
-                self._answer(previous.plan, self.runner.finish(previous))
-                previous = None
-            launched = self.runner.launch(plan, previous)
-            if previous is not None:
-                self._answer(previous.plan, self.runner.finish(previous))
-            if plan.num_scheduled_tokens:
-                self.launched = launched  # answered when finished: at the next plan, or once it is done
-            else:
-                self._answer(plan, self.runner.finish(launched))
+            # device computes that one while the host prepares this one (runner_step.py); the
+            # step left launched is answered when finished: at the next plan, or once it is done
+            steps, self.launched = self.runner.step_ahead(plan, self.launched)
+            for done, result in steps:
+                self._answer(done, result)
         if self.idle_profile is not None and plan.num_scheduled_tokens:
             self.idle_profile.step()
         if self.host_profile is not None and plan.num_scheduled_tokens:
@@ -132,10 +125,11 @@ class WorkerActor(Actor):
                 self.to_scheduler.send(answer)
 
     def wake_after(self) -> float | None:
-        """While a launched step runs: look again shortly (the next plan usually comes first)."""
-        timers = [t for t in (_POLL_S if self.launched is not None else None,
-                              self.compiles.wake_after() if self.compiles is not None else None) if t is not None]
-        return min(timers) if timers else None
+        """While a launched step runs: look again shortly (the next plan usually comes first;
+        the poll is also shorter than the compiles' check); else when compiles are pending."""
+        if self.launched is not None:
+            return _POLL_S
+        return self.compiles.wake_after() if self.compiles is not None else None
 
     def _finish_launched(self) -> None:
         launched, self.launched = self.launched, None

@@ -89,6 +89,24 @@ class StepExecution:
         return (self.speculator is None and self.vision is None and self.pooling is None and self.encoder is None
                 and not self.parallel.enabled)
 
+    def step_ahead(self, plan: StepPlan, launched: LaunchedStep | None
+                   ) -> tuple[list[tuple[StepPlan, StepResult]], LaunchedStep | None]:
+        """One step of asynchronous scheduling: launches plan before finishing `launched` (the
+        step launched last, or None) where plan may run ahead, else after it. Returns the steps
+        finished now with their results, in order, and the step left launched (None when plan
+        has no tokens: it is finished at once)."""
+        finished = []
+        if launched is not None and (not plan.num_scheduled_tokens or not self.runs_ahead(plan)):
+            finished.append((launched.plan, self.finish(launched)))
+            launched = None
+        new = self.launch(plan, launched)
+        if launched is not None:
+            finished.append((launched.plan, self.finish(launched)))
+        if plan.num_scheduled_tokens:
+            return finished, new
+        finished.append((plan, self.finish(new)))
+        return finished, None
+
     @torch.inference_mode()
     def launch(self, plan: StepPlan, previous: LaunchedStep | None = None) -> LaunchedStep:
         """Queues the plan's step; previous: the step launched before it, not yet finished
