@@ -197,7 +197,8 @@ class DecoderLayer(ctypes.Structure):
         "down_proj", "key_cache", "value_cache")] + [
         (name, _i64) for name in ("qkv_type", "o_type", "gate_up_type", "down_type")] + [  # 0: float32, else ggml's
         # the layer's attention variant; zeros (ctypes' default) for plain causal attention
-        ("sinks", _ptr), ("sliding_window", _i64), ("logits_soft_cap", ctypes.c_float)]
+        ("sinks", _ptr), ("sliding_window", _i64), ("logits_soft_cap", ctypes.c_float),
+        ("kv_group", _i64)]  # its layer group (actors/config/kv_groups.py); 0 without groups
 
 
 class StepBatch(ctypes.Structure):
@@ -206,7 +207,10 @@ class StepBatch(ctypes.Structure):
     _fields_ = [("num_tokens", _i64), ("positions", _ptr), ("cos_sin_cache", _ptr), ("cos_sin_stride", _i64),
                 ("slot_mapping", _ptr), ("block_tables", _ptr), ("seq_lens", _ptr), ("query_start_loc", _ptr),
                 ("decode_seqs", _ptr), ("prefill_seqs", _ptr), ("num_decodes", _i64), ("num_prefills", _i64),
-                ("block_table_stride", _i64), ("hidden", _ptr), ("workspace", _ptr), ("out", _ptr), ("lora", _ptr)]
+                ("block_table_stride", _i64), ("hidden", _ptr), ("workspace", _ptr), ("out", _ptr), ("lora", _ptr),
+                # with layer groups: every group's tables [groups, seqs, stride] and slots [groups, tokens]
+                ("group_block_tables", _ptr), ("group_slot_mappings", _ptr),
+                ("group_block_tables_stride", _i64), ("group_slot_mappings_stride", _i64)]
 
 
 class LoraStep(ctypes.Structure):

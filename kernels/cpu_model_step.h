@@ -37,6 +37,7 @@ struct DecoderLayer {  // one layer's weights (null where the model has none) an
     const float* sinks;  // [num_heads] or null
     int64_t sliding_window;
     float logits_soft_cap;
+    int64_t kv_group;  // its layer group's block tables and slots (StepBatch's group_*; 0 without groups)
 };
 
 // kernels/gguf_linear.cpp's gguf_linear_f32
@@ -67,6 +68,12 @@ struct StepBatch {  // the flat batch: each sequence's tokens at query_start_loc
     float* workspace;  // model_step_workspace_floats(shape, num_tokens) floats
     float* out;  // [num_tokens, hidden_size]: the final norm's output
     const struct LoraStep* lora;  // the step's LoRA adapters, or null
+    // with layer groups (actors/config/kv_groups.py): every group's block tables [groups, seqs,
+    // block_table_stride] and slots [groups, num_tokens], a layer reading its kv_group's; null:
+    // block_tables and slot_mapping serve every layer
+    const int32_t* group_block_tables;
+    const int64_t* group_slot_mappings;
+    int64_t group_block_tables_stride, group_slot_mappings_stride;  // elements from one group's to the next
 };
 
 // A step's LoRA adapters (actors/lora/: slots.py's layout, batch.py's segments): per layer and
@@ -189,6 +196,11 @@ int model_step_f32(const DecoderShape* shape_, const DecoderLayer* layers, const
     const int64_t whole[] = {0};
     for (int64_t l = 0; l < shape.num_layers; l++) {
         const DecoderLayer& layer = layers[l];
+        const bool grouped = batch.group_block_tables != nullptr;
+        const int32_t* block_tables = grouped ? batch.group_block_tables
+            + layer.kv_group * batch.group_block_tables_stride : batch.block_tables;
+        const int64_t* slot_mapping = grouped ? batch.group_slot_mappings
+            + layer.kv_group * batch.group_slot_mappings_stride : batch.slot_mapping;
         // 1. attention block
         rms_norm_f32(hidden, hidden_size, l == 0 ? nullptr : projection, hidden_size, layer.input_norm, x,
                      hidden_size, tokens, (int)hidden_size, shape.eps, num_threads);
@@ -209,7 +221,7 @@ int model_step_f32(const DecoderShape* shape_, const DecoderLayer* layers, const
                    (int)head_size, batch.cos_sin_cache, batch.cos_sin_stride, num_threads);
         store_kv_f32(qkv + q_size, qkv + q_size + kv_size, qkv_size, head_size, qkv_size, head_size, layer.key_cache,
                      layer.value_cache, shape.cache_block_stride, shape.cache_head_stride, shape.cache_slot_stride,
-                     batch.slot_mapping, tokens, (int)shape.num_kv_heads, (int)head_size, (int)shape.block_size,
+                     slot_mapping, tokens, (int)shape.num_kv_heads, (int)head_size, (int)shape.block_size,
                      num_threads);
         // decodes, then prefill chunks, as CpuBackend.attention runs them
         const struct { decltype(&paged_decode_f32) attend; const int32_t* seqs; int64_t count; } kinds[] = {
@@ -219,7 +231,7 @@ int model_step_f32(const DecoderShape* shape_, const DecoderLayer* layers, const
             if (count == 0) continue;
             const int status = attend(
                 qkv, qkv_size, head_size, layer.key_cache, layer.value_cache, shape.cache_block_stride,
-                shape.cache_head_stride, shape.cache_slot_stride, batch.block_tables, batch.block_table_stride,
+                shape.cache_head_stride, shape.cache_slot_stride, block_tables, batch.block_table_stride,
                 batch.seq_lens, batch.query_start_loc, seqs, (int)count, (int)shape.num_kv_heads,
                 (int)(shape.num_heads / shape.num_kv_heads), (int)head_size, (int)shape.block_size, shape.scale,
                 (int)layer.sliding_window, layer.logits_soft_cap, layer.sinks, attn, q_size, head_size, num_threads);

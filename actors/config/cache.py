@@ -39,3 +39,7 @@ class CacheConfig:
     host_kv_bytes: int = 0
     preemption_mode: str | None = None
     kv_offload_dir: str | None = None  # the disk tier below the host tier: a file per prefix block
+    # a block table per group of layers, sliding groups freeing what their window no longer
+    # sees (actors/config/kv_groups.py); resolved at build: off for models without windows
+    # and for engines with a feature the groups do not support
+    hybrid_kv_cache: bool = False

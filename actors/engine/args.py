@@ -26,6 +26,7 @@ from actors.config import (CacheConfig, EngineConfig, LoRAConfig, ParallelConfig
 from actors.config.cuda_flags import (DEFAULT_GPU_MEMORY_UTILIZATION, check_gpu_memory_utilization, cuda_graph_sizes,
                                on_cuda, parse_capture_sizes_flag)
 from actors.layers.custom_registry import allow_list
+from actors.config.kv_groups import hybrid_kv_cache
 from actors.config.kv_offload_flags import check_kv_offload_dir, host_kv_bytes
 from actors.config.parallel_flags import EXECUTOR_BACKENDS, check_distributed, check_distributed_flags
 from actors.config.parallel_flags import ROUTING_LOGICS
@@ -47,7 +48,6 @@ from actors.config.engine_choices import (ATTENTION_BACKENDS, DEVICES, DTYPES, L
                                           MAY_BE_NONE as _MAY_BE_NONE, PREEMPTION_MODES, PYTHON_BATCHED_TOKENS,
                                           PYTHON_DEVICE, REASONING_PARSERS, SCHEDULING_POLICIES,
                                           SERVER_BATCHED_TOKENS, SERVER_DEVICE, STRUCTURED_OUTPUTS_BACKENDS)
-
 
 @dataclass
 class EngineArgs(InputArgs):
@@ -106,6 +106,9 @@ class EngineArgs(InputArgs):
                                       "again by a restarted engine (needs the host tier)", metavar="DIR")
     enable_prefix_caching: bool = _arg(True, "reuse the KV cache of shared prompt prefixes",
                                        hidden_negations=("--no-prefix-caching",))  # troupe's first spelling
+    disable_hybrid_kv_cache_manager: bool = _arg(
+        False, "keep every layer's KV for every token, also on models with sliding-window layers (default: a "
+               "block table per group of layers, the windows' out-of-view blocks freed)")
     attention_backend: str = _arg(
         "auto", "'auto': Triton kernels on CUDA, the C++ kernels ('cpu') on the CPU; 'torch': the plain torch "
                 "references", choices=ATTENTION_BACKENDS)
@@ -335,7 +338,11 @@ class EngineArgs(InputArgs):
                               num_kv_blocks=args.num_kv_blocks, enable_prefix_caching=args.enable_prefix_caching,
                               gpu_memory_utilization=args.gpu_memory_utilization, preemption_mode=args.preemption_mode,
                               host_kv_bytes=host_kv_bytes(args.swap_space, args.kv_offload_size, args.preemption_mode),
-                              kv_offload_dir=args.kv_offload_dir),
+                              kv_offload_dir=args.kv_offload_dir,
+                              hybrid_kv_cache=hybrid_kv_cache(
+                                  model_config, disabled=args.disable_hybrid_kv_cache_manager,
+                                  pipeline_parallel=args.pipeline_parallel_size > 1, speculative=speculative is not None,
+                                  kv_tiers=host_kv_bytes(args.swap_space, args.kv_offload_size, args.preemption_mode) > 0)),
             scheduler=SchedulerConfig(max_num_seqs=args.max_num_seqs,
                                       max_num_batched_tokens=args.max_num_batched_tokens,
                                       max_model_len=max_model_len, async_scheduling=args.async_scheduling,

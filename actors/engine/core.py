@@ -8,6 +8,7 @@ import logging
 
 import torch
 
+from actors.config.kv_groups import engine_kv_layout
 from actors.config import EngineConfig
 from actors.detokenizer.output_processor import OutputProcessor, RequestState
 from actors.pooling.outputs import pooling_request_output
@@ -32,6 +33,7 @@ class EngineCore:
                                         max_loras=engine.lora.max_loras if engine.lora else 0,
                                         pooling_type=engine.pooler.pooling_type if engine.pooler else None,
                                         generates=engine.model.can_generate, speculative=engine.speculative,
+                                        kv_layout=engine_kv_layout(engine),
                                         kv_tiers=make_kv_tiers(engine.cache, **host_tier_info(self.runner)))
         # asynchronous scheduling: the next step launched before the last one is finished
         self.run_ahead = engine.scheduler.async_scheduling and self.runner.can_run_ahead

@@ -11,7 +11,7 @@ chunks, so the decodes' tokens are the first num_decode_tokens of the flat batch
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -51,6 +51,23 @@ class AttentionMetadata:
     # the torch backend's plans of windowed layers, one per window, made on a layer's first
     # ask (the decodes' block pairs differ by window; the plain plan above is the window None's)
     window_plans: dict[int, BackendPlan] = field(default_factory=dict)
+    # with layer groups (actors/config/kv_groups.py): each group's metadata (its block tables,
+    # slots and plan; groups[0] is this object) and each layer's group; None: one group
+    groups: list[AttentionMetadata] | None = None
+    layer_groups: list[int] | None = None
+    # ... and all groups' tables [groups, num_seqs, width] and slots [groups, num_tokens] in
+    # one tensor each (the CPU's one-call step reads a layer's group from them)
+    group_block_tables: torch.Tensor | None = None
+    group_slot_mapping: torch.Tensor | None = None
+
+    def for_layer(self, layer: int) -> AttentionMetadata:
+        """The metadata layer reads: its group's."""
+        return self if self.groups is None else self.groups[self.layer_groups[layer]]
+
+    @property
+    def kv_groups(self) -> list[AttentionMetadata]:
+        """Every group's metadata (a backend prepares each)."""
+        return [self] if self.groups is None else self.groups
 
     @staticmethod
     def build(seq_lens: list[int],  # [num_seqs]: tokens in the cache after this step
@@ -74,17 +91,28 @@ class AttentionMetadata:
             seq_lens=on_device(seq_lens, torch.int32), query_start_loc=on_device(query_start_loc, torch.int32))
 
     @staticmethod
-    def staged(step: StepInputs, device: DeviceInputs, block_size: int) -> AttentionMetadata:
+    def staged(step: StepInputs, device: DeviceInputs, block_size: int,
+               layer_groups: list[int] | None = None) -> AttentionMetadata:
         """The metadata of a step staged by step_inputs.Stager: its device tensors, and the
-        host numbers from the step's arrays."""
+        host numbers from the step's arrays; with layer groups, a metadata per group, which
+        differ in their block tables and slots only."""
         query_lens = step.query_lens
         decodes = query_lens == 1
         host = SequenceSplit(step.seq_lens.tolist(), step.query_start_loc.tolist(),
                              decode_seqs=np.flatnonzero(decodes).tolist(), prefill_seqs=np.flatnonzero(~decodes).tolist())
         num_decodes = len(host.decode_seqs)
-        return AttentionMetadata(
+        metadata = AttentionMetadata(
             num_decodes=num_decodes, num_prefills=len(host.prefill_seqs), num_decode_tokens=num_decodes,
             max_query_len=int(query_lens.max()) if num_decodes < len(query_lens) else 1,
             max_seq_len=int(step.seq_lens.max()), block_size=block_size, host=host,
             slot_mapping=device.slot_mapping, block_tables=device.block_tables, seq_lens=device.seq_lens,
             query_start_loc=device.query_start_loc, decode_seqs=device.decode_seqs, prefill_seqs=device.prefill_seqs)
+        if device.group_block_tables is not None:
+            metadata.groups = [metadata] + [
+                replace(metadata, slot_mapping=device.group_slot_mapping[group],
+                        block_tables=device.group_block_tables[group], window_plans={})
+                for group in range(1, len(device.group_block_tables))]
+            metadata.layer_groups = layer_groups
+            metadata.group_block_tables, metadata.group_slot_mapping = device.group_block_tables, \
+                device.group_slot_mapping
+        return metadata

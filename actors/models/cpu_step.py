@@ -89,7 +89,7 @@ class CpuModelStep:
                  attention: AttentionMetadata,
                  lora: LoRABatch | None = None) -> torch.Tensor:  # [num_tokens, hidden]: after the final norm
         model, plan = self.model, attention.plan
-        shape, layers = self._prepared(kv_caches)
+        shape, layers = self._prepared(kv_caches, attention.layer_groups)
         shape.few_rows = self.backend.few_rows  # an attribute benchmarks change between steps
         num_tokens = hidden.shape[0]
         assert hidden.is_contiguous() and hidden.dtype == torch.float32 and positions.is_contiguous()
@@ -105,6 +105,12 @@ class CpuModelStep:
             prefill_seqs=plan.prefill_seqs.data_ptr(), num_decodes=plan.decode_seqs.numel(),
             num_prefills=plan.prefill_seqs.numel(), block_table_stride=block_tables.stride(0),
             hidden=hidden.data_ptr(), workspace=workspace.data_ptr(), out=out.data_ptr())
+        if attention.groups is not None:  # each layer reads its group's tables and slots
+            tables, slots = attention.group_block_tables, attention.group_slot_mapping
+            # (strides read, not assumed: numpy gives a length-1 dimension any stride)
+            assert tables.stride(2) == slots.stride(1) == 1 and tables.stride(1) == block_tables.stride(0)
+            batch.group_block_tables, batch.group_slot_mappings = tables.data_ptr(), slots.data_ptr()
+            batch.group_block_tables_stride, batch.group_slot_mappings_stride = tables.stride(0), slots.stride(0)
         if lora is not None:
             # the LoraStep and its scratch live until the call returns
             lora_step, scratch = self._lora_step(lora, num_tokens)
@@ -131,10 +137,11 @@ class CpuModelStep:
                         seg_slot=lora.seg_slot.data_ptr(), scratch=scratch.data_ptr())
         return step, scratch
 
-    def _prepared(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[DecoderShape, ctypes.Array]:
-        """The model's shape and its layers' pointers, packed again only when the weights or
-        the KV cache change."""
-        key = (id(self.model.layers), *(cache.data_ptr() for pair in kv_caches for cache in pair))
+    def _prepared(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]], layer_groups: list[int] | None
+                  ) -> tuple[DecoderShape, ctypes.Array]:
+        """The model's shape and its layers' pointers, packed again only when the weights,
+        the KV cache or the layers' groups change."""
+        key = (id(self.model.layers), id(layer_groups), *(cache.data_ptr() for pair in kv_caches for cache in pair))
         if self._prepared_for is None or key != self._prepared_key:
             model, key_cache = self.model, kv_caches[0][0]
             for k, v in kv_caches:
@@ -157,7 +164,9 @@ class CpuModelStep:
                              gate_up_proj=_address(w.gate_up_proj), down_proj=_address(w.down_proj),
                              key_cache=k.data_ptr(), value_cache=v.data_ptr(), qkv_type=_type(w.qkv_proj),
                              o_type=_type(w.o_proj), gate_up_type=_type(w.gate_up_proj), down_type=_type(w.down_proj),
-                             sliding_window=window or 0)  # (0: full attention)
-                for w, (k, v), window in zip(model.layers, kv_caches, model.sliding_windows)])
+                             sliding_window=window or 0,  # (0: full attention)
+                             kv_group=group)
+                for w, (k, v), window, group in zip(model.layers, kv_caches, model.sliding_windows,
+                                                    layer_groups or [0] * len(kv_caches))])
             self._prepared_for, self._prepared_key = (shape, layers), key
         return self._prepared_for

@@ -219,6 +219,7 @@ class LlamaModel:
         """One layer's attention: qkv, q/k norms (Qwen3) with rotary and the KV store (one
         kernel on the Triton backend), paged attention with the layer's window, o_proj (all-reduced)."""
         ops = self.backend
+        attention = attention.for_layer(index)  # its layer group's block tables and slots
         num_tokens = x.shape[0]
         qkv = ops.linear(x, layer.qkv_proj, layer.qkv_bias)
         if lora is not None:

@@ -16,6 +16,7 @@ import logging
 import time
 from collections import OrderedDict, deque
 
+from actors.config.kv_groups import engine_kv_layout
 from actors.runtime.actor import Actor, ActorSpec
 from actors.config import SchedulerConfig
 from actors.scheduler.executor import Executor
@@ -65,6 +66,7 @@ class SchedulerActor(Actor):
                                    engine.model.eos_token_ids, max_loras=engine.lora.max_loras if engine.lora else 0,
                                    pooling_type=engine.pooler.pooling_type if engine.pooler else None,
                                    generates=engine.model.can_generate, speculative=engine.speculative,
+                                   kv_layout=engine_kv_layout(engine),
                                    kv_tiers=make_kv_tiers(engine.cache, spec.options.get("num_host_kv_blocks", 0),
                                                           spec.options.get("swap_is_cheaper", False),
                                                           spec.options.get("disk_block_hashes")))

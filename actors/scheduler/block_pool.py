@@ -134,6 +134,10 @@ class BlockPool:
             hit_block_ids.append(block_id)
         return hit_block_ids
 
+    def cached_block_id(self, block_hash: BlockHash) -> int | None:
+        """The block cached under block_hash, or None. No side effect."""
+        return self._hash_to_block_id.get(block_hash)
+
     def record_prefix_lookup(self, num_query_tokens: int, num_hit_tokens: int) -> None:
         """Counts one lookup whose result was used (a sequence admitted)."""
         if self.enable_prefix_caching:

@@ -52,6 +52,8 @@ def block_extra_keys(keys: ExtraHashKeys | None, block_index: int, block_size: i
 class KVCacheManager:
     """Block tables of live sequences over one BlockPool, with prefix caching."""
 
+    frees_windows = False  # a sliding group frees blocks as its sequences advance (hybrid_kv_cache.py)
+
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool) -> None:
         self.block_pool = BlockPool(num_blocks, block_size, enable_prefix_caching)
         self.block_size = block_size
@@ -68,6 +70,23 @@ class KVCacheManager:
 
     def stats(self) -> dict[str, float | int]:
         return self.block_pool.stats()
+
+    def block_table(self, seq: Sequence) -> list[int]:
+        """seq's block table as the worker gets it (a new request's)."""
+        return list(seq.block_ids)
+
+    def held_blocks(self, seq: Sequence) -> list[int]:
+        """Blocks seq holds, per group of layers (one group here)."""
+        return [len(seq.block_ids)]
+
+    def free_out_of_window(self, seq: Sequence) -> None:
+        """Nothing: every layer sees every token (hybrid_kv_cache.py frees what windows left)."""
+
+    def can_fit(self, seq: Sequence, num_tokens: int, computed_block_ids: SequenceOf[int]) -> bool:
+        """Whether a waiting sequence with the cached prefix computed_block_ids (from
+        get_computed_blocks) would get blocks for num_tokens tokens now."""
+        num_new_blocks = -(-num_tokens // self.block_size) - len(computed_block_ids)
+        return self.block_pool.can_allocate(num_new_blocks, computed_block_ids)
 
     # ---- prefix cache ----
 
@@ -94,10 +113,13 @@ class KVCacheManager:
         num_full_blocks = num_computed_tokens // self.block_size
         if num_full_blocks <= seq.num_cached_blocks:
             return
-        block_hashes = self._full_block_hashes(seq)
+        self._cache_full_blocks(seq, self._full_block_hashes(seq), num_full_blocks)
+        seq.num_cached_blocks = num_full_blocks
+
+    def _cache_full_blocks(self, seq: Sequence, block_hashes: list[BlockHash], num_full_blocks: int) -> None:
+        """Caches seq's blocks num_cached_blocks ... num_full_blocks - 1 under their keys."""
         for block_index in range(seq.num_cached_blocks, num_full_blocks):
             self.block_pool.cache_full_block(seq.block_ids[block_index], block_hashes[block_index])
-        seq.num_cached_blocks = num_full_blocks
 
     def _full_block_hashes(self, seq: Sequence) -> list[BlockHash]:
         """Keys of every full block of seq's known tokens (computed or not), grown from

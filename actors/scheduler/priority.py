@@ -85,8 +85,7 @@ def first_chunk_fits(kv_cache: KVCacheManager, seq: Sequence, budget: int) -> bo
     would get its blocks now."""
     hit_block_ids, num_hit_tokens = kv_cache.get_computed_blocks(seq)
     num_tokens = num_hit_tokens + min(seq.num_tokens - num_hit_tokens, budget)
-    num_new_blocks = -(-num_tokens // kv_cache.block_size) - len(hit_block_ids)
-    return kv_cache.block_pool.can_allocate(num_new_blocks, hit_block_ids)
+    return kv_cache.can_fit(seq, num_tokens, hit_block_ids)
 
 
 class PriorityScheduler(Scheduler):

@@ -70,6 +70,10 @@ class Sequence:
 
         self.status = SequenceStatus.WAITING
         self.block_ids: list[int] = []  # block table: block i holds tokens [i*bs, (i+1)*bs)
+        # with layer groups (hybrid_kv_cache.py): the other groups' tables, and each group's
+        # leading entries a sliding window has freed
+        self.group_block_ids: list[list[int]] = []
+        self.num_skipped_blocks: list[int] = []
         # Leading tokens whose KV is in block_ids, or is being computed by a plan in flight.
         self.num_computed_tokens = 0
         # Tokens sampled by plans in flight that the scheduler has not seen yet: the worker

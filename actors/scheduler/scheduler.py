@@ -24,6 +24,8 @@ from collections import deque
 from actors.config import CacheConfig, SchedulerConfig
 from actors.scheduler.encoder_budget import EncoderBudget
 from actors.scheduler.in_flight import PlanInFlight, advance
+from actors.config.kv_groups import KVCacheLayout
+from actors.scheduler.hybrid_kv_cache import HybridKVCacheManager
 from actors.scheduler.kv_cache_manager import KVCacheManager
 from actors.scheduler.kv_tiers import KVTiers
 from actors.scheduler.lora_admission import AdapterAdmission
@@ -47,7 +49,8 @@ class Scheduler(SchedulerUpdates):
 
     def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig, num_blocks: int,
                  eos_token_ids: tuple[int, ...], max_loras: int = 0, pooling_type: str | None = None,
-                 generates: bool = True, speculative: SpeculativeConfig | None = None) -> None:
+                 generates: bool = True, speculative: SpeculativeConfig | None = None,
+                 kv_layout: KVCacheLayout | None = None) -> None:
         self.max_num_seqs = scheduler_config.max_num_seqs
         self.pooling_type = pooling_type  # the model's pooling (LAST, MEAN, CLS, ALL); None: no pooling requests
         self.generates = generates  # it has a language-model head: generation requests may come
@@ -59,7 +62,10 @@ class Scheduler(SchedulerUpdates):
         # speculative decoding: drafts granted per decode, their KV slots and metrics (speculation.py)
         self.draft_slots = DraftSlots(speculative) if speculative is not None else None
         self.kv_cache_manager = KVCacheManager(num_blocks, cache_config.block_size,
-                                               cache_config.enable_prefix_caching)
+                                               cache_config.enable_prefix_caching) if kv_layout is None \
+            or not kv_layout.hybrid else HybridKVCacheManager(
+                num_blocks, cache_config.block_size, cache_config.enable_prefix_caching, kv_layout,
+                scheduler_config.max_num_batched_tokens)
         self.block_pool = self.kv_cache_manager.block_pool  # for inspection and reset_prefix_cache()
         # A sequence alone must always fit in the pool, or preempting it would not help
         # and it would wait forever: cap its length at the pool's capacity too.
@@ -203,6 +209,7 @@ class Scheduler(SchedulerUpdates):
         speculates = self.draft_slots is not None and self.draft_slots.step_allows(running)
         continuing_requests, num_scheduled_tokens = plan.continuing_requests, plan.num_scheduled_tokens
         entries, sampling_ids = plan.in_flight.entries, plan.in_flight.sampling_ids
+        frees_windows = self.kv_cache_manager.frees_windows
         index = 0
         while index < len(running) and budget > 0:
             seq = running[index]
@@ -222,6 +229,8 @@ class Scheduler(SchedulerUpdates):
             # a decode charges its drafts too; its slots cover where the worker may already be
             num_drafts = self.draft_slots.grant(seq, num_new_tokens, budget) if speculates else 0
             lookahead = seq.num_drafts_in_flight + num_drafts
+            if frees_windows:  # a sliding group's blocks before this step's windows go back to the pool
+                self.kv_cache_manager.free_out_of_window(seq)
             if num_computed + num_new_tokens + lookahead <= len(seq.block_ids) * block_size:
                 new_block_ids = []  # most steps: its last block has room (allocate_slots would say so)
             elif (new_block_ids := self._grow(seq, num_new_tokens, lookahead)) is None:
@@ -276,7 +285,7 @@ class Scheduler(SchedulerUpdates):
             plan.new_requests.append(NewRequest(
                 request_id=seq.seq_id, token_ids=list(seq.token_ids),
                 num_prompt_tokens=seq.num_prompt_tokens, params=seq.params,
-                block_ids=list(seq.block_ids), num_computed_tokens=seq.num_computed_tokens,
+                block_ids=self.kv_cache_manager.block_table(seq), num_computed_tokens=seq.num_computed_tokens,
                 lora_request=seq.lora_request, pooling_params=seq.pooling_params, mm_inputs=seq.mm_inputs))
             seq.sent_to_worker = True
             advance(plan.in_flight, seq, num_new_tokens)

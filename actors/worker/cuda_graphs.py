@@ -189,7 +189,8 @@ class DecodeGraphs:
         parallel = engine.parallel
         applies = (runner.device.type == "cuda" and runner.model is not None and runner.vision is None
                    and runner.backend.name == "triton"
-                   and parallel.tensor_parallel_size == parallel.pipeline_parallel_size == 1)
+                   and parallel.tensor_parallel_size == parallel.pipeline_parallel_size == 1
+                   and not engine.cache.hybrid_kv_cache)  # (the graphs' buffers hold one block table a step)
         self.sizes: tuple[int, ...] = engine.cuda_graph_sizes if applies else ()
         self.mixed_sizes: tuple[int, ...] = engine.cuda_graph_mixed_sizes if applies else ()
         self.captured: CudaGraphs | None = None

@@ -7,6 +7,7 @@ import dataclasses
 
 import torch
 
+from actors.config.kv_groups import engine_kv_layout
 from actors.config import EngineConfig
 from actors.layers.tensor_parallel import TensorParallel
 
@@ -19,7 +20,9 @@ def kv_block_bytes(engine: EngineConfig, parallel: TensorParallel = TensorParall
     m = engine.model
     element = torch.empty((), dtype=DTYPES[engine.dtype]).element_size()
     num_kv_heads = parallel.num_kv_heads(m)
-    target_bytes = 2 * m.num_hidden_layers * num_kv_heads * m.head_dim * engine.cache.block_size * element
+    # a block holds one layer group's layers (actors/config/kv_groups.py): all of them without groups
+    layers = engine_kv_layout(engine).layers_per_group
+    target_bytes = 2 * layers * num_kv_heads * m.head_dim * engine.cache.block_size * element
     draft = engine.draft_model  # (tensor parallelism 1: all its heads on this rank)
     if draft is None:
         return target_bytes

@@ -34,6 +34,7 @@ from actors.layers.tensor_parallel import TensorParallel
 from actors.layers.sampler import Sampler
 from actors.worker.runner_step import StepExecution
 from actors.spec_decode.speculator import Speculator
+from actors.config.kv_groups import engine_kv_layout
 from actors.worker.step_inputs import BlockTables, Stager, collect
 from messages.worker import StepPlan
 
@@ -86,8 +87,14 @@ class ModelRunner(StepExecution):
             engine.tokenizer_path, head=encoder_head)
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         # the persistent batch: each request's block table in a row; a step's inputs staged in bulk
+        # with layer groups (actors/config/kv_groups.py), a table per group in each row, and
+        # the layers' KV in the groups' shared tensors
+        self.kv_layout = engine_kv_layout(engine)
+        self.layer_groups = self.kv_layout.layer_groups(engine.model.num_hidden_layers) \
+            if self.kv_layout.num_groups > 1 else None
         self.block_tables = BlockTables(rows=max(16, engine.scheduler.max_num_seqs),
-                                        width=-(-engine.scheduler.max_model_len // self.block_size))
+                                        width=-(-engine.scheduler.max_model_len // self.block_size),
+                                        groups=self.kv_layout.num_groups)
         self.stager = Stager(self.device)
         self._dropped: list[CachedRequest] = []  # dropped while the last launched step samples them
         self.sampler = Sampler(engine.model.eos_token_ids, engine.seed, sampling_processors(engine, parallel))
@@ -157,9 +164,12 @@ class ModelRunner(StepExecution):
             return  # its blocks are the scheduler's bookkeeping only
         shape = (num_blocks, self.model.num_kv_heads, self.block_size, m.head_dim)
         # zeros, not empty: masked slots are multiplied by 0, and 0 * NaN garbage is NaN
-        self.kv_caches = [(torch.zeros(shape, dtype=self.dtype, device=self.device),
-                           torch.zeros(shape, dtype=self.dtype, device=self.device))
-                          for _ in range(m.num_hidden_layers)]
+        # a layer's KV lives in its group's slot: layers of different groups share the tensors,
+        # each group's blocks being its own (kv_groups.py); one group: a tensor pair a layer
+        slots = [(torch.zeros(shape, dtype=self.dtype, device=self.device),
+                  torch.zeros(shape, dtype=self.dtype, device=self.device))
+                 for _ in range(self.kv_layout.layers_per_group)]
+        self.kv_caches = [slots[slot] for slot in self.kv_layout.layer_slots(m.num_hidden_layers)]
         if self.speculator is not None:
             self.speculator.allocate_kv_cache(num_blocks)  # a draft model's, with the same block ids
 
@@ -250,6 +260,7 @@ class ModelRunner(StepExecution):
         if self.graphs.enabled and (staged := self.graphs.stage(step, lora, previous_sampled)):
             return None, None, staged
         staged = self.stager.stage(step, previous_sampled)
-        attention = AttentionMetadata.staged(step, staged, self.block_size)
-        self.backend.prepare(attention, self.dtype)
+        attention = AttentionMetadata.staged(step, staged, self.block_size, self.layer_groups)
+        for group in attention.kv_groups:
+            self.backend.prepare(group, self.dtype)
         return staged.input_ids, staged.positions, attention

@@ -25,10 +25,14 @@ import torch
 
 
 class BlockTables:
-    """The block table of every live request of a worker, a row each (rows are reused)."""
+    """The block table of every live request of a worker, a row each (rows are reused); with
+    layer groups (actors/config/kv_groups.py), a table per group in each row, whose ids come
+    concatenated, as many per group (actors/scheduler/hybrid_kv_cache.py)."""
 
-    def __init__(self, rows: int = 64, width: int = 64) -> None:
-        self.table = np.zeros((rows, width), np.int32)
+    def __init__(self, rows: int = 64, width: int = 64, groups: int = 1) -> None:
+        self.tables = np.zeros((groups, rows, width), np.int32)  # [group, row, block]
+        self.table = self.tables[0]  # group 0's (the only one without layer groups)
+        self.num_groups = groups
         self.num_blocks = np.zeros(rows, np.int64)
         self.free = list(range(rows - 1, -1, -1))
 
@@ -44,10 +48,14 @@ class BlockTables:
         if not block_ids:
             return
         start = int(self.num_blocks[row])
-        end = start + len(block_ids)
+        num_new = len(block_ids) // self.num_groups
+        end = start + num_new
         if end > self.table.shape[1]:
             self._grow(width=max(end, 2 * self.table.shape[1]))
-        self.table[row, start:end] = block_ids
+        if self.num_groups == 1:
+            self.table[row, start:end] = block_ids
+        else:
+            self.tables[:, row, start:end] = np.asarray(block_ids, np.int32).reshape(self.num_groups, num_new)
         self.num_blocks[row] = end
 
     def remove(self, row: int) -> None:
@@ -59,11 +67,11 @@ class BlockTables:
         return self.table[rows, :width]
 
     def _grow(self, rows: int | None = None, width: int | None = None) -> None:
-        old_rows, old_width = self.table.shape
+        groups, old_rows, old_width = self.tables.shape
         rows, width = rows or old_rows, width or old_width
-        table = np.zeros((rows, width), np.int32)
-        table[:old_rows, :old_width] = self.table
-        self.table = table
+        tables = np.zeros((groups, rows, width), np.int32)
+        tables[:, :old_rows, :old_width] = self.tables
+        self.tables, self.table = tables, tables[0]
         if rows > old_rows:
             self.num_blocks = np.concatenate([self.num_blocks, np.zeros(rows - old_rows, np.int64)])
             self.free = list(range(rows - 1, old_rows - 1, -1)) + self.free
@@ -82,6 +90,10 @@ class StepInputs:
     query_lens: np.ndarray  # [num_seqs] int64
     pending_dst: np.ndarray  # [pending] int64: flat positions whose token the previous step sampled
     pending_src: np.ndarray  # [pending] int64: those tokens' rows in that step's sampled tensor
+    # with layer groups: every group's slot_mapping [groups, num_tokens] and block_tables
+    # [groups, num_seqs, width] (group 0's are the fields above); None with one group
+    group_slot_mapping: np.ndarray | None = None
+    group_block_tables: np.ndarray | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -140,6 +152,14 @@ def build(computed: np.ndarray,  # [seqs] int64: each sequence's tokens with KV 
         for seq, tokens in enumerate(token_ids):
             input_ids[query_start_loc[seq]: query_start_loc[seq + 1]] = tokens
     width = int(-(-int(seq_lens.max()) // block_size))
+    if tables.num_groups > 1:
+        # (contiguous: a mixed fancy index may come back with its groups innermost)
+        group_slots = np.ascontiguousarray(tables.tables[:, token_rows, positions // block_size], np.int64) \
+            * block_size + positions % block_size
+        group_tables = np.ascontiguousarray(tables.tables[:, rows, :width])
+        return StepInputs(input_ids, positions, group_slots[0], seq_lens, query_start_loc, group_tables[0],
+                          query_lens, np.array(pending_dst, np.int64), np.array(pending_src, np.int64),
+                          group_slots, group_tables)
     slot_mapping = tables.table[token_rows, positions // block_size].astype(np.int64) * block_size \
         + positions % block_size
     return StepInputs(input_ids, positions, slot_mapping, seq_lens, query_start_loc, tables.gather(rows, width),
@@ -159,6 +179,8 @@ class DeviceInputs:
     block_tables: torch.Tensor
     decode_seqs: torch.Tensor  # [decodes] int32: sequences with one query token
     prefill_seqs: torch.Tensor  # [prefills] int32
+    group_slot_mapping: torch.Tensor | None = None  # [groups, num_tokens] with layer groups
+    group_block_tables: torch.Tensor | None = None  # [groups, num_seqs, width] with layer groups
 
 
 class Stager:
@@ -178,15 +200,23 @@ class Stager:
     def stage(self, step: StepInputs, previous_sampled: torch.Tensor | None) -> DeviceInputs:
         decode_seqs = np.flatnonzero(step.query_lens == 1).astype(np.int32)
         prefill_seqs = np.flatnonzero(step.query_lens > 1).astype(np.int32)
+        grouped = step.group_block_tables is not None
         longs = (step.input_ids, step.positions, step.slot_mapping, step.pending_dst, step.pending_src)
         ints = (step.seq_lens, step.query_start_loc, decode_seqs, prefill_seqs, step.block_tables.reshape(-1))
         if not self.on_cuda:
             views = [torch.from_numpy(a) for a in longs[:3]] + [torch.from_numpy(a) for a in ints[:4]]
             tables = torch.from_numpy(step.block_tables)
             pending = (torch.from_numpy(step.pending_dst), torch.from_numpy(step.pending_src))
+            groups = (torch.from_numpy(step.group_slot_mapping), torch.from_numpy(step.group_block_tables)) \
+                if grouped else (None, None)
         else:
-            views, tables, pending = self._copy(longs, ints, step.block_tables.shape)
-        inputs = DeviceInputs(*views[:3], *views[3:5], tables, *views[5:7])
+            if grouped:  # every group's slots and tables ride in the same two copies
+                longs += (step.group_slot_mapping.reshape(-1),)
+                ints += (step.group_block_tables.reshape(-1),)
+            views, tables, pending, extra = self._copy(longs, ints, step.block_tables.shape)
+            groups = (extra[0].view(step.group_slot_mapping.shape), extra[1].view(step.group_block_tables.shape)) \
+                if grouped else (None, None)
+        inputs = DeviceInputs(*views[:3], *views[3:5], tables, *views[5:7], *groups)
         if len(step.pending_dst):
             if previous_sampled is None:
                 raise RuntimeError("a step takes tokens the step before it sampled, and that step is gone")
@@ -233,7 +263,8 @@ class Stager:
         long_views = _unpack(self._longs, longs)
         int_views = _unpack(self._ints, ints)
         tables = int_views[4].view(table_shape)
-        return [*long_views[:3], *int_views[:4]], tables, (long_views[3], long_views[4])
+        extra = (long_views[5], int_views[5]) if len(longs) > 5 else None  # the layer groups' slots and tables
+        return [*long_views[:3], *int_views[:4]], tables, (long_views[3], long_views[4]), extra
 
     def _allocate(self, num_longs: int, num_ints: int) -> None:
         self._capacity = (num_longs, num_ints)

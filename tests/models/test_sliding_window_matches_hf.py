@@ -143,13 +143,21 @@ def test_longrope_tables_are_hugging_faces_short_and_long_ones(make_tiny_model):
         torch.testing.assert_close(table[rows], expected, rtol=0, atol=0)
 
 
-@pytest.mark.parametrize("name", ["mistral", "gemma3"])
-def test_windowed_models_match_hf_under_preemption(name, make_tiny_model):
-    """90 blocks of 8 tokens cannot hold the batch at once: the newest requests are preempted
-    and recomputed (their windows planned again from the recomputed prefix)."""
+# blocks that cannot hold the batch at once: with every layer's KV in a block (unified), or
+# with a block per layer group (hybrid: a block is one group's layers, and a sliding group
+# holds a window and a chunk, so far fewer blocks a sequence)
+PREEMPTING_POOLS = {("mistral", False): 90, ("gemma3", False): 90, ("mistral", True): 16, ("gemma3", True): 130}
+
+
+@pytest.mark.parametrize("name,hybrid", list(PREEMPTING_POOLS))
+def test_windowed_models_match_hf_under_preemption(name, hybrid, make_tiny_model):
+    """Blocks of 8 tokens that cannot hold the batch at once: the newest requests are
+    preempted and recomputed (their windows planned again from the recomputed prefix)."""
     arch, overrides = {**MODELS, **GEMMA}[name]
     model_dir = make_tiny_model(arch, max_position_embeddings=1024, **overrides)
-    llm = LLM(model_dir, max_num_batched_tokens=64, block_size=8, num_kv_blocks=90)
+    llm = LLM(model_dir, max_num_batched_tokens=64, block_size=8, num_kv_blocks=PREEMPTING_POOLS[name, hybrid],
+              disable_hybrid_kv_cache_manager=not hybrid)
+    assert llm.config.cache.hybrid_kv_cache == hybrid
     prompts = make_prompts(llm.config.model.vocab_size, [230, 17, 300, 64, 150], seed=41)
     check_matches_hf(llm, model_dir, prompts, hf_greedy(model_dir, prompts, MAX_TOKENS))
     stats = llm.scheduler.stats()
