@@ -11,6 +11,14 @@ Layouts (what a loader stacks an MoE layer's per-expert checkpoint tensors into)
   each token's experts and their weights, in the router's order (highest weight first). An
   id of -1 is an expert held elsewhere (expert parallelism: local_expert_ids maps the global
   ids to this rank's): it adds nothing here, and the ranks' outputs sum to the whole.
+- w13_bias [num_experts, 2 * intermediate], w2_bias [num_experts, hidden] (optional, float):
+  added to each GEMM's output before the activation, and before the top-k weight (GPT-OSS).
+
+Activations:
+- "silu" (every family of issue 38): silu(gate) * up, w13's gate rows before its up rows.
+- "swigluoai" (GPT-OSS, vLLM's name for it; Hugging Face's GptOssExperts._apply_gate): w13's
+  rows interleaved as the checkpoint stores them (row 2i gate i, row 2i + 1 up i), then
+  gate = min(gate, 7), up = clamp(up, -7, 7), (up + 1) * gate * sigmoid(1.702 * gate).
 
 Routers of the families in issue 38 (all softmax in float32 over every expert, then top-k):
 - Qwen3-MoE (norm_topk_prob defaults to True), OLMoE and Qwen2-MoE (False by default): the
@@ -60,33 +68,54 @@ def local_expert_ids(topk_ids: torch.Tensor,  # [num_tokens, top_k]: global expe
     return torch.where((local >= 0) & (local < num_local_experts), local, -1).to(topk_ids.dtype)
 
 
+SWIGLUOAI_ALPHA = 1.702  # GPT-OSS's config.swiglu_alpha (Hugging Face hard-codes it too)
+SWIGLUOAI_LIMIT = 7.0  # its swiglu_limit
+
+
+def _silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:  # [rows, 2I] -> [rows, I]
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+def _swigluoai_and_mul(gate_up: torch.Tensor) -> torch.Tensor:  # [rows, 2I] interleaved -> [rows, I]
+    gate = gate_up[:, 0::2].clamp(max=SWIGLUOAI_LIMIT)
+    up = gate_up[:, 1::2].clamp(-SWIGLUOAI_LIMIT, SWIGLUOAI_LIMIT)
+    return (up + 1) * gate * torch.sigmoid(SWIGLUOAI_ALPHA * gate)
+
+
+ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+    "silu": _silu_and_mul, "swigluoai": _swigluoai_and_mul}
+
+
 def _activation(name: str) -> Callable[[torch.Tensor], torch.Tensor]:
-    if name != "silu":  # GPT-OSS's clamped SwiGLU and GeLU experts would come here
-        raise ValueError(f"activation {name!r}: only 'silu' is supported")
-    return F.silu
+    if name not in ACTIVATIONS:  # GeLU experts would come here
+        raise ValueError(f"activation {name!r}: one of {sorted(ACTIVATIONS)}")
+    return ACTIVATIONS[name]
 
 
 def fused_experts_ref(x: torch.Tensor,  # [num_tokens, hidden]
-                      w13: torch.Tensor,  # [num_experts, 2 * intermediate, hidden]: gate rows, then up rows
+                      w13: torch.Tensor,  # [num_experts, 2 * intermediate, hidden]: rows in the activation's order
                       w2: torch.Tensor,  # [num_experts, hidden, intermediate]
                       topk_weights: torch.Tensor,  # [num_tokens, top_k]
                       topk_ids: torch.Tensor,  # [num_tokens, top_k]
                       activation: str = "silu",
                       *,
                       quantize_activations: Callable[[torch.Tensor], torch.Tensor] | None = None,
+                      w13_bias: torch.Tensor | None = None,  # [num_experts, 2 * intermediate]
+                      w2_bias: torch.Tensor | None = None,  # [num_experts, hidden]
                       ) -> torch.Tensor:  # [num_tokens, hidden], x's dtype
-    """out[t] = sum over k of topk_weights[t, k] * down_e(silu(gate_e(x[t])) * up_e(x[t])),
-    e = topk_ids[t, k]. In float32, with silu * up rounded to x's dtype (what the kernels
-    and Hugging Face's bf16 modules feed the down projection); each token's k terms summed
-    in top-k order. quantize_activations: what a quantized kernel does to each GEMM's input
-    rows (x, then silu * up) before it multiplies them, for the oracle of W8A8 and GGUF."""
+    """out[t] = sum over k of topk_weights[t, k] * down_e(act(gate_up_e(x[t]))), e =
+    topk_ids[t, k], each projection with its bias if given. In float32, with the activation's
+    output rounded to x's dtype (what the kernels and Hugging Face's bf16 modules feed the
+    down projection); each token's k terms summed in top-k order. quantize_activations: what
+    a quantized kernel does to each GEMM's input rows (x, then the activation's output) before
+    it multiplies them, for the oracle of W8A8 and GGUF."""
     num_tokens, hidden = x.shape
     num_experts, two_i, _ = w13.shape
     assert w13.shape[2] == hidden and w2.shape == (num_experts, hidden, two_i // 2)
     assert topk_ids.shape == topk_weights.shape and topk_ids.shape[0] == num_tokens
     act = _activation(activation)
     prepare = quantize_activations if quantize_activations is not None else (lambda rows: rows)
-    intermediate = two_i // 2
     top_k = topk_ids.shape[1]
     flat_ids = topk_ids.reshape(-1).long()
     weights = topk_weights.reshape(-1).float()
@@ -98,8 +127,13 @@ def fused_experts_ref(x: torch.Tensor,  # [num_tokens, hidden]
         slots = (flat_ids == expert).nonzero().squeeze(1)
         rows = prepare(x[token_of_slot[slots]].float())
         gate_up = rows @ w13[expert].float().T
-        h = (act(gate_up[:, :intermediate]) * gate_up[:, intermediate:]).to(x.dtype).float()
-        per_slot[slots] = (prepare(h) @ w2[expert].float().T) * weights[slots, None]
+        if w13_bias is not None:
+            gate_up = gate_up + w13_bias[expert].float()
+        h = act(gate_up).to(x.dtype).float()
+        down = prepare(h) @ w2[expert].float().T
+        if w2_bias is not None:
+            down = down + w2_bias[expert].float()
+        per_slot[slots] = down * weights[slots, None]
     return per_slot.view(num_tokens, top_k, hidden).sum(dim=1).to(x.dtype)
 
 

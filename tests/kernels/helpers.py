@@ -1,4 +1,4 @@
-"""What the kernel tests share: the device, per-dtype tolerances, poisoned outputs."""
+"""What the kernel tests share: the device, per-dtype tolerances, poisoned outputs, MoE routing."""
 
 from __future__ import annotations
 
@@ -6,6 +6,8 @@ import importlib.util
 
 import pytest
 import torch
+
+from kernels.fused_moe_ref import route
 
 # On the CPU the Triton kernels run under the interpreter (see conftest.py).
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -35,6 +37,19 @@ def poisoned(*shape: int, dtype: torch.dtype) -> torch.Tensor:
 def generator(seed: int) -> torch.Generator:
     """A CPU generator: every case draws its own fresh inputs, reproducibly."""
     return torch.Generator().manual_seed(seed)
+
+
+def moe_routing(num_tokens: int, num_experts: int, top_k: int, seed: int, experts: list[int] | None = None,
+                device: torch.device | str = DEVICE) -> tuple[torch.Tensor, torch.Tensor]:
+    """(topk_weights, topk_ids) the router makes of random logits; experts: the only ones the
+    logits allow (the rest -inf), so the others stay empty."""
+    logits = torch.randn(num_tokens, num_experts, generator=generator(seed))
+    if experts is not None:
+        allowed = torch.full((num_experts,), float("-inf"))
+        allowed[experts] = 0.0
+        logits = logits + allowed
+    weights, ids = route(logits, top_k, renormalize=True)
+    return weights.to(device), ids.to(device)
 
 
 def caches_past_two_to_the_31(block_size: int, head_size: int) -> tuple[torch.Tensor, torch.Tensor]:

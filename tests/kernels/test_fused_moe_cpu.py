@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from kernels.cpu_kernels import torch_sgemm
-from kernels.fused_moe_ref import fused_experts_ref, local_expert_ids, route
+from kernels.fused_moe_ref import fused_experts_ref, local_expert_ids
 from kernels.gguf_gemm import gguf_tiled_kernels
 from kernels.gguf_linear import (
     Q4_0,
@@ -36,7 +36,7 @@ from kernels.moe_cpu import (
     int8_experts,
     moe_cpu_kernels,
 )
-from tests.kernels.helpers import generator
+from tests.kernels.helpers import generator, moe_routing
 from tests.kernels.test_gguf_linear import HAND_BUILT, hand_built_blocks
 
 # (experts, top_k, tokens): fewer tokens than experts, a single decode token, top-1, a batch
@@ -58,15 +58,6 @@ def _weights(num_experts, hidden, intermediate, seed=0):
             torch.randn(num_experts, hidden, intermediate, generator=g) / intermediate ** 0.5)
 
 
-def _routing(num_tokens, num_experts, top_k, seed, experts=None):
-    logits = torch.randn(num_tokens, num_experts, generator=generator(seed))
-    if experts is not None:  # only these experts can be picked: the others stay empty
-        allowed = torch.full((num_experts,), float("-inf"))
-        allowed[experts] = 0.0
-        logits = logits + allowed
-    return route(logits, top_k, renormalize=True)
-
-
 def _assert_relative(actual, expected, bound):
     error = ((actual - expected).abs().max() / expected.abs().max()).item()
     assert error < bound, f"relative error {error}"
@@ -82,7 +73,7 @@ def test_fp32_matches_reference(kernels, layout, num_experts, top_k, num_tokens)
     packed, few_rows = LAYOUTS[layout]
     w13, w2 = _weights(num_experts, 96, 40)  # 96, 40: no multiple of a 16-float vector
     x = torch.randn(num_tokens, 96, generator=generator(num_tokens))
-    weights, ids = _routing(num_tokens, num_experts, top_k, seed=num_experts + num_tokens)
+    weights, ids = moe_routing(num_tokens, num_experts, top_k, seed=num_experts + num_tokens, device="cpu")
     out = kernels.fused_experts(x, fp32_experts(w13, w2, packed), weights, ids, few_rows=few_rows)
     torch.testing.assert_close(out, fused_experts_ref(x, w13, w2, weights, ids), rtol=1e-4, atol=1e-5)
 
@@ -90,7 +81,7 @@ def test_fp32_matches_reference(kernels, layout, num_experts, top_k, num_tokens)
 def test_every_token_to_one_expert_empty_experts_and_strided_rows(kernels):
     w13, w2 = _weights(8, 64, 32, seed=4)
     x = torch.randn(12, 2 * 64, generator=generator(5))[:, :64]  # rows strided, as a fused qkv slice
-    weights, ids = _routing(12, 8, 2, seed=6, experts=[6, 1])
+    weights, ids = moe_routing(12, 8, 2, seed=6, experts=[6, 1], device="cpu")
     assert set(ids.flatten().tolist()) == {1, 6}
     experts = fp32_experts(w13, w2)
     out = torch.full((12, 80), float("nan"))[:, 8:72]  # written into a strided view
@@ -105,7 +96,7 @@ def test_a_long_prefill_runs_in_chunks_of_tokens(kernels):
     # 2100 tokens x top-8 x hidden 1024 floats pass the C++'s 2^24-float combine buffer: two chunks
     w13, w2 = _weights(4, 1024, 16, seed=20)
     x = torch.randn(2100, 1024, generator=generator(21))
-    weights, ids = _routing(2100, 4, 4, seed=22)
+    weights, ids = moe_routing(2100, 4, 4, seed=22, device="cpu")
     ids = torch.cat([ids, ids], dim=1)  # top-8 over 4 experts: each twice, at half the weight
     weights = torch.cat([weights, weights], dim=1) / 2
     out = kernels.fused_experts(x, fp32_experts(w13, w2), weights, ids)
@@ -118,7 +109,7 @@ def test_result_does_not_depend_on_threads(kernels, packed):
     # combine's top-k order are per row, so the bits are the same
     w13, w2 = _weights(16, 64, 32, seed=8)
     x = torch.randn(24, 64, generator=generator(9))
-    weights, ids = _routing(24, 16, 4, seed=10)
+    weights, ids = moe_routing(24, 16, 4, seed=10, device="cpu")
     experts = fp32_experts(w13, w2, packed)
     threads = torch.get_num_threads()
     # every expert busy (threads split the experts), then all tokens to one (threads split its projections)
@@ -143,7 +134,7 @@ def test_builds_without_avx512_match_reference(kernels, tmp_path, march):
     portable = MoeCpuKernels(ctypes.CDLL(library), kernels.few_rows_linear, torch_sgemm())
     w13, w2 = _weights(8, 96, 40, seed=23)
     x = torch.randn(21, 96, generator=generator(24))
-    weights, ids = _routing(21, 8, 3, seed=25)
+    weights, ids = moe_routing(21, 8, 3, seed=25, device="cpu")
     experts = fp32_experts(w13, w2)  # the panels' layout is the same in every build
     out = portable.fused_experts(x, experts, weights, ids)
     torch.testing.assert_close(out, fused_experts_ref(x, w13, w2, weights, ids), rtol=1e-4, atol=1e-5)
@@ -161,7 +152,7 @@ def test_an_expert_id_out_of_range_is_an_error(kernels):
 def test_expert_parallel_ranks_sum_to_the_whole(kernels, allowed):
     w13, w2 = _weights(8, 64, 32, seed=17)
     x = torch.randn(10, 64, generator=generator(18))
-    weights, ids = _routing(10, 8, 3, seed=19, experts=allowed)
+    weights, ids = moe_routing(10, 8, 3, seed=19, experts=allowed, device="cpu")
     ranks = []
     for first in (0, 4):  # two ranks of 4 experts each; the other rank's experts are -1 here
         local = local_expert_ids(ids, first, 4)
@@ -178,7 +169,7 @@ def test_expert_parallel_ranks_sum_to_the_whole(kernels, allowed):
 def test_int8_matches_reference_on_dequantized_weights(kernels):
     w13, w2 = _weights(8, 64, 48, seed=11)
     x = torch.randn(21, 64, generator=generator(12))
-    weights, ids = _routing(21, 8, 3, seed=13)
+    weights, ids = moe_routing(21, 8, 3, seed=13, device="cpu")
     out = kernels.fused_experts(x, int8_experts(w13, w2), weights, ids)
 
     def dequantized(w):
@@ -224,7 +215,7 @@ def test_gguf_blocks_match_reference_on_dequantized_weights(kernels, types, path
     assert experts.num_bytes() == blocks_bytes if path != "tiles" else \
         blocks_bytes < experts.num_bytes() <= (w13.numel() + w2.numel()) * (8.5 + 10) / 8
     x = torch.randn(13, hidden, generator=generator(15))
-    weights, ids = _routing(13, 8, 2, seed=16)
+    weights, ids = moe_routing(13, 8, 2, seed=16, device="cpu")
     out = kernels.fused_experts(x, experts, weights, ids, dequantize_rows=0 if path == "sgemm" else 1 << 30)
     expected = fused_experts_ref(x, _dequantized(w13_blocks, w13_type, hidden),
                                  _dequantized(w2_blocks, w2_type, intermediate), weights, ids,

@@ -9,7 +9,7 @@ import torch
 
 from kernels.fused_moe_ref import dense_mlp_ref, fused_experts_ref, local_expert_ids, route, route_mixtral
 from kernels.fused_moe_triton import fused_experts, moe_align_block_size
-from tests.kernels.helpers import DEVICE, TOLERANCES, generator, requires_cuda, requires_triton
+from tests.kernels.helpers import DEVICE, TOLERANCES, generator, moe_routing, requires_cuda, requires_triton
 
 # fp16's 11-bit mantissa: between fp32's and bf16's
 TOLERANCES_ALL = {**TOLERANCES, torch.float16: dict(rtol=5e-3, atol=5e-3)}
@@ -20,18 +20,6 @@ def _weights(num_experts, hidden, intermediate, dtype, seed=0, device=DEVICE):
     w13 = torch.randn(num_experts, 2 * intermediate, hidden, generator=g) / hidden ** 0.5
     w2 = torch.randn(num_experts, hidden, intermediate, generator=g) / intermediate ** 0.5
     return w13.to(dtype).to(device), w2.to(dtype).to(device)
-
-
-def _routing(num_tokens, num_experts, top_k, seed, experts=None, device=DEVICE):
-    """Router outputs from random logits; experts: the only ones the logits allow (the rest
-    -inf), so the others stay empty."""
-    logits = torch.randn(num_tokens, num_experts, generator=generator(seed))
-    if experts is not None:
-        allowed = torch.full((num_experts,), float("-inf"))
-        allowed[experts] = 0.0
-        logits = logits + allowed
-    weights, ids = route(logits, top_k, renormalize=True)
-    return weights.to(device), ids.to(device)
 
 
 def _assert_matches(x, w13, w2, weights, ids, **kwargs):
@@ -54,7 +42,7 @@ def test_fused_experts_match_reference(dtype, num_experts, top_k, num_tokens):
     # hidden 48, intermediate 40: neither a multiple of the 32/64-wide tiles
     w13, w2 = _weights(num_experts, 48, 40, dtype)
     x = torch.randn(num_tokens, 48, generator=generator(num_tokens)).to(dtype).to(DEVICE)
-    weights, ids = _routing(num_tokens, num_experts, top_k, seed=num_experts * 100 + num_tokens)
+    weights, ids = moe_routing(num_tokens, num_experts, top_k, seed=num_experts * 100 + num_tokens)
     _assert_matches(x, w13, w2, weights, ids)
 
 
@@ -66,7 +54,7 @@ def test_reductions_over_several_k_tiles(dtype):
     # intermediate 72 also needs two column tiles of the gate/up kernel
     w13, w2 = _weights(4, 200, 72, dtype, seed=3)
     x = torch.randn(9, 200, generator=generator(8)).to(dtype).to(DEVICE)
-    weights, ids = _routing(9, 4, 2, seed=12)
+    weights, ids = moe_routing(9, 4, 2, seed=12)
     _assert_matches(x, w13, w2, weights, ids)
 
 
@@ -77,7 +65,7 @@ def test_every_token_routed_to_one_expert_and_the_rest_empty():
     # each chosen expert's 20 rows span two blocks
     w13, w2 = _weights(8, 32, 32, torch.float32)
     x = torch.randn(20, 32, generator=generator(7)).to(DEVICE)
-    weights, ids = _routing(20, 8, 2, seed=3, experts=[5, 2])
+    weights, ids = moe_routing(20, 8, 2, seed=3, experts=[5, 2])
     assert set(ids.flatten().tolist()) == {2, 5}
     _assert_matches(x, w13, w2, weights, ids)
     # top-1: every token to expert 5
@@ -91,7 +79,7 @@ def test_every_token_routed_to_one_expert_and_the_rest_empty():
 def test_block_of_64_rows_and_int64_ids():
     w13, w2 = _weights(2, 32, 16, torch.float32, seed=1)
     x = torch.randn(50, 32, generator=generator(2)).to(DEVICE)
-    weights, ids = _routing(50, 2, 2, seed=5)
+    weights, ids = moe_routing(50, 2, 2, seed=5)
     _assert_matches(x, w13, w2, weights, ids.long(), block_m=64)
 
 
@@ -101,7 +89,7 @@ def test_block_of_64_rows_and_int64_ids():
 def test_expert_parallel_ranks_sum_to_the_whole(allowed):
     w13, w2 = _weights(8, 32, 32, torch.float32, seed=2)
     x = torch.randn(10, 32, generator=generator(4)).to(DEVICE)
-    weights, ids = _routing(10, 8, 3, seed=9, experts=allowed)
+    weights, ids = moe_routing(10, 8, 3, seed=9, experts=allowed)
     ranks = []
     for first in (0, 4):  # two ranks of 4 experts each; the other rank's experts are -1 here
         local = local_expert_ids(ids, first, 4)
@@ -131,7 +119,7 @@ def test_expert_offsets_past_two_to_the_31():
     w13.copy_(small13)
     w2.copy_(small2)
     x = torch.randn(6, hidden, generator=generator(13)).to(torch.bfloat16).to(DEVICE)
-    weights, ids = _routing(6, 3, 2, seed=14)
+    weights, ids = moe_routing(6, 3, 2, seed=14)
     assert 2 in ids
     _assert_matches(x, w13, w2, weights, ids)
 
@@ -180,7 +168,7 @@ def test_cuda_qwen3_moe_shapes(num_tokens):
     # Qwen3-30B-A3B's layer: 128 experts, top-8, hidden 2048, moe_intermediate 768
     w13, w2 = _weights(128, 2048, 768, torch.bfloat16)
     x = torch.randn(num_tokens, 2048, generator=generator(num_tokens)).to(torch.bfloat16).to(DEVICE)
-    weights, ids = _routing(num_tokens, 128, 8, seed=num_tokens)
+    weights, ids = moe_routing(num_tokens, 128, 8, seed=num_tokens)
     _assert_matches(x, w13, w2, weights, ids)
 
 
@@ -190,12 +178,12 @@ def test_cuda_qwen3_moe_shapes(num_tokens):
 def test_cuda_graph_replays_new_routing():
     w13, w2 = _weights(32, 256, 128, torch.bfloat16)
     x = torch.randn(8, 256, generator=generator(1)).to(torch.bfloat16).to(DEVICE)
-    weights, ids = _routing(8, 32, 4, seed=1)
+    weights, ids = moe_routing(8, 32, 4, seed=1)
     fused_experts(x, w13, w2, weights, ids)  # compiles outside the capture
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         out = fused_experts(x, w13, w2, weights, ids)
-    new_weights, new_ids = _routing(8, 32, 4, seed=2)
+    new_weights, new_ids = moe_routing(8, 32, 4, seed=2)
     weights.copy_(new_weights)
     ids.copy_(new_ids)
     x.copy_(torch.randn(8, 256, generator=generator(2)).to(torch.bfloat16))
