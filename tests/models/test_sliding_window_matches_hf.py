@@ -57,12 +57,13 @@ def check_matches_hf(llm: LLM, model_dir: str, prompts: list[list[int]], expecte
     return outputs
 
 
-def run_every_way(model_dir: str, **engine) -> None:
+def run_every_way(model_dir: str, hf_dir: str | None = None, **engine) -> None:
     """Whole prompts batched; then chunked prefill (chunks of 40 across 16-32 key windows) and,
-    on that engine, the same prompts again from the prefix cache."""
+    on that engine, the same prompts again from the prefix cache. hf_dir: the checkpoint
+    Hugging Face runs, where it is not model_dir (the dequantized weights of a quantized one)."""
     llm = LLM(model_dir, kv_cache_memory="64MiB", **engine)
     prompts = make_prompts(llm.config.model.vocab_size, LENGTHS, seed=39)
-    expected = hf_greedy(model_dir, prompts, MAX_TOKENS)
+    expected = hf_greedy(hf_dir or model_dir, prompts, MAX_TOKENS)
     check_matches_hf(llm, model_dir, prompts, expected)
     del llm
     chunked = LLM(model_dir, kv_cache_memory="64MiB", max_num_batched_tokens=40, block_size=8, **engine)
