@@ -58,6 +58,10 @@ def test_float_experts_match_hf(gpt_oss_dir):
     run_every_way(gpt_oss_dir)
 
 
+def test_on_the_torch_backend_matches_hf(gpt_oss_dir):
+    run_every_way(gpt_oss_dir, attention_backend="torch")
+
+
 def test_mxfp4_experts_stay_mxfp4(gpt_oss_mxfp4_dirs):
     mxfp4_dir, float_dir = gpt_oss_mxfp4_dirs
     config, model = load(mxfp4_dir)
