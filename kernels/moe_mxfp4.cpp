@@ -5,9 +5,12 @@
 // first) and E8M0 scales [rows, in / 32].
 //
 // The weights are never dequantized to memory: each block of 32 is decoded into registers (a
-// 16-entry table and a power-of-two scale) and multiplied against a tile of up to kTileRows of
-// the expert's tokens, so a decode step reads half a byte a weight, and a prefill chunk's
-// expert decodes each block once per tile of tokens rather than once per token.
+// 16-entry table, two permutes on AVX-512, and a power-of-two scale) and multiplied against a
+// tile of up to kTileRows of the expert's tokens, so a decode step reads half a byte a weight,
+// and a prefill chunk's expert decodes each block once per tile of tokens rather than once per
+// token. The low nibbles are a block's even values and the high nibbles its odd ones, so the
+// activations are reordered once (evens, then odds, per block) rather than the decoded weights
+// interleaved each time.
 //
 // The grouping, threads and combine are moe_cpu.cpp's: slots sorted by expert (counting sort,
 // slot order within an expert); experts split over the threads when there are at least as
@@ -21,32 +24,66 @@
 
 #include <algorithm>
 #include <vector>
+#ifdef __AVX512F__
+#include <immintrin.h>
+#endif
 
 namespace {
 
 constexpr int kBlock = 32;  // values per E8M0 scale
-constexpr int kTileRows = 4;  // token rows a decoded block is multiplied against
-constexpr float kFp4[16] = {0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f,
-                            -0.0f, -0.5f, -1.0f, -1.5f, -2.0f, -3.0f, -4.0f, -6.0f};
+alignas(64) constexpr float kFp4[16] = {0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f,
+                                        -0.0f, -0.5f, -1.0f, -1.5f, -2.0f, -3.0f, -4.0f, -6.0f};
 typedef float vf __attribute__((vector_size(64)));  // 16 floats: half a block
 inline vf load(const float* p) { vf v; memcpy(&v, p, sizeof v); return v; }
+#ifdef __AVX512F__
+constexpr int kTileRows = 8;  // token rows a decoded block is multiplied against: 16 accumulators
+#else
+constexpr int kTileRows = 4;  // (a vf is two of AVX2's 16 registers)
+#endif
 
-float scale_of(uint8_t e8m0) { return ldexpf(1.0f, (int)e8m0 - 127); }
-
-// One decoded block: 32 floats, the even columns from the low nibbles
-inline void decode_block(const uint8_t* bytes, float scale, float* w) {
-    for (int i = 0; i < kBlock / 2; i++) {
-        w[2 * i] = kFp4[bytes[i] & 0x0F] * scale;
-        w[2 * i + 1] = kFp4[bytes[i] >> 4] * scale;
-    }
+// 2 ** (e8m0 - 127) from its bits: the exponent field itself, or the subnormal 2 ** -127 for 0
+inline float scale_of(uint8_t e8m0) {
+    const uint32_t bits = e8m0 == 0 ? 0x00400000u : (uint32_t)e8m0 << 23;
+    float scale;
+    memcpy(&scale, &bits, sizeof scale);
+    return scale;
 }
 
-// y[rows, out] (row stride y_stride) = x @ Wᵀ + bias, W MXFP4 [out, in]; output rows split
-// over num_threads. Each (token, output) sums 16 lanes of partial products in block order, then
-// the lanes: the same order whatever the tile or the threads.
-void mxfp4_linear(const float* x, int64_t x_stride, int64_t rows, const uint8_t* blocks, const uint8_t* scales,
-                  const float* bias, int64_t in_features, int64_t out_features, float* y, int64_t y_stride,
-                  int num_threads) {
+// A block's 16 bytes as its even values (low nibbles) and odd values (high nibbles), unscaled:
+// on AVX-512 one widening load and two 16-entry table permutes
+inline void decode_block(const uint8_t* bytes, vf* even, vf* odd) {
+#ifdef __AVX512F__
+    const __m512i codes = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)bytes));
+    const __m512 lut = _mm512_load_ps(kFp4);
+    const __m512 low = _mm512_permutexvar_ps(_mm512_and_si512(codes, _mm512_set1_epi32(15)), lut);
+    const __m512 high = _mm512_permutexvar_ps(_mm512_srli_epi32(codes, 4), lut);
+    memcpy(even, &low, sizeof low);
+    memcpy(odd, &high, sizeof high);
+#else
+    for (int i = 0; i < kBlock / 2; i++) {
+        (*even)[i] = kFp4[bytes[i] & 0x0F];
+        (*odd)[i] = kFp4[bytes[i] >> 4];
+    }
+#endif
+}
+
+// Each block of 32 of a row as its 16 even values, then its 16 odd ones: the order a decoded
+// block's halves multiply (done once per row and projection, not per weight row)
+void split_pairs(const float* src, int64_t rows, int64_t src_stride, int64_t features, float* dst) {
+    for (int64_t r = 0; r < rows; r++)
+        for (int64_t b = 0; b < features; b += kBlock)
+            for (int i = 0; i < kBlock / 2; i++) {
+                dst[r * features + b + i] = src[r * src_stride + b + 2 * i];
+                dst[r * features + b + kBlock / 2 + i] = src[r * src_stride + b + 2 * i + 1];
+            }
+}
+
+// y[rows, out] (row stride y_stride) = x @ Wᵀ + bias, W MXFP4 [out, in], x [rows, in] in
+// split_pairs' order; output rows split over num_threads. Each (token, output) sums 16 lanes
+// of partial products in block order, then the lanes: the same order whatever the tile or
+// the threads.
+void mxfp4_linear(const float* x, int64_t rows, const uint8_t* blocks, const uint8_t* scales, const float* bias,
+                  int64_t in_features, int64_t out_features, float* y, int64_t y_stride, int num_threads) {
     const int64_t num_blocks = in_features / kBlock;
 #pragma omp parallel for schedule(static) num_threads(num_threads) if (num_threads > 1 && out_features > 1)
     for (int64_t n = 0; n < out_features; n++) {
@@ -56,13 +93,15 @@ void mxfp4_linear(const float* x, int64_t x_stride, int64_t rows, const uint8_t*
             const int tile = rows - r0 < kTileRows ? (int)(rows - r0) : kTileRows;
             vf acc[kTileRows][2] = {};
             for (int64_t b = 0; b < num_blocks; b++) {
-                float w[kBlock];
-                decode_block(row_blocks + b * (kBlock / 2), scale_of(row_scales[b]), w);
-                const vf w0 = load(w), w1 = load(w + 16);
+                vf even, odd;
+                decode_block(row_blocks + b * (kBlock / 2), &even, &odd);
+                const float scale = scale_of(row_scales[b]);
+                even *= scale;
+                odd *= scale;
                 for (int m = 0; m < tile; m++) {
-                    const float* xm = x + (r0 + m) * x_stride + b * kBlock;
-                    acc[m][0] += w0 * load(xm);
-                    acc[m][1] += w1 * load(xm + 16);
+                    const float* xm = x + (r0 + m) * in_features + b * kBlock;
+                    acc[m][0] += even * load(xm);
+                    acc[m][1] += odd * load(xm + 16);
                 }
             }
             for (int m = 0; m < tile; m++) {
@@ -94,22 +133,25 @@ void clamped_swiglu(const float* gate_up, int64_t rows, int64_t intermediate, fl
         }
 }
 
-// One expert over its rows: tokens gathered, gate/up, clamped SwiGLU, down into y[rows, hidden]
+// One expert over its rows: tokens gathered (in split_pairs' order), gate/up, clamped SwiGLU,
+// down into y[rows, hidden]
 void run_expert(const Experts& m, int64_t e, const float* x, int64_t x_stride, const int64_t* tokens, int64_t rows,
                 float* y, int num_threads) {
     const int64_t hidden = m.hidden_size, inter = m.intermediate_size;
-    static thread_local std::vector<float> gathered, gate_up, act;
+    static thread_local std::vector<float> gathered, gate_up, act, split;
     gathered.resize(rows * hidden);
     gate_up.resize(rows * 2 * inter);
     act.resize(rows * inter);
-    for (int64_t r = 0; r < rows; r++) memcpy(gathered.data() + r * hidden, x + tokens[r] * x_stride, hidden * 4);
-    mxfp4_linear(gathered.data(), hidden, rows, m.w13_blocks + e * 2 * inter * hidden / 2,
+    split.resize(rows * inter);
+    for (int64_t r = 0; r < rows; r++)
+        split_pairs(x + tokens[r] * x_stride, 1, x_stride, hidden, gathered.data() + r * hidden);
+    mxfp4_linear(gathered.data(), rows, m.w13_blocks + e * 2 * inter * hidden / 2,
                  m.w13_scales + e * 2 * inter * (hidden / kBlock), m.w13_bias + e * 2 * inter, hidden, 2 * inter,
                  gate_up.data(), 2 * inter, num_threads);
     clamped_swiglu(gate_up.data(), rows, inter, m.alpha, m.limit, act.data());
-    mxfp4_linear(act.data(), inter, rows, m.w2_blocks + e * hidden * inter / 2,
-                 m.w2_scales + e * hidden * (inter / kBlock), m.w2_bias + e * hidden, inter, hidden, y, hidden,
-                 num_threads);
+    split_pairs(act.data(), rows, inter, inter, split.data());
+    mxfp4_linear(split.data(), rows, m.w2_blocks + e * hidden * inter / 2, m.w2_scales + e * hidden * (inter / kBlock),
+                 m.w2_bias + e * hidden, inter, hidden, y, hidden, num_threads);
 }
 
 }  // namespace
