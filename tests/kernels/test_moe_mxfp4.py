@@ -53,16 +53,18 @@ def reference(x: torch.Tensor, experts: Mxfp4Experts, weights: torch.Tensor, ids
     return gpt_oss_experts_ref(x, w13, experts.w13_bias, w2, experts.w2_bias, weights, ids, ALPHA, LIMIT)
 
 
-@pytest.mark.parametrize("num_tokens", [1, 3, 37])
+# (1 token, top-1: fewer active experts than threads, so each projection splits its rows over
+# them; else the experts split over the threads)
+@pytest.mark.parametrize("num_tokens, top_k", [(1, 1), (1, 2), (3, 2), (37, 2)])
 @pytest.mark.parametrize("threads", [1, 2])
-def test_cpu_kernel_matches_reference(num_tokens, threads):
+def test_cpu_kernel_matches_reference(num_tokens, top_k, threads):
     kernels = moe_mxfp4_kernels()
     if kernels is None:
         pytest.skip("no C++ compiler")
     experts = random_experts(6, 64, 96)
     generator = torch.Generator().manual_seed(num_tokens)
     x = torch.randn(num_tokens, 64, generator=generator)
-    weights, ids = route_gpt_oss(torch.randn(num_tokens, 6, generator=generator), 2)
+    weights, ids = route_gpt_oss(torch.randn(num_tokens, 6, generator=generator), top_k)
     old = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
