@@ -78,13 +78,33 @@ def gpt_oss_experts_ref(x: torch.Tensor,  # [num_tokens, hidden]
                         alpha: float, limit: float) -> torch.Tensor:  # [num_tokens, hidden], x's dtype
     """sum_k weight_k * (act(x @ w13[e].T + b13[e]) @ w2[e].T + b2[e]), e = topk_ids[:, k],
     one expert at a time (in float32)."""
+    return _routed_experts(x, lambda e: (w13[e], b13[e], w2[e], b2[e]), topk_weights, topk_ids, alpha, limit)
+
+
+def mxfp4_experts_ref(x: torch.Tensor,  # [num_tokens, hidden]
+                      w13_blocks: torch.Tensor, w13_scales: torch.Tensor,  # [E, 2I, H / 32, 16], [E, 2I, H / 32]
+                      b13: torch.Tensor,  # [E, 2I]
+                      w2_blocks: torch.Tensor, w2_scales: torch.Tensor,  # [E, H, I / 32, 16], [E, H, I / 32]
+                      b2: torch.Tensor,  # [E, H]
+                      topk_weights: torch.Tensor, topk_ids: torch.Tensor, alpha: float, limit: float) -> torch.Tensor:
+    """gpt_oss_experts_ref on MXFP4 weights, each routed expert dequantized as it runs (a
+    decode step's few experts, never the whole layer)."""
+    def expert(e: int) -> tuple[torch.Tensor, ...]:
+        return mxfp4_dequantize(w13_blocks[e], w13_scales[e]), b13[e], mxfp4_dequantize(w2_blocks[e], w2_scales[e]), b2[e]
+
+    return _routed_experts(x, expert, topk_weights, topk_ids, alpha, limit)
+
+
+def _routed_experts(x: torch.Tensor, expert, topk_weights: torch.Tensor, topk_ids: torch.Tensor, alpha: float,
+                    limit: float) -> torch.Tensor:
     out = torch.zeros(x.shape[0], x.shape[1], dtype=torch.float32, device=x.device)
     xf = x.float()
-    for expert in topk_ids.unique().tolist():
-        if expert < 0:
+    for e in topk_ids.unique().tolist():
+        if e < 0:
             continue
-        tokens, slot = torch.where(topk_ids == expert)
-        gate_up = xf[tokens] @ w13[expert].float().T + b13[expert].float()
-        y = clamped_swiglu(gate_up, alpha, limit) @ w2[expert].float().T + b2[expert].float()
+        w13, b13, w2, b2 = expert(e)
+        tokens, slot = torch.where(topk_ids == e)
+        gate_up = xf[tokens] @ w13.float().T + b13.float()
+        y = clamped_swiglu(gate_up, alpha, limit) @ w2.float().T + b2.float()
         out.index_add_(0, tokens, y * topk_weights[tokens, slot, None].float())
     return out.to(x.dtype)

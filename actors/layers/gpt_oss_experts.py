@@ -2,9 +2,9 @@
 clamped SwiGLU: kernels/mxfp4_ref.py): MXFP4 bytes through kernels/moe_mxfp4.cpp on the
 CPU, or float rows [E, 2I, H] and [E, H, I] through the torch reference.
 
-Elsewhere (CUDA, or a CPU without a compiler) MXFP4 experts run the reference on weights
-dequantized at each call: correct, and they stay MXFP4 in memory, but slow (a Triton MXFP4
-kernel is still to come)."""
+Elsewhere (CUDA, or a CPU without a compiler) MXFP4 experts run the reference, each routed
+expert dequantized at each call: correct, and they stay MXFP4 in memory, but slow (a Triton
+MXFP4 kernel is still to come)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from kernels.moe_mxfp4 import Mxfp4Experts, moe_mxfp4_kernels
-from kernels.mxfp4_ref import gpt_oss_experts_ref, mxfp4_dequantize
+from kernels.mxfp4_ref import gpt_oss_experts_ref, mxfp4_experts_ref
 
 
 @dataclass
@@ -42,5 +42,5 @@ class GptOssExperts:
         kernels = moe_mxfp4_kernels() if x.device.type == "cpu" else None
         if kernels is not None:
             return kernels.fused_experts(x.float(), m, topk_weights, topk_ids, self.alpha, self.limit).to(x.dtype)
-        w13, w2 = mxfp4_dequantize(m.w13_blocks, m.w13_scales), mxfp4_dequantize(m.w2_blocks, m.w2_scales)
-        return gpt_oss_experts_ref(x, w13, m.w13_bias, w2, m.w2_bias, topk_weights, topk_ids, self.alpha, self.limit)
+        return mxfp4_experts_ref(x, m.w13_blocks, m.w13_scales, m.w13_bias, m.w2_blocks, m.w2_scales, m.w2_bias,
+                                 topk_weights, topk_ids, self.alpha, self.limit)

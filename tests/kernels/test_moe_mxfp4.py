@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from kernels.moe_mxfp4 import Mxfp4Experts, moe_mxfp4_kernels
-from kernels.mxfp4_ref import gpt_oss_experts_ref, mxfp4_dequantize, mxfp4_quantize, route_gpt_oss
+from kernels.mxfp4_ref import gpt_oss_experts_ref, mxfp4_dequantize, mxfp4_experts_ref, mxfp4_quantize, route_gpt_oss
 
 ALPHA, LIMIT = 1.702, 7.0
 
@@ -90,3 +90,15 @@ def test_cpu_kernel_skips_experts_held_elsewhere():
     assert out[1].abs().sum() == 0
     with pytest.raises(ValueError, match="expert id"):
         kernels.fused_experts(x, experts, weights, ids.masked_fill(ids == 3, 4), ALPHA, LIMIT)
+
+
+def test_reference_on_the_blocks_equals_the_reference_on_dequantized_weights():
+    """mxfp4_experts_ref (what a device without the kernel runs: each routed expert
+    dequantized as it runs) against the whole layer dequantized first."""
+    experts = random_experts(5, 32, 64, seed=3)
+    generator = torch.Generator().manual_seed(3)
+    x = torch.randn(9, 32, generator=generator)
+    weights, ids = route_gpt_oss(torch.randn(9, 5, generator=generator), 2)
+    out = mxfp4_experts_ref(x, experts.w13_blocks, experts.w13_scales, experts.w13_bias, experts.w2_blocks,
+                            experts.w2_scales, experts.w2_bias, weights, ids, ALPHA, LIMIT)
+    assert torch.equal(out, reference(x, experts, weights, ids))

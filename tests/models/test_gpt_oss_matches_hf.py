@@ -95,3 +95,15 @@ def test_mxfp4_matches_hf_under_preemption(gpt_oss_mxfp4_dirs):
     stats = llm.scheduler.stats()
     assert stats["num_preemptions"] > 0
     assert stats["num_free_blocks"] == stats["num_total_blocks"]
+
+
+def test_mxfp4_experts_without_the_kernel_match_hf(gpt_oss_mxfp4_dirs, monkeypatch):
+    """Where moe_mxfp4.cpp is not there (another device, no compiler): the torch reference on
+    the blocks, each routed expert dequantized as it runs."""
+    import actors.layers.gpt_oss_experts as layer
+
+    monkeypatch.setattr(layer, "moe_mxfp4_kernels", lambda: None)
+    mxfp4_dir, float_dir = gpt_oss_mxfp4_dirs
+    llm = LLM(mxfp4_dir, kv_cache_memory="16MiB")
+    prompts = make_prompts(llm.config.model.vocab_size, [120, 33], seed=43)
+    check_matches_hf(llm, mxfp4_dir, prompts, hf_greedy(float_dir, prompts, MAX_TOKENS))
