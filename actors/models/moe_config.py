@@ -5,6 +5,7 @@ Hugging Face modeling code reads them. None for a dense model."""
 from __future__ import annotations
 
 from actors.config.moe import MoeConfig
+from actors.config.quantization import native_mxfp4
 
 # architecture -> the config.json key of its expert count
 _EXPERT_COUNT_KEYS = {"Qwen3MoeForCausalLM": "num_experts", "Qwen2MoeForCausalLM": "num_experts",
@@ -18,7 +19,7 @@ def read_moe_config(config: dict, architecture: str, config_path: str) -> MoeCon
     if architecture not in _EXPERT_COUNT_KEYS:
         return None
     quant = config.get("quantization_config")
-    if architecture == "GptOssForCausalLM" and (not quant or quant.get("quant_method") == "mxfp4"):
+    if architecture == "GptOssForCausalLM" and native_mxfp4(quant):
         quant = None  # (GPT-OSS's MXFP4 experts: read as they are by actors/models/gpt_oss.py)
     if quant:  # (GPTQ/AWQ/FP8 experts: no kernel stacks them)
         raise ValueError(f"{config_path}: quantization_config is not supported for {architecture} (a mixture-of-"
