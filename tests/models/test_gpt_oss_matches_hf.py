@@ -17,7 +17,8 @@ from actors.models.registry import model_class
 from kernels.moe_mxfp4 import moe_mxfp4_kernels
 from tests.models.gpt_oss_models import build_tiny_gpt_oss, build_tiny_gpt_oss_mxfp4
 from tests.models.test_llm_matches_hf import hf_greedy, make_prompts
-from tests.models.test_sliding_window_matches_hf import MAX_TOKENS, check_matches_hf, run_every_way
+from tests.models.test_sliding_window_matches_hf import MAX_TOKENS, check_matches_hf, run_every_way, \
+    run_under_preemption
 
 
 @pytest.fixture(scope="module")
@@ -89,12 +90,7 @@ def test_mxfp4_experts_match_hf_on_the_dequantized_weights(gpt_oss_mxfp4_dirs):
 def test_mxfp4_matches_hf_under_preemption(gpt_oss_mxfp4_dirs):
     """90 blocks of 8 tokens cannot hold the batch at once: requests preempted and recomputed."""
     mxfp4_dir, float_dir = gpt_oss_mxfp4_dirs
-    llm = LLM(mxfp4_dir, max_num_batched_tokens=64, block_size=8, num_kv_blocks=90)
-    prompts = make_prompts(llm.config.model.vocab_size, [230, 17, 300, 64, 150], seed=41)
-    check_matches_hf(llm, mxfp4_dir, prompts, hf_greedy(float_dir, prompts, MAX_TOKENS))
-    stats = llm.scheduler.stats()
-    assert stats["num_preemptions"] > 0
-    assert stats["num_free_blocks"] == stats["num_total_blocks"]
+    run_under_preemption(mxfp4_dir, hf_dir=float_dir)
 
 
 def test_mxfp4_experts_without_the_kernel_match_hf(gpt_oss_mxfp4_dirs, monkeypatch):

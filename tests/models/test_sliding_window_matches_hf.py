@@ -149,10 +149,14 @@ def test_windowed_models_match_hf_under_preemption(name, make_tiny_model):
     """90 blocks of 8 tokens cannot hold the batch at once: the newest requests are preempted
     and recomputed (their windows planned again from the recomputed prefix)."""
     arch, overrides = {**MODELS, **GEMMA}[name]
-    model_dir = make_tiny_model(arch, max_position_embeddings=1024, **overrides)
+    run_under_preemption(make_tiny_model(arch, max_position_embeddings=1024, **overrides))
+
+
+def run_under_preemption(model_dir: str, hf_dir: str | None = None) -> None:
+    """Five prompts in 90 blocks of 8 tokens: some preempted and recomputed; every block free after."""
     llm = LLM(model_dir, max_num_batched_tokens=64, block_size=8, num_kv_blocks=90)
     prompts = make_prompts(llm.config.model.vocab_size, [230, 17, 300, 64, 150], seed=41)
-    check_matches_hf(llm, model_dir, prompts, hf_greedy(model_dir, prompts, MAX_TOKENS))
+    check_matches_hf(llm, model_dir, prompts, hf_greedy(hf_dir or model_dir, prompts, MAX_TOKENS))
     stats = llm.scheduler.stats()
     assert stats["num_preemptions"] > 0
     assert stats["num_free_blocks"] == stats["num_total_blocks"]
