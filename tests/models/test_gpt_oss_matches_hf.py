@@ -103,3 +103,12 @@ def test_mxfp4_experts_without_the_kernel_match_hf(gpt_oss_mxfp4_dirs, monkeypat
     llm = LLM(mxfp4_dir, kv_cache_memory="16MiB")
     prompts = make_prompts(llm.config.model.vocab_size, [120, 33], seed=43)
     check_matches_hf(llm, mxfp4_dir, prompts, hf_greedy(float_dir, prompts, MAX_TOKENS))
+
+
+def test_tensor_parallel_is_refused_at_start_up(gpt_oss_dir):
+    from actors.config.moe import check_moe_engine
+
+    config = load_model_config(gpt_oss_dir)
+    with pytest.raises(ValueError, match="tensor_parallel_size 2: GptOssForCausalLM runs on one device"):
+        check_moe_engine(config.moe, config.architecture, tensor_parallel_size=2, enable_expert_parallel=False,
+                         enable_lora=False, pipeline_parallel_size=1)
