@@ -40,6 +40,8 @@ def check_moe_engine(moe: MoeConfig | None, architecture: str, *, tensor_paralle
     if pipeline_parallel_size > 1:
         raise ValueError(f"pipeline_parallel_size > 1 is not supported for a mixture-of-experts model ({architecture})")
     tp = tensor_parallel_size
+    if architecture == "GptOssForCausalLM" and tp > 1:  # (its o_proj and expert biases are not split yet)
+        raise ValueError(f"tensor_parallel_size {tp}: {architecture} runs on one device for now")
     if enable_expert_parallel and moe.num_experts % tp:
         raise ValueError(f"enable_expert_parallel: tensor_parallel_size {tp} does not divide the model's "
                          f"{moe.num_experts} experts")

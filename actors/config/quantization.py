@@ -190,7 +190,14 @@ def read_checkpoint_quant(model_dir: str) -> CheckpointQuant | None:
         return None
     with open(config_path) as config_file:
         config = json.load(config_file).get("quantization_config")
-    return parse_quantization_config(config, config_path) if config else None
+    return parse_quantization_config(config, config_path) if config and not native_mxfp4(config) else None
+
+
+def native_mxfp4(config: dict | None) -> bool:
+    """A quantization_config of {"quant_method": "mxfp4"}: GPT-OSS's experts as MXFP4 blocks,
+    which its model reads as they are (actors/models/gpt_oss.py); no linear layer is
+    quantized, so no --quantization method runs it (the loader refuses it for other models)."""
+    return bool(config) and config.get("quant_method") == "mxfp4"
 
 
 def resolve_checkpoint_quantization(flag: str | None, model, tensor_parallel_size: int) -> str | None:

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from actors.models import gguf_families
+from actors.models import gguf_families, gguf_gpt_oss
 from actors.models.gguf_moe import MOE_NORM_TOPK_PROB, MOE_TENSOR_TO_HF, moe_config, \
     reshape_shared_gate, split_experts
 
@@ -53,6 +53,7 @@ _ARCHITECTURES = {
     # mixture-of-experts files (gguf_moe.py: their expert keys and tensors)
     "qwen3moe": _GGUFArchitecture("Qwen3MoeForCausalLM", "qwen3_moe", unpermute_qk=False),
     "qwen2moe": _GGUFArchitecture("Qwen2MoeForCausalLM", "qwen2_moe", unpermute_qk=False),
+    "gpt-oss": _GGUFArchitecture("GptOssForCausalLM", "gpt_oss", unpermute_qk=False),  # (gguf_gpt_oss.py)
 }
 
 _GLOBAL_TENSOR_TO_HF = {
@@ -134,7 +135,8 @@ def convert_gguf(gguf_path: str, out_dir: str) -> None:
     with open(os.path.join(out_dir, "config.json"), "w") as config_file:
         json.dump(hf_config, config_file, indent=2)
     _write_weights(tensors, hf_config, _ARCHITECTURES[architecture], out_dir)
-    _write_tokenizer(gguf_path, out_dir)
+    with gguf_gpt_oss.tokenizer_workaround(architecture):
+        _write_tokenizer(gguf_path, out_dir)
 
 
 def _field(reader, key: str, default=None):
@@ -177,7 +179,7 @@ def _hf_config(reader, tensors: dict, spec: _GGUFArchitecture, gguf_path: str) -
         "vocab_size": vocab_size,
         "hidden_size": hidden_size,
         # an MoE file may have no dense MLP, so no feed_forward_length
-        "intermediate_size": required("feed_forward_length") if arch not in MOE_NORM_TOPK_PROB
+        "intermediate_size": required("feed_forward_length") if arch not in (*MOE_NORM_TOPK_PROB, "gpt-oss")
         else _field(reader, f"{arch}.feed_forward_length") or required("expert_feed_forward_length"),
         "num_hidden_layers": required("block_count"),
         "num_attention_heads": num_attention_heads,
@@ -200,6 +202,9 @@ def _hf_config(reader, tensors: dict, spec: _GGUFArchitecture, gguf_path: str) -
                                 _float32_value)
     if arch in MOE_NORM_TOPK_PROB:
         config.update(moe_config(arch, lambda key: _field(reader, f"{arch}.{key}"), gguf_path))
+    if arch == gguf_gpt_oss.ARCH:
+        gguf_gpt_oss.gpt_oss_config(lambda key, default=None: _field(reader, f"{arch}.{key}", default), config,
+                                    tensors, _float32_value, gguf_path)
     return config
 
 
@@ -304,6 +309,8 @@ def _write_weights(tensors: dict, hf_config: dict, spec: _GGUFArchitecture, out_
     weight_tensors = [tensor for name, tensor in tensors.items()
                       if name != _ROPE_FREQS_TENSOR and name not in gguf_families.ROPE_FACTOR_TENSORS]
     arch = spec.model_type.removesuffix("_text")  # (gemma3_text's GGUF name is gemma3)
+    gguf_arch = next(name for name, known in _ARCHITECTURES.items() if known == spec)
+    pending: dict = {}  # gpt-oss: an expert tensor's half waiting for the other (gguf_gpt_oss.py)
     shards = _plan_shards(weight_tensors)
     weight_map = {}
     for shard_index, shard in enumerate(shards):
@@ -313,9 +320,13 @@ def _write_weights(tensors: dict, hf_config: dict, spec: _GGUFArchitecture, out_
         )
         shard_weights = {}
         for tensor in shard:
-            values = reshape_shared_gate(tensor.name, _dequantized(tensor, hf_config, spec))
-            experts = split_experts(tensor.name, values)  # an MoE file's [num_experts, ...] tensors
-            for name, array in (experts or {hf_tensor_name(tensor.name, arch): values}).items():
+            if gguf_gpt_oss.is_gpt_oss_tensor(gguf_arch, tensor.name):
+                named = gguf_gpt_oss.convert_tensor(tensor, pending, lambda t: _dequantized(t, hf_config, spec))
+            else:
+                values = reshape_shared_gate(tensor.name, _dequantized(tensor, hf_config, spec))
+                # an MoE file's [num_experts, ...] tensors, split per expert
+                named = split_experts(tensor.name, values) or {hf_tensor_name(tensor.name, arch): values}
+            for name, array in named.items():
                 shard_weights[name] = torch.from_numpy(array)
         save_file(shard_weights, os.path.join(out_dir, file_name), metadata={"format": "pt"})
         weight_map.update(dict.fromkeys(shard_weights, file_name))

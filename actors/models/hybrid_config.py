@@ -1,6 +1,7 @@
 """What the engine reads of a config.json beyond the Llama shape, for the families whose
 layers differ in their attention (issue 39): each layer's sliding window, and the
-family's own numbers (Gemma's soft caps, query scalar and RoPE bases; Phi-3's LongRoPE).
+family's own numbers (Gemma's soft caps, query scalar and RoPE bases; Phi-3's LongRoPE;
+GPT-OSS's YaRN and clamped SwiGLU).
 Torch-free: the loader calls it in the launching process, so a config the engine cannot run
 fails at start-up, naming the field.
 
@@ -8,7 +9,7 @@ The rules are Hugging Face's (transformers 5's configuration_*.py), one per fami
 - Mistral (and Phi-3): every layer is windowed when `sliding_window` is set.
 - Qwen2, Qwen3: only with `use_sliding_window`; then the layers `layer_types` names
   "sliding_attention", or (no layer_types) those at or past `max_window_layers`.
-- Gemma 2: `layer_types`, else alternating sliding (even layers) and full (odd).
+- Gemma 2 and GPT-OSS: `layer_types`, else alternating sliding (even layers) and full (odd).
 - Gemma 3: `layer_types`, else `sliding_window_pattern` (6): five local layers to one global.
 A window at least max_position_embeddings long never masks a key: it counts as none, so
 the layer keeps the plain (fastest) attention path."""
@@ -37,7 +38,7 @@ def layer_windows(config: dict, architecture: str, config_path: str) -> tuple[in
         sliding = [True] * num_layers
     elif architecture.startswith(("Qwen2", "Qwen3")):
         sliding = [i >= config.get("max_window_layers", 28) for i in range(num_layers)]
-    elif architecture.startswith("Gemma2"):
+    elif architecture.startswith(("Gemma2", "GptOss")):
         sliding = [(i + 1) % 2 != 0 for i in range(num_layers)]
     elif architecture.startswith("Gemma3"):
         pattern = config.get("sliding_window_pattern", 6)
@@ -61,6 +62,8 @@ def family_config(config: dict, architecture: str, config_path: str) -> dict | N
         return _gemma(config, architecture, config_path)
     if architecture.startswith("Phi3"):
         return _phi3(config, config_path)
+    if architecture.startswith("GptOss"):
+        return _gpt_oss(config, config_path)
     return None
 
 
@@ -122,3 +125,27 @@ def _phi3(config: dict, config_path: str) -> dict:
         "short_factor": [float(f) for f in rope["short_factor"]], "long_factor": [float(f) for f in rope["long_factor"]],
         "factor": rope.get("factor"), "attention_factor": rope.get("attention_factor"),
         "original_max_position_embeddings": int(original)}}
+
+
+def _gpt_oss(config: dict, config_path: str) -> dict:
+    """GPT-OSS: RoPE default or YaRN (Hugging Face's _compute_yarn_parameters' keys), and its
+    experts' clamped SwiGLU (actors/models/gpt_oss.py)."""
+    rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
+    theta = float(rope.get("rope_theta", config.get("rope_theta", 150000.0)))
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    family = {"rope_theta": theta, "yarn": None, "swiglu_alpha": float(config.get("swiglu_alpha", 1.702)),
+              "swiglu_limit": float(config.get("swiglu_limit", 7.0))}
+    if rope_type == "default":
+        return family
+    if rope_type != "yarn":
+        raise ValueError(f"{config_path}: GPT-OSS rope type {rope_type!r} is not supported (default, yarn)")
+    if float(rope.get("partial_rotary_factor", 1.0)) != 1.0 or rope.get("mscale") or rope.get("mscale_all_dim"):
+        raise ValueError(f"{config_path}: yarn with partial_rotary_factor, mscale or mscale_all_dim is not supported")
+    original = rope.get("original_max_position_embeddings")
+    if not original:
+        raise ValueError(f"{config_path}: yarn rope scaling needs original_max_position_embeddings")
+    factor = rope.get("factor") or config["max_position_embeddings"] / original
+    family["yarn"] = {"factor": float(factor), "original_max_position_embeddings": int(original),
+                      "attention_factor": rope.get("attention_factor"), "beta_fast": rope.get("beta_fast") or 32,
+                      "beta_slow": rope.get("beta_slow") or 1, "truncate": bool(rope.get("truncate", True))}
+    return family

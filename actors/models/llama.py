@@ -41,6 +41,8 @@ class DecoderLayerWeights:
     post_attention_norm: torch.Tensor  # [hidden]
     gate_up_proj: torch.Tensor  # [2 * intermediate, hidden]
     down_proj: torch.Tensor  # [hidden, intermediate]
+    o_bias: torch.Tensor | None = None  # [hidden] (GPT-OSS; added on every rank: a family with it runs on one)
+    sinks: torch.Tensor | None = None  # [num_heads] float32: learned per-head logits in the softmax (GPT-OSS)
 
 
 class LlamaModel:
@@ -231,9 +233,10 @@ class LlamaModel:
         q, k = ops.rotary_store_kv(positions, q, k, v, cos_sin_cache, key_cache, value_cache,
                                    attention.slot_mapping, layer.q_norm, layer.k_norm, self.config.rms_norm_eps)
         attn = ops.attention(q, k, v, key_cache, value_cache, attention, self.scale,
-                             sliding_window=self.sliding_windows[index], logits_soft_cap=logits_soft_cap)
+                             sliding_window=self.sliding_windows[index], logits_soft_cap=logits_soft_cap,
+                             sinks=layer.sinks)
         attn = attn.view(num_tokens, self.q_size)
-        hidden = ops.linear(attn, layer.o_proj)
+        hidden = ops.linear(attn, layer.o_proj, layer.o_bias)
         if lora is not None:
             lora.add(index, _O, attn, hidden)
         return self.parallel.all_reduce(hidden)

@@ -162,8 +162,9 @@ def _check_supported_features(config: dict, architecture: str, config_path: str)
     if config.get("mlp_bias"):
         raise ValueError(f"{config_path}: mlp_bias is not supported")
     if config.get("quantization_config"):  # refused here, naming the field, where troupe cannot run it
-        from actors.config.quantization import parse_quantization_config
-        parse_quantization_config(config["quantization_config"], config_path)
+        from actors.config.quantization import native_mxfp4, parse_quantization_config
+        if not (architecture == "GptOssForCausalLM" and native_mxfp4(config["quantization_config"])):
+            parse_quantization_config(config["quantization_config"], config_path)
 
 
 def _rope_theta_and_scaling(config: dict, config_path: str) -> tuple[float, dict | None]:

@@ -5,10 +5,12 @@ Hugging Face modeling code reads them. None for a dense model."""
 from __future__ import annotations
 
 from actors.config.moe import MoeConfig
+from actors.config.quantization import native_mxfp4
 
 # architecture -> the config.json key of its expert count
 _EXPERT_COUNT_KEYS = {"Qwen3MoeForCausalLM": "num_experts", "Qwen2MoeForCausalLM": "num_experts",
-                      "OlmoeForCausalLM": "num_experts", "MixtralForCausalLM": "num_local_experts"}
+                      "OlmoeForCausalLM": "num_experts", "MixtralForCausalLM": "num_local_experts",
+                      "GptOssForCausalLM": "num_local_experts"}
 MOE_ARCHITECTURES = tuple(_EXPERT_COUNT_KEYS)
 
 
@@ -16,7 +18,10 @@ def read_moe_config(config: dict, architecture: str, config_path: str) -> MoeCon
     """The experts' shape; ValueError naming the key for what troupe cannot run."""
     if architecture not in _EXPERT_COUNT_KEYS:
         return None
-    if config.get("quantization_config"):  # (GPTQ/AWQ/FP8 experts: no kernel stacks them)
+    quant = config.get("quantization_config")
+    if architecture == "GptOssForCausalLM" and native_mxfp4(quant):
+        quant = None  # (GPT-OSS's MXFP4 experts: read as they are by actors/models/gpt_oss.py)
+    if quant:  # (GPTQ/AWQ/FP8 experts: no kernel stacks them)
         raise ValueError(f"{config_path}: quantization_config is not supported for {architecture} (a mixture-of-"
                          "experts model); a GGUF file's blocks are")
     num_layers = config["num_hidden_layers"]
@@ -32,6 +37,9 @@ def read_moe_config(config: dict, architecture: str, config_path: str) -> MoeCon
         # every layer sparse; softmax over the top-k logits = the renormalised top-k
         return MoeConfig(num_experts, top_k, config["intermediate_size"], True, tuple(range(num_layers)),
                          block="block_sparse_moe", projections=("w1", "w3", "w2"))
+    if architecture == "GptOssForCausalLM":
+        # every layer sparse; softmax over the top-k logits (the router's bias added first)
+        return MoeConfig(num_experts, top_k, config["intermediate_size"], True, tuple(range(num_layers)))
     if architecture == "OlmoeForCausalLM":
         return MoeConfig(num_experts, top_k, config["intermediate_size"], bool(config.get("norm_topk_prob", False)),
                          tuple(range(num_layers)), whole_qk_norm=True, clip_qkv=config.get("clip_qkv"))

@@ -46,6 +46,8 @@ MODELS: dict[str, ModelEntry] = {
     "Gemma3ForCausalLM": _GEMMA,
     "Phi3ForCausalLM": ModelEntry("decoder", "actors.models.phi3", "Phi3Model"),
     **{f"{family}ForCausalLM": _MOE for family in ("Qwen3Moe", "Qwen2Moe", "Mixtral", "Olmoe")},
+    # GPT-OSS: experts with biases and a clamped SwiGLU, MXFP4 or float; attention sinks
+    "GptOssForCausalLM": ModelEntry("decoder", "actors.models.gpt_oss", "GptOssModel"),
     **{f"{family}{kind}": _BERT for family in ("Bert", "Roberta", "XLMRoberta")
        for kind in ("Model", "ForSequenceClassification")},
     "LlavaForConditionalGeneration": ModelEntry("vision", "actors.models.vision_runner", "VisionRunner"),

@@ -10,6 +10,9 @@ KERNEL_TYPES = {2: "Q4_0", 3: "Q4_1", 6: "Q5_0", 7: "Q5_1", 8: "Q8_0", 12: "Q4_K
                 14: "Q6_K"}  # ggml type ids kernels/gguf_linear.cpp multiplies
 DECODED_TYPES = {"Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K"}  # a fused projection may mix these (run as U8x16)
 FLOAT_TYPES = {0: "F32", 1: "F16", 30: "BF16"}  # types the fp32 path runs (dequantized at conversion)
+# GPT-OSS's MXFP4 experts: kept MXFP4 by the conversion itself (actors/models/gguf_gpt_oss.py) and
+# run by the model (kernels/moe_mxfp4.cpp) on either path, so they are not this path's to check
+MXFP4 = 39
 
 
 class GGUFError(ValueError):
@@ -71,7 +74,8 @@ def check_gguf_types(gguf_path: str, num_layers: int) -> bool:
     """True where the file's projections are block types with kernels, False where they are all
     float (nothing to run quantized); GGUFError naming the first tensor whose type has no
     kernel, or a fused group (q/k/v, gate/up) mixing types other than DECODED_TYPES."""
-    types = tensor_types(gguf_path, num_layers)  # (its names: an MoE layer's experts' among them)
+    types = {name: kind for name, kind in tensor_types(gguf_path, num_layers).items()  # (an MoE layer's experts too)
+             if not (kind[1] == MXFP4 and name.endswith("_exps.weight"))}
     if all(type_id in FLOAT_TYPES for name, (_, type_id) in types.items() if name.startswith("blk.")):
         return False
     for name, (type_name, type_id) in types.items():
@@ -82,6 +86,9 @@ def check_gguf_types(gguf_path: str, num_layers: int) -> bool:
     fused = has_fused_projections(types)
     for layer in range(num_layers):
         for group in layer_tensor_names(layer, types, fused).values():
+            group = [name for name in group if name in types]  # (less MXFP4 experts, left out above)
+            if not group:
+                continue
             group_types = {types[name][0] for name in group}
             # an MoE layer's experts: one type for gate and up (moe_cpu.cpp's w13)
             mixable = group_types <= DECODED_TYPES and not group[0].endswith("_exps.weight")

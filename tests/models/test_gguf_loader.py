@@ -49,7 +49,8 @@ def write_gguf(model_dir: str, gguf_path: str, family: Callable | None = None, w
     config = read_json(os.path.join(model_dir, "config.json"))
     arch = {"llama": gguf.MODEL_ARCH.LLAMA, "qwen2": gguf.MODEL_ARCH.QWEN2, "qwen3": gguf.MODEL_ARCH.QWEN3,
             "gemma2": gguf.MODEL_ARCH.GEMMA2, "gemma3_text": gguf.MODEL_ARCH.GEMMA3, "phi3": gguf.MODEL_ARCH.PHI3,
-            "qwen3_moe": gguf.MODEL_ARCH.QWEN3MOE, "qwen2_moe": gguf.MODEL_ARCH.QWEN2MOE}[config["model_type"]]
+            "qwen3_moe": gguf.MODEL_ARCH.QWEN3MOE, "qwen2_moe": gguf.MODEL_ARCH.QWEN2MOE,
+            "gpt_oss": gguf.MODEL_ARCH.GPT_OSS}[config["model_type"]]
     arch_name = gguf.MODEL_ARCH_NAMES[arch]
     tensor_names = gguf.get_tensor_name_map(arch, config["num_hidden_layers"])
     writer = gguf.GGUFWriter(gguf_path, arch_name)

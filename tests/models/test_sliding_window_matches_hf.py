@@ -57,12 +57,13 @@ def check_matches_hf(llm: LLM, model_dir: str, prompts: list[list[int]], expecte
     return outputs
 
 
-def run_every_way(model_dir: str, **engine) -> None:
+def run_every_way(model_dir: str, hf_dir: str | None = None, **engine) -> None:
     """Whole prompts batched; then chunked prefill (chunks of 40 across 16-32 key windows) and,
-    on that engine, the same prompts again from the prefix cache."""
+    on that engine, the same prompts again from the prefix cache. hf_dir: the checkpoint
+    Hugging Face runs, where it is not model_dir (the dequantized weights of a quantized one)."""
     llm = LLM(model_dir, kv_cache_memory="64MiB", **engine)
     prompts = make_prompts(llm.config.model.vocab_size, LENGTHS, seed=39)
-    expected = hf_greedy(model_dir, prompts, MAX_TOKENS)
+    expected = hf_greedy(hf_dir or model_dir, prompts, MAX_TOKENS)
     check_matches_hf(llm, model_dir, prompts, expected)
     del llm
     chunked = LLM(model_dir, kv_cache_memory="64MiB", max_num_batched_tokens=40, block_size=8, **engine)
@@ -154,12 +155,20 @@ def test_windowed_models_match_hf_under_preemption(name, hybrid, make_tiny_model
     """Blocks of 8 tokens that cannot hold the batch at once: the newest requests are
     preempted and recomputed (their windows planned again from the recomputed prefix)."""
     arch, overrides = {**MODELS, **GEMMA}[name]
-    model_dir = make_tiny_model(arch, max_position_embeddings=1024, **overrides)
-    llm = LLM(model_dir, max_num_batched_tokens=64, block_size=8, num_kv_blocks=PREEMPTING_POOLS[name, hybrid],
+    run_under_preemption(make_tiny_model(arch, max_position_embeddings=1024, **overrides),
+                         num_kv_blocks=PREEMPTING_POOLS[name, hybrid], hybrid=hybrid)
+
+
+def run_under_preemption(model_dir: str, hf_dir: str | None = None, num_kv_blocks: int = 90,
+                         hybrid: bool = True) -> None:
+    """Five prompts in num_kv_blocks blocks of 8 tokens: some preempted and recomputed;
+    every block free after. hybrid: a block table per layer group (the default), or every
+    layer's KV in each block."""
+    llm = LLM(model_dir, max_num_batched_tokens=64, block_size=8, num_kv_blocks=num_kv_blocks,
               disable_hybrid_kv_cache_manager=not hybrid)
     assert llm.config.cache.hybrid_kv_cache == hybrid
     prompts = make_prompts(llm.config.model.vocab_size, [230, 17, 300, 64, 150], seed=41)
-    check_matches_hf(llm, model_dir, prompts, hf_greedy(model_dir, prompts, MAX_TOKENS))
+    check_matches_hf(llm, model_dir, prompts, hf_greedy(hf_dir or model_dir, prompts, MAX_TOKENS))
     stats = llm.scheduler.stats()
     assert stats["num_preemptions"] > 0
     assert stats["num_free_blocks"] == stats["num_total_blocks"]
