@@ -77,10 +77,15 @@ def _silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:  # [rows, 2I] -> [rows
     return F.silu(gate) * up
 
 
+def clamped_swiglu(gate_up: torch.Tensor,  # [rows, 2I]: gate and up interleaved
+                   alpha: float = SWIGLUOAI_ALPHA, limit: float = SWIGLUOAI_LIMIT) -> torch.Tensor:  # [rows, I]
+    gate = gate_up[..., 0::2].clamp(max=limit)
+    up = gate_up[..., 1::2].clamp(-limit, limit)
+    return (up + 1) * (gate * torch.sigmoid(gate * alpha))
+
+
 def _swigluoai_and_mul(gate_up: torch.Tensor) -> torch.Tensor:  # [rows, 2I] interleaved -> [rows, I]
-    gate = gate_up[:, 0::2].clamp(max=SWIGLUOAI_LIMIT)
-    up = gate_up[:, 1::2].clamp(-SWIGLUOAI_LIMIT, SWIGLUOAI_LIMIT)
-    return (up + 1) * gate * torch.sigmoid(SWIGLUOAI_ALPHA * gate)
+    return clamped_swiglu(gate_up)
 
 
 ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {

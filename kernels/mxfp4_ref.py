@@ -5,7 +5,7 @@ MXFP4 as GPT-OSS checkpoints store it (OCP microscaling; Hugging Face's
 integrations/mxfp4.py reads the same bytes):
 - blocks [..., rows, in / 32, 16] uint8: each byte two FP4 E2M1 values, the low nibble the
   even column, the high nibble the odd one; a nibble is sign (bit 3) and one of
-  FP4_VALUES' eight magnitudes;
+  kernels/mxfp4.py's FP4_VALUES' eight magnitudes;
 - scales [..., rows, in / 32] uint8: E8M0, the block of 32 columns times 2 ** (scale - 127).
 
 GPT-OSS's experts (Hugging Face's GptOssExperts, rows as the checkpoint's blocks hold them):
@@ -20,37 +20,26 @@ from __future__ import annotations
 
 import torch
 
-FP4_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
-BLOCK = 32  # values per scale
+from kernels.fused_moe_ref import clamped_swiglu
+from kernels.mxfp4 import GROUP_SIZE, dequantize_mxfp4, quantize_mxfp4
+
+BLOCK = GROUP_SIZE  # values per scale
 
 
 def mxfp4_dequantize(blocks: torch.Tensor,  # [..., rows, in / 32, 16] uint8
                      scales: torch.Tensor,  # [..., rows, in / 32] uint8
                      ) -> torch.Tensor:  # [..., rows, in] float32
+    """kernels/mxfp4.py's dequantizer on the checkpoint's block shape."""
     assert blocks.dtype == scales.dtype == torch.uint8 and blocks.shape[:-1] == scales.shape
-    lut = torch.tensor(FP4_VALUES, dtype=torch.float32, device=blocks.device)
-    low, high = lut[(blocks & 0x0F).long()], lut[(blocks >> 4).long()]
-    values = torch.stack([low, high], dim=-1).flatten(-2)  # [..., in / 32, 32]: even, odd, even, ...
-    values = torch.ldexp(values, scales.to(torch.int32)[..., None] - 127)
-    return values.flatten(-2)
+    return dequantize_mxfp4(blocks.flatten(-2), scales)
 
 
 def mxfp4_quantize(weight: torch.Tensor,  # [..., rows, in] float, in a multiple of 32
                    ) -> tuple[torch.Tensor, torch.Tensor]:  # (blocks, scales) as mxfp4_dequantize reads them
-    """Each block of 32 scaled by the power of two that brings its largest magnitude to at
-    most 6 (FP4's largest), each value rounded to the nearest FP4 magnitude. For tests: a
+    """kernels/mxfp4.py's quantizer, its blocks in the checkpoint's shape. For tests: a
     checkpoint in GPT-OSS's format from random weights."""
-    *outer, in_features = weight.shape
-    assert in_features % BLOCK == 0
-    w = weight.float().reshape(*outer, in_features // BLOCK, BLOCK)
-    amax = w.abs().amax(-1).clamp(min=2.0**-126)
-    exponent = torch.ceil(torch.log2(amax / 6.0)).clamp(-127, 127).to(torch.int32)
-    scaled = torch.ldexp(w, -exponent[..., None])
-    magnitudes = torch.tensor(FP4_VALUES[:8], dtype=torch.float32, device=weight.device)
-    index = (scaled.abs()[..., None] - magnitudes).abs().argmin(-1)  # nearest magnitude, [..., 32]
-    codes = (index | ((scaled < 0).long() << 3)).to(torch.uint8)
-    blocks = codes[..., 0::2] | (codes[..., 1::2] << 4)
-    return blocks.contiguous(), (exponent + 127).to(torch.uint8)
+    blocks, scales = quantize_mxfp4(weight)
+    return blocks.unflatten(-1, (-1, 16)).contiguous(), scales
 
 
 def route_gpt_oss(router_logits: torch.Tensor,  # [num_tokens, num_experts] (the router's bias added)
@@ -59,13 +48,6 @@ def route_gpt_oss(router_logits: torch.Tensor,  # [num_tokens, num_experts] (the
     over them alone (Hugging Face's GptOssTopKRouter, in its order of operations)."""
     top_logits, topk_ids = torch.topk(router_logits.float(), top_k, dim=-1)
     return torch.softmax(top_logits, dim=-1), topk_ids.to(torch.int32)
-
-
-def clamped_swiglu(gate_up: torch.Tensor,  # [rows, 2I]: gate and up interleaved
-                   alpha: float, limit: float) -> torch.Tensor:  # [rows, I]
-    gate = gate_up[..., ::2].clamp(max=limit)
-    up = gate_up[..., 1::2].clamp(-limit, limit)
-    return (up + 1) * (gate * torch.sigmoid(gate * alpha))
 
 
 def gpt_oss_experts_ref(x: torch.Tensor,  # [num_tokens, hidden]

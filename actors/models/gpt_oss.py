@@ -112,6 +112,12 @@ class GptOssModel(LlamaModel):
                                    self._place(_take(tensors, "router.bias")))
             self.experts[index] = self._pack_experts(tensors)
 
+    @property
+    def _triton(self) -> bool:
+        """Its experts run the Triton fused-MoE kernels: its attention does (CUDA, or tests'
+        interpreter)."""
+        return self.backend.name == "triton"
+
     def _pack_experts(self, t: dict[str, torch.Tensor]) -> GptOssExperts:
         biases = _take(t, "experts.gate_up_proj_bias"), _take(t, "experts.down_proj_bias")
         if "experts.gate_up_proj_blocks" in t:
@@ -122,11 +128,11 @@ class GptOssModel(LlamaModel):
                       for p, rows in (("gate_up_proj", two_i), ("down_proj", hidden))]
             experts = Mxfp4Experts(blocks[0], _take(t, "experts.gate_up_proj_scales"), biases[0], blocks[1],
                                    _take(t, "experts.down_proj_scales"), biases[1])
-            return GptOssExperts(self.alpha, self.limit, mxfp4=experts.to(self.device))
+            return GptOssExperts(self.alpha, self.limit, mxfp4=experts.to(self.device), triton=self._triton)
         # Hugging Face's float parameters are [E, in, out]: the kernels' rows are [E, out, in]
         w13, w2 = (self._place(_take(t, f"experts.{p}").transpose(1, 2)) for p in ("gate_up_proj", "down_proj"))
         return GptOssExperts(self.alpha, self.limit, w13=w13, b13=self._place(biases[0]), w2=w2,
-                             b2=self._place(biases[1]))
+                             b2=self._place(biases[1]), triton=self._triton)
 
     def _pack_layer(self, t: dict[str, torch.Tensor]) -> DecoderLayerWeights:
         # no dense MLP: its experts are in self.experts

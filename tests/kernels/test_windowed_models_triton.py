@@ -37,7 +37,8 @@ def check_on_triton(model_dir: str, hf_dir: str | None = None) -> None:
 @pytest.mark.skipif(torch.cuda.is_available(), reason="LLM runs on the CPU, where the kernels need the interpreter")
 def test_gpt_oss_on_triton_matches_hf(tmp_path):
     """GPT-OSS's per-head sinks and alternating windows through the Triton kernels, its
-    MXFP4 experts through moe_mxfp4.cpp, against Hugging Face on the dequantized weights."""
+    MXFP4 experts through the Triton fused-MoE kernel (fused_experts_mxfp4: the bytes decoded
+    in registers), against Hugging Face on the dequantized weights."""
     from tests.models.gpt_oss_models import build_tiny_gpt_oss_mxfp4
 
     mxfp4_dir, float_dir = build_tiny_gpt_oss_mxfp4(str(tmp_path), seed=4)
