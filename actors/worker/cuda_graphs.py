@@ -24,7 +24,7 @@ through model.forward."""
 from __future__ import annotations
 
 import gc
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -64,15 +64,16 @@ class CudaGraphs:
 
     def __init__(self, model, kv_caches: list[tuple[torch.Tensor, torch.Tensor]], sizes: tuple[int, ...],
                  max_model_len: int, block_size: int, mixed_sizes: tuple[int, ...] = (),
-                 max_num_seqs: int = 0) -> None:
+                 max_num_seqs: int = 0, layer_groups: list[int] | None = None) -> None:
         self.model, self.kv_caches, self.sizes, self.mixed_sizes = model, kv_caches, sizes, mixed_sizes
+        self.layer_groups = layer_groups  # each layer's KV group (actors/config/kv_groups.py); None: one
         self.max_model_len, self.block_size = max_model_len, block_size
         # decode steps whose sequences all fit one split of attention get graphs of their own:
         # one program a (sequence, kv head), no reduction launched
         self.short_context = max_model_len > SHORT_CONTEXT
         max_seqs = max(sizes[-1] if sizes else 1, max_num_seqs)
         self.inputs = GraphInputs(model.device, max((sizes or (1,))[-1], (mixed_sizes or (1,))[-1]), max_seqs,
-                                  -(-max_model_len // block_size))
+                                  -(-max_model_len // block_size), 1 + max(layer_groups or [0]))
         self.graphs: dict[tuple[str, int], torch.cuda.CUDAGraph] = {}
         self.outputs: dict[tuple[str, int], torch.Tensor] = {}
         self._capture()
@@ -104,6 +105,17 @@ class CudaGraphs:
         return self.outputs[step.key][: step.num_tokens]
 
     def _metadata(self, key: tuple[str, int]) -> AttentionMetadata:
+        metadata = self._group_metadata(key)
+        if self.layer_groups is not None:  # each group reads its own slots and tables
+            size, inputs = key[1], self.inputs
+            seqs = size if key[0] != "mixed" else inputs.max_seqs + 1
+            metadata.groups = [metadata] + [
+                replace(metadata, slot_mapping=slots[:size], block_tables=tables[:seqs], window_plans={})
+                for slots, tables in zip(inputs.group_slot_mappings[1:], inputs.group_block_tables[1:])]
+            metadata.layer_groups = self.layer_groups
+        return metadata
+
+    def _group_metadata(self, key: tuple[str, int]) -> AttentionMetadata:
         kind, size = key
         inputs, partition = self.inputs, graph_partition_size(self.max_model_len)
         host = SequenceSplit([1] * size, list(range(size + 1)), list(range(size)), [])  # (not read on CUDA)
@@ -189,8 +201,7 @@ class DecodeGraphs:
         parallel = engine.parallel
         applies = (runner.device.type == "cuda" and runner.model is not None and runner.vision is None
                    and runner.backend.name == "triton"
-                   and parallel.tensor_parallel_size == parallel.pipeline_parallel_size == 1
-                   and not engine.cache.hybrid_kv_cache)  # (the graphs' buffers hold one block table a step)
+                   and parallel.tensor_parallel_size == parallel.pipeline_parallel_size == 1)
         self.sizes: tuple[int, ...] = engine.cuda_graph_sizes if applies else ()
         self.mixed_sizes: tuple[int, ...] = engine.cuda_graph_mixed_sizes if applies else ()
         self.captured: CudaGraphs | None = None
@@ -204,7 +215,8 @@ class DecodeGraphs:
             self.captured = None  # (its pool and buffers go before the new ones are made)
             engine = runner.engine
             self.captured = CudaGraphs(runner.model, runner.kv_caches, self.sizes, engine.scheduler.max_model_len,
-                                       runner.block_size, self.mixed_sizes, engine.scheduler.max_num_seqs)
+                                       runner.block_size, self.mixed_sizes, engine.scheduler.max_num_seqs,
+                                       runner.layer_groups)
 
     def drop(self) -> None:
         """Lets the graphs, their memory and their hold on the KV cache go (sleep)."""

@@ -23,31 +23,41 @@ MAX_PREFILLS = 8  # prefill chunks a mixed graph takes (a step with more runs ea
 
 
 class GraphInputs:
-    def __init__(self, device: torch.device, max_tokens: int, max_seqs: int, max_blocks: int) -> None:
+    def __init__(self, device: torch.device, max_tokens: int, max_seqs: int, max_blocks: int,
+                 num_groups: int = 1) -> None:
         self.max_tokens, self.max_seqs, self.max_blocks = max_tokens, max_seqs, max_blocks
         self.dummy = max_seqs  # the dummy sequence's index
-        # int64 rows: token ids, positions, KV slots, pending tokens' places and sources
-        self.longs = torch.zeros(5, max_tokens, dtype=torch.long, device=device)
-        # int32: sequence lengths, query offsets, decode list, prefill list, block tables
-        sizes = (max_seqs + 1, max_seqs + 2, max_seqs, MAX_PREFILLS, (max_seqs + 1) * max_blocks)
+        # int64 rows: token ids, positions, KV slots, pending tokens' places and sources; then
+        # the KV slots of layer groups 1.. (actors/config/kv_groups.py)
+        rows = 5 + num_groups - 1
+        self.longs = torch.zeros(rows, max_tokens, dtype=torch.long, device=device)
+        # int32: sequence lengths, query offsets, decode list, prefill list, block tables (one
+        # region a layer group)
+        sizes = (max_seqs + 1, max_seqs + 2, max_seqs, MAX_PREFILLS) + ((max_seqs + 1) * max_blocks,) * num_groups
         self.offsets = np.cumsum((0,) + sizes)
         self.ints = torch.zeros(int(self.offsets[-1]), dtype=torch.int32, device=device)
         pinned = device.type == "cuda"
-        self.host = [(torch.zeros(5, max_tokens, dtype=torch.long, pin_memory=pinned),
+        self.host = [(torch.zeros(rows, max_tokens, dtype=torch.long, pin_memory=pinned),
                       torch.zeros(int(self.offsets[-1]), dtype=torch.int32, pin_memory=pinned), None)
                      for _ in range(2)]
         self._turn = 0
         self.input_ids, self.positions, self.slot_mapping = self.longs[:3]
-        self.seq_lens, self.query_start_loc, self.decode_seqs, self.prefill_seqs, tables = (
-            self.ints[self.offsets[i]: self.offsets[i + 1]] for i in range(5))
-        self.block_tables = tables.view(max_seqs + 1, max_blocks)
+        self.seq_lens, self.query_start_loc, self.decode_seqs, self.prefill_seqs = (
+            self.ints[self.offsets[i]: self.offsets[i + 1]] for i in range(4))
+        # each group's slots and tables (group 0's are slot_mapping and block_tables)
+        self.group_slot_mappings = [self.slot_mapping] + [self.longs[5 + g] for g in range(num_groups - 1)]
+        self.group_block_tables = [self.ints[self.offsets[4 + g]: self.offsets[5 + g]].view(max_seqs + 1, max_blocks)
+                                   for g in range(num_groups)]
+        self.block_tables = self.group_block_tables[0]
         # a decode graph's constant query offsets and decode list: one token per sequence
         self.one_token_offsets = torch.arange(max_seqs + 1, dtype=torch.int32, device=device)
         self.one_token_seqs = torch.arange(max_seqs, dtype=torch.int32, device=device)
-        self.slot_mapping.fill_(-1)  # (the captures write no KV)
+        for slots in self.group_slot_mappings:
+            slots.fill_(-1)  # (the captures write no KV)
         self.seq_lens[:max_seqs].fill_(1)
         for longs, _, _ in self.host:
             longs[2].fill_(-1)
+            longs[5:].fill_(-1)
 
     def stage_decode(self, step: StepInputs, size: int, previous_sampled: torch.Tensor | None) -> None:
         """A decode step of step.num_seqs sequences (one token each) into the graph of `size`."""
@@ -89,18 +99,24 @@ class GraphInputs:
         count = step.num_tokens
         longs[0, :count], longs[1, :count], longs[2, :count] = step.input_ids, step.positions, step.slot_mapping
         longs[2, count:size] = -1  # padding rows: no KV written
+        if step.group_slot_mapping is not None:  # layer groups 1..: their slots, padding alike
+            longs[5:, :count] = step.group_slot_mapping[1:]
+            longs[5:, count:size] = -1
         longs[1, count:size] = 0
         num_pending = len(step.pending_dst)
         longs[3, :num_pending], longs[4, :num_pending] = step.pending_dst, step.pending_src
 
     def _send(self, longs: np.ndarray, ints: np.ndarray, num_seqs: int, step: StepInputs,
               previous_sampled: torch.Tensor | None) -> None:
-        tables = ints[self.offsets[4]:].reshape(self.max_seqs + 1, self.max_blocks)
-        tables[:num_seqs, : step.block_tables.shape[1]] = step.block_tables
+        groups = [step.block_tables] if step.group_block_tables is None else step.group_block_tables
+        for group, step_tables in enumerate(groups):
+            tables = ints[self.offsets[4 + group]: self.offsets[5 + group]].reshape(self.max_seqs + 1, self.max_blocks)
+            tables[:num_seqs, : step_tables.shape[1]] = step_tables
         host_longs, host_ints, _ = self.host[self._turn]
-        # (whole buffers, contiguous: a strided copy would go through pageable memory)
+        # (whole buffers, contiguous: a strided copy would go through pageable memory; the
+        # tables up to the last group's rows in use, the earlier groups' regions whole)
         self.longs.copy_(host_longs, non_blocking=True)
-        end = int(self.offsets[4]) + num_seqs * self.max_blocks
+        end = int(self.offsets[-2]) + num_seqs * self.max_blocks
         self.ints[:end].copy_(host_ints[:end], non_blocking=True)
         event = None
         if self.longs.is_cuda:

@@ -173,3 +173,74 @@ def test_a_mixed_step_of_prefill_chunks_and_decodes_replays_as_it_runs_eagerly(m
     assert graphs.stage(step_inputs([(list(range(1, 6)), 0, list(range(3, 73)))]), None) is None
     many = [(list(range(1 + 2 * i, 3 + 2 * i)), 0, [5, 6]) for i in range(9)]
     assert graphs.stage(step_inputs(many), None) is None
+
+
+def grouped_step_inputs(seqs: list[tuple[list[list[int]], int, list[int]]]) -> StepInputs:
+    """step_inputs with a block table per layer group: (each group's block ids, tokens
+    computed before, new tokens) per sequence."""
+    tables = BlockTables(groups=len(seqs[0][0]))
+    rows = np.array([tables.add([b for group in blocks for b in group]) for blocks, _, _ in seqs], np.int64)
+    computed = np.array([done for _, done, _ in seqs], np.int64)
+    counts = np.array([len(new) for _, _, new in seqs], np.int64)
+    return build(computed, counts, rows, tables, BLOCK, [new[0] if len(new) == 1 else new for _, _, new in seqs],
+                 [], [])
+
+
+@requires_triton
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU's stand-in; tests/gpu replays the real graphs")
+@torch.inference_mode()
+def test_graphs_of_a_model_with_layer_groups_read_each_groups_tables():
+    """A windowed layer and a full one, in two KV groups sharing one cache tensor
+    (actors/config/kv_groups.py) with blocks of their own: decode and mixed graphs stage every
+    group's slots and tables and replay the eager step (which reads them per group)."""
+    from actors.worker.step_inputs import Stager
+
+    torch.manual_seed(2)
+    model = tiny_model()
+    model.sliding_windows = [24, None]  # layer 0 sliding (group 1), layer 1 full (group 0)
+    layer_groups = [1, 0]
+    shared = (torch.zeros(200, 2, BLOCK, 16), torch.zeros(200, 2, BLOCK, 16))
+    caches = [shared, shared]  # one tensor pair: each group's blocks are its own
+    cached, new = [5, 300, 40, 0, 20], [1, 1, 1, 11, 7]
+    blocks, first = [], 1
+    for done, count in zip(cached, new):
+        num_blocks = -(-(done + count) // BLOCK)
+        blocks.append([list(range(first, first + num_blocks)), list(range(first + 100, first + 100 + num_blocks))])
+        first += num_blocks
+    stager = Stager(torch.device("cpu"))
+
+    def eager(seqs) -> torch.Tensor:
+        step = grouped_step_inputs(seqs)
+        staged = stager.stage(step, None)
+        attention = AttentionMetadata.staged(step, staged, BLOCK, layer_groups)
+        for group in attention.kv_groups:
+            model.backend.prepare(group, torch.float32)
+        return model.forward(staged.input_ids, staged.positions, caches, attention)
+
+    histories = [torch.randint(3, 300, (done,)).tolist() for done in cached]
+    eager([(b, 0, h) for b, h in zip(blocks, histories) if h])  # the cached tokens' keys and values
+    graphs = CudaGraphs(model, caches, (1, 2, 4), MAX_MODEL_LEN, BLOCK, mixed_sizes=(32,), max_num_seqs=6,
+                        layer_groups=layer_groups)
+    assert len(graphs._metadata(("mixed", 32)).groups) == 2
+    before = [t.clone() for t in shared]
+
+    def restore() -> None:
+        for t, t0 in zip(shared, before):
+            t.copy_(t0)
+
+    for seqs in ([(b, done, [7 + i]) for i, (b, done) in enumerate(zip(blocks[:3], cached[:3]))],  # decodes
+                 [(b, done, torch.randint(3, 300, (count,)).tolist()) for b, done, count in zip(blocks, cached, new)]):
+        expected = eager(seqs)
+        expected_cache = [t.clone() for t in shared]
+        restore()
+        staged = graphs.stage(grouped_step_inputs(seqs), None)
+        assert staged is not None
+        torch.testing.assert_close(graphs.replay(staged), expected, rtol=1e-4, atol=1e-5)
+        for t, t1 in zip(shared, expected_cache):  # each group's new keys in its own blocks
+            torch.testing.assert_close(t, t1, rtol=1e-4, atol=1e-5)
+        restore()
+    # group 1's tables matter: the same step with group 1 pointing at group 0's blocks differs
+    swapped = [([b[0], b[0]], done, [7]) for b, done in zip(blocks[:3], cached[:3])]
+    restore()
+    assert not torch.allclose(graphs.replay(graphs.stage(grouped_step_inputs(swapped), None)),
+                              eager([(b, done, [7]) for b, done in zip(blocks[:3], cached[:3])]), atol=1e-3)
