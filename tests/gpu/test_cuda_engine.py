@@ -1,7 +1,7 @@
 """The engine on a GPU (marked gpu: CI has none, `pytest -m gpu` runs them where there is
 one): greedy output equal to Hugging Face's on CUDA in fp32, CUDA graphs giving the eager
 output, sampled requests, bf16 with --dtype auto, the KV cache sized from the GPU's memory,
-and the server answering the openai client."""
+and the server answering the openai client; windowed models with their KV groups."""
 
 from __future__ import annotations
 
@@ -122,3 +122,26 @@ def test_server_on_cuda_answers_the_openai_client(tiny_llama_dir, tmp_path):
         assert len(many.choices) == 4
     finally:
         assert process.stop() == 0, process.log()
+
+
+@pytest.mark.parametrize("name", ["gemma3", "gpt-oss-mxfp4"])
+def test_windowed_models_on_cuda_with_layer_groups_and_graphs_equal_hf(name, make_tiny_model, tmp_path):
+    """Sliding-window layers in their own KV groups (actors/config/kv_groups.py) on CUDA, with
+    CUDA graphs staging each group's tables and without: greedy equals Hugging Face fp32 on
+    prompts far longer than the windows (GPT-OSS: its MXFP4 experts through the Triton kernel,
+    Hugging Face on the dequantized weights)."""
+    if name == "gemma3":
+        model_dir = hf_dir = make_tiny_model("gemma3", sliding_window=32, num_hidden_layers=7, query_pre_attn_scalar=16,
+                                             rope_local_base_freq=100.0, max_position_embeddings=1024,
+                                             tie_word_embeddings=True)
+    else:
+        from tests.models.gpt_oss_models import build_tiny_gpt_oss_mxfp4
+        model_dir, hf_dir = build_tiny_gpt_oss_mxfp4(str(tmp_path), seed=4)
+    prompts = make_prompts(300, [230, 17, 300, 64, 150])
+    expected, _ = hf_on_cuda(hf_dir, prompts, GREEDY.max_tokens, torch.float32)
+    for eager in (False, True):
+        llm = LLM(model_dir, dtype="float32", enforce_eager=eager, max_num_batched_tokens=64, block_size=8, **ON_GPU)
+        assert llm.config.cache.hybrid_kv_cache
+        outputs = llm.generate(prompts, GREEDY, use_tqdm=False)
+        assert [o.outputs[0].token_ids for o in outputs] == expected, f"enforce_eager={eager}"
+        llm.close()
