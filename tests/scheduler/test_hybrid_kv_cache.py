@@ -72,10 +72,10 @@ class GroupedFakeWorker:
 
 
 def build(windows: tuple[int, ...], num_blocks: int, block_size: int = 16, max_num_batched_tokens: int = 256,
-          max_num_seqs: int = 64, max_model_len: int = 8192, hybrid: bool = True):
+          max_num_seqs: int = 64, max_model_len: int = 8192, hybrid: bool = True, scheduling_policy: str = "fcfs"):
     layout = kv_cache_layout(windows, len(windows), hybrid)
     scheduler = make_scheduler(SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-                                               max_model_len=max_model_len),
+                                               max_model_len=max_model_len, scheduling_policy=scheduling_policy),
                                CacheConfig(block_size=block_size), num_blocks=num_blocks, eos_token_ids=(2,),
                                kv_layout=layout)
     return scheduler, GroupedFakeWorker(layout, block_size, num_blocks), layout
@@ -177,3 +177,20 @@ def test_prefix_hits_need_every_group_to_hold_what_the_next_query_sees():
     assert sliding[:needed] == [-1] * needed and -1 not in sliding[needed:]
     run(scheduler, worker)  # the worker's window checks pass from the hit on
     assert scheduler.stats()["num_prefix_hit_tokens"] >= num_hit_tokens
+
+
+def test_an_urgent_request_preempts_for_blocks_of_every_group():
+    """The priority policy's admission check counts every group's blocks: an urgent request
+    that does not fit preempts the least urgent, and everything finishes with each window's
+    slots intact."""
+    scheduler, worker, _ = build((16, 0), num_blocks=40, block_size=4, max_num_batched_tokens=32,
+                                 scheduling_policy="priority")
+    params = SamplingParams(max_tokens=24, ignore_eos=True)
+    scheduler.add_request("low-a", list(range(3, 43)), params, priority=5)
+    scheduler.add_request("low-b", list(range(50, 90)), params, priority=5)
+    for _ in range(4):
+        scheduler.update(plan := scheduler.schedule(), worker.step(plan))
+    scheduler.add_request("urgent", list(range(100, 140)), SamplingParams(max_tokens=4, ignore_eos=True), priority=0)
+    run(scheduler, worker)
+    assert scheduler.num_preemptions > 0
+    assert scheduler.kv_cache_manager.block_pool.num_free_blocks == 40
