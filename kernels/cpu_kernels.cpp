@@ -225,6 +225,23 @@ void silu_mul_f32(float* x, int64_t x_stride, int64_t num_tokens, int64_t interm
     }
 }
 
+// x[:, :intermediate] = gelu_tanh(gate) * up (Gemma's MLP), in place, in torch's order of
+// operations for F.gelu(approximate="tanh"): 0.5 * g * (1 + tanh(sqrt(2 / pi) * (g + 0.044715 * g^3))).
+void gelu_tanh_mul_f32(float* x, int64_t x_stride, int64_t num_tokens, int64_t intermediate, int num_threads) {
+    const float beta = (float)(M_SQRT2 * M_2_SQRTPI * 0.5), kappa = 0.044715f;
+#pragma omp parallel for schedule(static) num_threads(num_threads) \
+    if (num_tokens * intermediate >= kParallelElements)
+    for (int64_t t = 0; t < num_tokens; t++) {
+        float* gate = x + t * x_stride;
+        const float* up = gate + intermediate;
+        for (int64_t i = 0; i < intermediate; i++) {
+            const float g = gate[i];
+            const float inner = beta * (g + kappa * (g * g * g));
+            gate[i] = 0.5f * g * (1.0f + tanhf(inner)) * up[i];
+        }
+    }
+}
+
 #include "cpu_model_step.h"  // model_step_f32: a whole step of a Llama-family model
 
 }  // extern "C"

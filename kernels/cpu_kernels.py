@@ -198,7 +198,9 @@ class DecoderLayer(ctypes.Structure):
         (name, _i64) for name in ("qkv_type", "o_type", "gate_up_type", "down_type")] + [  # 0: float32, else ggml's
         # the layer's attention variant; zeros (ctypes' default) for plain causal attention
         ("sinks", _ptr), ("sliding_window", _i64), ("logits_soft_cap", ctypes.c_float),
-        ("kv_group", _i64)]  # its layer group (actors/config/kv_groups.py); 0 without groups
+        ("kv_group", _i64),  # its layer group (actors/config/kv_groups.py); 0 without groups
+        # Gemma's layer: its attention-output and MLP-output norms, own rotary table, activation (1: GELU-tanh)
+        ("attn_out_norm", _ptr), ("mlp_out_norm", _ptr), ("cos_sin_cache", _ptr), ("activation", _i64)]
 
 
 class StepBatch(ctypes.Structure):

@@ -38,6 +38,12 @@ struct DecoderLayer {  // one layer's weights (null where the model has none) an
     int64_t sliding_window;
     float logits_soft_cap;
     int64_t kv_group;  // its layer group's block tables and slots (StepBatch's group_*; 0 without groups)
+    // Gemma's layer (null and 0 for the Llama family's): a norm of the attention output and of
+    // the MLP output before each joins the residual (post_attention_norm is then its
+    // pre-feedforward norm), the layer's own rotary table (a sliding layer's local base, with
+    // the batch's stride) and the MLP's activation (0: SiLU, 1: GELU-tanh)
+    const float *attn_out_norm, *mlp_out_norm, *cos_sin_cache;
+    int64_t activation;
 };
 
 // kernels/gguf_linear.cpp's gguf_linear_f32
@@ -218,7 +224,8 @@ int model_step_f32(const DecoderShape* shape_, const DecoderLayer* layers, const
             }
         // q and k heads are neighbours in a qkv row: they rotate as one run of heads
         rotary_f32(batch.positions, qkv, qkv_size, head_size, tokens, (int)(shape.num_heads + shape.num_kv_heads),
-                   (int)head_size, batch.cos_sin_cache, batch.cos_sin_stride, num_threads);
+                   (int)head_size, layer.cos_sin_cache ? layer.cos_sin_cache : batch.cos_sin_cache,
+                   batch.cos_sin_stride, num_threads);
         store_kv_f32(qkv + q_size, qkv + q_size + kv_size, qkv_size, head_size, qkv_size, head_size, layer.key_cache,
                      layer.value_cache, shape.cache_block_stride, shape.cache_head_stride, shape.cache_slot_stride,
                      slot_mapping, tokens, (int)shape.num_kv_heads, (int)head_size, (int)shape.block_size,
@@ -241,6 +248,9 @@ int model_step_f32(const DecoderShape* shape_, const DecoderLayer* layers, const
                        projection, num_threads);
         lora_add(batch.lora, l, 1, 1, whole, &hidden_size, attn, q_size, q_size, projection, hidden_size, hidden_size,
                  num_threads);
+        if (layer.attn_out_norm != nullptr)  // Gemma: the attention output normed before the residual add
+            rms_norm_f32(projection, hidden_size, nullptr, 0, layer.attn_out_norm, projection, hidden_size, tokens,
+                         (int)hidden_size, shape.eps, num_threads);
         // 2. MLP block
         rms_norm_f32(projection, hidden_size, hidden, hidden_size, layer.post_attention_norm, x, hidden_size, tokens,
                      (int)hidden_size, shape.eps, num_threads);
@@ -248,11 +258,17 @@ int model_step_f32(const DecoderShape* shape_, const DecoderLayer* layers, const
                        2 * intermediate, nullptr, gate_up, num_threads);
         lora_add(batch.lora, l, 2, 2, gate_up_offsets, gate_up_sizes, x, hidden_size, hidden_size, gate_up,
                  2 * intermediate, 2 * intermediate, num_threads);
-        silu_mul_f32(gate_up, 2 * intermediate, tokens, intermediate, num_threads);
+        if (layer.activation == 1)
+            gelu_tanh_mul_f32(gate_up, 2 * intermediate, tokens, intermediate, num_threads);
+        else
+            silu_mul_f32(gate_up, 2 * intermediate, tokens, intermediate, num_threads);
         decoder_linear(shape, sgemm, gate_up, 2 * intermediate, tokens, layer.down_proj, layer.down_type, intermediate,
                        hidden_size, nullptr, hidden, num_threads);
         lora_add(batch.lora, l, 3, 1, whole, &hidden_size, gate_up, 2 * intermediate, intermediate, hidden,
                  hidden_size, hidden_size, num_threads);
+        if (layer.mlp_out_norm != nullptr)  // Gemma: the MLP output normed before the next layer's residual add
+            rms_norm_f32(hidden, hidden_size, nullptr, 0, layer.mlp_out_norm, hidden, hidden_size, tokens,
+                         (int)hidden_size, shape.eps, num_threads);
     }
     rms_norm_f32(hidden, hidden_size, projection, hidden_size, final_norm, batch.out, hidden_size, tokens,
                  (int)hidden_size, shape.eps, num_threads);

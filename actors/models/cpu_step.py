@@ -158,15 +158,21 @@ class CpuModelStep:
             if kernels is not None:
                 shape.quant_linear, shape.dequantize_rows = kernels.linear_address, kernels.dequantize_rows
             layers = (DecoderLayer * len(kv_caches))(*[
-                DecoderLayer(input_norm=_address(w.input_norm), qkv_proj=_address(w.qkv_proj),
-                             qkv_bias=_address(w.qkv_bias), q_norm=_address(w.q_norm), k_norm=_address(w.k_norm),
-                             o_proj=_address(w.o_proj), post_attention_norm=_address(w.post_attention_norm),
-                             gate_up_proj=_address(w.gate_up_proj), down_proj=_address(w.down_proj),
-                             key_cache=k.data_ptr(), value_cache=v.data_ptr(), qkv_type=_type(w.qkv_proj),
-                             o_type=_type(w.o_proj), gate_up_type=_type(w.gate_up_proj), down_type=_type(w.down_proj),
-                             sliding_window=window or 0,  # (0: full attention)
+                DecoderLayer(**_weight_fields(model, index, w), key_cache=k.data_ptr(), value_cache=v.data_ptr(),
+                             qkv_type=_type(w.qkv_proj), o_type=_type(w.o_proj), gate_up_type=_type(w.gate_up_proj),
+                             down_type=_type(w.down_proj), sliding_window=window or 0,  # (0: full attention)
                              kv_group=group)
-                for w, (k, v), window, group in zip(model.layers, kv_caches, model.sliding_windows,
-                                                    layer_groups or [0] * len(kv_caches))])
+                for index, (w, (k, v), window, group) in enumerate(zip(
+                    model.layers, kv_caches, model.sliding_windows, layer_groups or [0] * len(kv_caches)))])
             self._prepared_for, self._prepared_key = (shape, layers), key
         return self._prepared_for
+
+
+def _weight_fields(model, index: int, w) -> dict:
+    """Layer `index`'s DecoderLayer weight fields (addresses; 0 where it has none), with what
+    its family adds (LlamaModel.fused_layer_fields: Gemma's norms, rotary table, activation)."""
+    fields = {**dict(input_norm=w.input_norm, qkv_proj=w.qkv_proj, qkv_bias=w.qkv_bias, q_norm=w.q_norm,
+                     k_norm=w.k_norm, o_proj=w.o_proj, post_attention_norm=w.post_attention_norm,
+                     gate_up_proj=w.gate_up_proj, down_proj=w.down_proj), **model.fused_layer_fields(index)}
+    return {name: _address(value) if value is None or isinstance(value, torch.Tensor) else value
+            for name, value in fields.items()}

@@ -12,8 +12,8 @@ layer (Hugging Face's modeling_gemma2.py / modeling_gemma3.py):
   layers to one global), and Gemma 3's local layers rotate with their own RoPE base
   (rope_local_base_freq) and q/k norms before rotary.
 
-The CPU's one-call step (cpu_step.py) mirrors LlamaModel's layer, not this one: these
-models run op by op through the backend's kernels (fused_cpu_step is False)."""
+The CPU's one-call step (cpu_step.py) runs this layer too: fused_layer_fields gives it the
+two extra norms, the layer's rotary table, the GELU-tanh and the soft cap.""" 
 
 from __future__ import annotations
 
@@ -56,7 +56,8 @@ def gemma_cos_sin_cache(head_dim: int, max_position: int, rope: dict) -> torch.T
 
 
 class GemmaModel(LlamaModel):
-    fused_cpu_step = False  # (its layer is not the one model_step_f32 runs)
+    fused_cpu_step = True  # (model_step_f32 runs its layer from fused_layer_fields)
+    llama_layer = False
 
     def __init__(self, config: ModelConfig, dtype: torch.dtype, device: torch.device,
                  backend: AttentionBackend, parallel: TensorParallel = TensorParallel()) -> None:
@@ -135,6 +136,16 @@ class GemmaModel(LlamaModel):
             hidden = self.parallel.all_reduce(hidden)
             hidden = ops.rms_norm(hidden, layer.post_feedforward_norm, eps)
         return hidden, residual
+
+    def fused_layer_fields(self, index: int) -> dict:
+        """cpu_model_step.h's DecoderLayer fields of Gemma's layer: its pre-feedforward norm
+        where Llama's layer has its post-attention one (the norm that adds the residual), the
+        attention and MLP outputs' norms, its rotary table, GELU-tanh, the score soft cap."""
+        layer, cos_sin = self.layers[index], self.layer_cos_sin[index]
+        assert cos_sin.stride() == self.cos_sin_cache.stride()
+        return dict(post_attention_norm=layer.pre_feedforward_norm, attn_out_norm=layer.post_attention_norm,
+                    mlp_out_norm=layer.post_feedforward_norm, cos_sin_cache=cos_sin, activation=1,
+                    logits_soft_cap=self.attn_soft_cap or 0.0)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
         logits = super().compute_logits(hidden)

@@ -48,9 +48,11 @@ class DecoderLayerWeights:
 class LlamaModel:
     holds_embedding = True  # False on a pipeline stage after the first
     holds_head = True  # False on a pipeline stage before the last
-    # its layer is the one the CPU's one-call step runs (cpu_step.py); a family whose layer
-    # differs (gemma.py) sets False and runs op by op
+    # the CPU's one-call step (cpu_step.py) runs its layer (with fused_layer_fields' additions:
+    # gemma.py's); a family it cannot run (gpt_oss.py: sinks, experts) sets False, op by op
     fused_cpu_step = True
+    # its layer is Llama's (the int8 smoothing's calibration pass runs that layer: int8_smoothing.py)
+    llama_layer = True
 
     def __init__(self, config: ModelConfig, dtype: torch.dtype, device: torch.device,
                  backend: AttentionBackend, parallel: TensorParallel = TensorParallel()) -> None:
@@ -206,6 +208,11 @@ class LlamaModel:
             x, residual = ops.rms_norm(hidden, layer.post_attention_norm, eps, residual)
             hidden = self.mlp(index, layer, x, lora)
         return hidden, residual
+
+    def fused_layer_fields(self, index: int) -> dict:
+        """What the CPU's one-call step (cpu_step.py) takes of layer `index` beyond the Llama
+        layer's weights: nothing here; a family whose layer adds to it (gemma.py) says what."""
+        return {}
 
     def input_norm(self, hidden: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor
                    ) -> tuple[torch.Tensor, torch.Tensor]:

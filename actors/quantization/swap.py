@@ -40,8 +40,8 @@ def quantized_backend(model, backend, engine, parallel):
 
         # (the smoothing's calibration pass runs LlamaModel's layer: a model with another
         # layer, Gemma's, is quantized unsmoothed rather than smoothed by wrong activations)
-        calibration = None if engine.lora is not None or not model.fused_cpu_step else calibration_token_ids(
-            engine.tokenizer_path or engine.model.model_path)
+        calibration = None if engine.lora is not None or not (model.fused_cpu_step and model.llama_layer) \
+            else calibration_token_ids(engine.tokenizer_path or engine.model.model_path)
         return use_int8_weights(model, backend, calibration_ids=calibration)
     if method in CHECKPOINT_METHODS:  # Triton, or GGUF blocks on the CPU
         from actors.quantization.checkpoint_weights import use_checkpoint_kernels

@@ -107,3 +107,32 @@ def test_one_call_step_equals_the_op_by_op_forward_on_one_mixed_step(tiny_qwen3_
             assert torch.equal(k, k_ref) and torch.equal(v, v_ref)  # the same keys and values stored
         greedy = runner.model.compute_logits(one_call).argmax(-1)
         assert torch.equal(greedy, runner.model.compute_logits(op_by_op).argmax(-1))
+
+
+# Gemma 2 (alternating windows, attention soft cap) and Gemma 3 (5:1 windows, a local RoPE
+# table, q/k norms): their layer (two more norms, GELU-tanh) in the one call, against the
+# Python forward; GELU's tanh is the C library's, torch's its own, so close rather than equal
+GEMMA_CONFIGS = {
+    "gemma2": dict(sliding_window=16, num_hidden_layers=3, query_pre_attn_scalar=24, attn_logit_softcapping=3.0,
+                   final_logit_softcapping=5.0, tie_word_embeddings=True),
+    "gemma3": dict(sliding_window=32, num_hidden_layers=7, query_pre_attn_scalar=16, rope_local_base_freq=100.0,
+                   rope_theta=50000.0, tie_word_embeddings=True),
+}
+
+
+@pytest.mark.parametrize("arch", list(GEMMA_CONFIGS))
+def test_gemma_layers_in_one_call_give_the_op_by_op_results(arch, make_tiny_model, step_sizes):
+    model_dir = make_tiny_model(arch, max_position_embeddings=1024, **GEMMA_CONFIGS[arch])
+    rng = random.Random(11)
+    prompts = [[rng.randrange(3, 200) for _ in range(n)] for n in (5, 90, 41, 130)]
+    params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True, logprobs=3)
+    engine = dict(max_num_batched_tokens=48, block_size=8)  # chunks across the windows, mixed with decodes
+    fused = generate(model_dir, True, prompts, params, step_sizes, **engine)
+    assert 48 in step_sizes and 4 in step_sizes
+    op_by_op = generate(model_dir, False, prompts, params, step_sizes, **engine)
+    for a, b in zip(fused, op_by_op, strict=True):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        for step_a, step_b in zip(a.outputs[0].logprobs, b.outputs[0].logprobs):
+            assert step_a.keys() == step_b.keys()
+            for token in step_a:
+                assert abs(step_a[token].logprob - step_b[token].logprob) < 1e-4
