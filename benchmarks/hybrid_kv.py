@@ -4,7 +4,8 @@ and 2 full, in Gemma 3's 5:1 pattern; 8 heads of 64, 4 KV heads; intermediate 10
 
 1. Single-stream decode: one decode step at 1k and at 8k cached tokens, through the model
    runner (its per-group block tables), median of --repeats, paired; the sliding layers
-   read their window only, so only the two full layers grow with the context.
+   read their window only, so only the two full layers grow with the context. And the
+   one-call C++ step (the default) against the same layer op by op, at 1k.
 2. Capacity: the most 8k-token sequences (7,680-token prompts growing to 8,192) decoding
    at once in a --kv-budget (2 GiB) pool,
    with a block table per layer group (sliding groups freeing what their window left) and
@@ -127,6 +128,18 @@ def main() -> None:
                       disable_hybrid_kv_cache_manager=not hybrid)
             long_ms, short_ms, ratio = paired_step_ms(decode_step(llm, long), decode_step(llm, short), args.repeats)
             label = "layer groups" if hybrid else "every layer full"
+            if hybrid:  # the one-call C++ step (the default) against the layer op by op
+                backend, step = llm.engine.runner.backend, decode_step(llm, short)
+
+                def with_fused(on: bool):
+                    def run() -> None:
+                        backend.fused_steps = on
+                        step()
+                    return run
+                fused_ms, op_ms, fused_ratio = paired_step_ms(with_fused(True), with_fused(False), args.repeats)
+                backend.fused_steps = True
+                print(f"decode step at {short} tokens: one C++ call {fused_ms:.2f} ms, op by op {op_ms:.2f} ms, "
+                      f"{fused_ratio:.2f}x (median of {args.repeats} pairs)")
             print(f"decode step, {label}: {short} tokens {short_ms:.2f} ms, {long} tokens {long_ms:.2f} ms, "
                   f"{long}/{short} = {ratio:.2f}x (median of {args.repeats} pairs)")
             budget = parse_size(args.kv_budget)
