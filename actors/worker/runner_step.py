@@ -151,8 +151,8 @@ class StepExecution:
             if drafts:
                 launched.emitted = drafts.verify(logits[len(sample_rows): len(sample_rows) + len(spec_rows)])
             launched.prompt_logprobs = self._prompt_logprobs(logits, len(sample_rows) + len(spec_rows), prompt_rows)
-        for request, num_tokens in batch:
-            if not drafts.num_drafts(request):
+        for request, num_tokens in batch:  # (a speculated decode advances by what verify accepts)
+            if not drafts or not drafts.num_drafts(request):
                 request.num_computed_tokens += num_tokens
         for row, request in enumerate(samplers):  # (its token stays on the device until finish)
             request.sampled_row, request.sampled_by = row, launched
