@@ -174,5 +174,5 @@ def _weight_fields(model, index: int, w) -> dict:
     fields = {**dict(input_norm=w.input_norm, qkv_proj=w.qkv_proj, qkv_bias=w.qkv_bias, q_norm=w.q_norm,
                      k_norm=w.k_norm, o_proj=w.o_proj, post_attention_norm=w.post_attention_norm,
                      gate_up_proj=w.gate_up_proj, down_proj=w.down_proj), **model.fused_layer_fields(index)}
-    return {name: _address(value) if value is None or isinstance(value, torch.Tensor) else value
-            for name, value in fields.items()}
+    # (a weight is a tensor, or a quantized weight with a data_ptr: GGUF blocks, packed int8)
+    return {name: value if isinstance(value, (int, float)) else _address(value) for name, value in fields.items()}
