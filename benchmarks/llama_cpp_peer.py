@@ -163,7 +163,7 @@ def batched(args: argparse.Namespace) -> dict:
     model = L.llama_model_load_from_file(args.model.encode(), L.llama_model_default_params())
     params = L.llama_context_default_params()
     per_seq = -(-(max(map(len, prompts)) + args.output_len + 8) // 256) * 256
-    params.n_seq_max, params.kv_unified = len(prompts), False
+    params.n_seq_max, params.kv_unified = len(prompts), args.kv_unified
     params.n_ctx, params.n_batch, params.n_ubatch = per_seq * len(prompts), args.n_batch, args.n_batch
     params.n_threads = params.n_threads_batch = args.threads
     ctx = L.llama_init_from_model(model, params)
@@ -209,6 +209,7 @@ def main() -> None:
     parser.add_argument("--windows", help="perplexity: a JSON list of token-id windows")
     parser.add_argument("--prompts", help="generate, batched: a JSON list of prompts' token ids")
     parser.add_argument("--n-batch", type=int, default=512, help="batched: tokens a llama_decode call at most")
+    parser.add_argument("--kv-unified", action="store_true", help="batched: one KV buffer for all sequences")
     args = parser.parse_args()
     import llama_cpp
 
