@@ -166,8 +166,9 @@ def main() -> None:
                     assert peer["output_tokens"] == tokens, (peer, tokens)
                     rows.setdefault(f"llama.cpp {command} tok/s", []).append(tokens / peer["seconds"])
             rows.setdefault("troupe decode ms", []).append(troupe_decode_ms(llm, decode_prompt, args.decode_len))
+            # (the median of 3 runs: a fresh process's first run pays its warm-up, troupe's was before the clock)
             peer = run_peer(args.llama_cpp_python, "decode", path, "--output-len", str(args.decode_len),
-                            "--repeats", "1", *threads)
+                            "--repeats", "3", *threads)
             if peer is not None:
                 rows.setdefault("llama.cpp decode ms", []).append(peer["ms_per_token"])
             print(f"round {round_index + 1}: " + ", ".join(f"{k} {v[-1]:.1f}" for k, v in rows.items()), flush=True)
