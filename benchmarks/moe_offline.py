@@ -36,6 +36,32 @@ import torch
 from benchmarks.offline_throughput import make_workload, run_hf
 
 
+def add_model_and_workload_args(parser: argparse.ArgumentParser) -> None:
+    """The model's shape and the offline workload's (benchmarks/moe_gguf.py takes them too)."""
+    parser.add_argument("--hidden", type=int, default=512)
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--experts", type=int, default=32)
+    parser.add_argument("--top-k", type=int, default=8)
+    parser.add_argument("--expert-intermediate", type=int, default=128)
+    parser.add_argument("--num-prompts", type=int, default=64)
+    parser.add_argument("--min-input-len", type=int, default=64)
+    parser.add_argument("--max-input-len", type=int, default=256)
+    parser.add_argument("--output-len", type=int, default=64)
+
+
+def attention_config(args: argparse.Namespace, **extra) -> dict:
+    """The config.json keys the MoE model and its dense twin share: all but the MLP's."""
+    return dict(hidden_size=args.hidden, num_hidden_layers=args.layers, num_attention_heads=args.hidden // 64,
+                num_key_value_heads=args.hidden // 128, head_dim=64, max_position_embeddings=1024,
+                rope_theta=1000000.0, tie_word_embeddings=False, **extra)
+
+
+def expert_config(args: argparse.Namespace) -> dict:
+    """The Qwen3-MoE model's MLP keys."""
+    return dict(intermediate_size=4 * args.hidden, num_experts=args.experts, num_experts_per_tok=args.top_k,
+                moe_intermediate_size=args.expert_intermediate, norm_topk_prob=True)
+
+
 def save_model(out_dir: str, model_type: str, **config) -> str:
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -106,27 +132,15 @@ def run_generate(args, moe_dir: str, prompts: list[list[int]]) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--hidden", type=int, default=512)
-    parser.add_argument("--layers", type=int, default=4)
-    parser.add_argument("--experts", type=int, default=32)
-    parser.add_argument("--top-k", type=int, default=8)
-    parser.add_argument("--expert-intermediate", type=int, default=128)
-    parser.add_argument("--num-prompts", type=int, default=64)
-    parser.add_argument("--min-input-len", type=int, default=64)
-    parser.add_argument("--max-input-len", type=int, default=256)
-    parser.add_argument("--output-len", type=int, default=64)
+    add_model_and_workload_args(parser)
     parser.add_argument("--hf-batch-sizes", default="64", help="comma-separated ('' to skip HF)")
     parser.add_argument("--step-batch", type=int, default=64)
     parser.add_argument("--step-repeats", type=int, default=20)
     parser.add_argument("--steps-only", action="store_true", help="only the decode steps (no generate runs)")
     args = parser.parse_args()
-    attention = dict(hidden_size=args.hidden, num_hidden_layers=args.layers, num_attention_heads=args.hidden // 64,
-                     num_key_value_heads=args.hidden // 128, head_dim=64, max_position_embeddings=1024,
-                     rope_theta=1000000.0, tie_word_embeddings=False, bos_token_id=0, eos_token_id=0)
+    attention = attention_config(args, bos_token_id=0, eos_token_id=0)
     with tempfile.TemporaryDirectory() as root:
-        moe_dir = save_model(os.path.join(root, "moe"), "qwen3_moe", **attention, intermediate_size=4 * args.hidden,
-                             num_experts=args.experts, num_experts_per_tok=args.top_k,
-                             moe_intermediate_size=args.expert_intermediate, norm_topk_prob=True)
+        moe_dir = save_model(os.path.join(root, "moe"), "qwen3_moe", **attention, **expert_config(args))
         dense_dir = save_model(os.path.join(root, "dense"), "qwen3", **attention,
                                intermediate_size=args.top_k * args.expert_intermediate)
         prompts = make_workload(args.num_prompts, args.min_input_len, args.max_input_len, 384, 0)
