@@ -3,7 +3,7 @@
 # CUDA; the packages it lacks travel as wheels in .whl, see /work/.library/device/README.md):
 #   bash benchmarks/gpu_check.sh [stage...]    stages: tests kernels-all engine-tests suite-on-cuda attention decode
 #                                              profile offline offline-8b serve serve-256 cache-save launch
-#                                              structured async kernels-some (KERNEL_FILES) proofs
+#                                              structured async kernels-some (KERNEL_FILES) proofs hybrid
 # A Triton cache from an earlier call (.gpu_cache/triton.tgz, carried) is unpacked first: the
 # kernels' compilation is a large share of a short call; `cache-save` writes it to $OUT.
 # Each stage runs under its own time limit, logs to $OUT/<stage>.log and prints its tail.
@@ -28,8 +28,7 @@ KERNEL_TESTS="tests/kernels/test_paged_attention.py tests/kernels/test_store_kv.
 stage() {  # name, seconds, command...
     local name=$1 limit=$2 start=$SECONDS
     shift 2
-    echo "=== $name (limit ${limit}s; GPU memory used before: $(if [ -f .gpu_cache/triton.tgz ]; then tar -xzf .gpu_cache/triton.tgz -C "$HOME" && echo "triton cache restored"; fi
-nvidia-smi --query-gpu=memory.used --format=csv,noheader))"
+    echo "=== $name (limit ${limit}s; GPU memory used before: $(nvidia-smi --query-gpu=memory.used --format=csv,noheader))"
     timeout "$limit" "$@" > "$OUT/$name.log" 2>&1
     echo "--- $name: rc=$? in $((SECONDS - start))s"
     tail -n "${TAIL:-12}" "$OUT/$name.log"
@@ -64,6 +63,8 @@ for part in "${@:-tests engine-tests attention decode offline}"; do for s in $pa
         TROUPE_TEST_DEVICE=cuda stage cuda-engine-files "${T_SUITE:-120}" $PYTEST tests/worker/test_async_steps.py \
             tests/structured_output/test_structured_outputs.py tests/layers/test_llm_sampling.py
         wait ;;
+    hybrid) # issue 39 on CUDA: windowed models with their KV groups under CUDA graphs, GPT-OSS's MXFP4 Triton experts
+        stage hybrid "${T_HYBRID:-150}" $PYTEST tests/gpu/test_cuda_engine.py -k windowed tests/kernels/test_fused_moe_mxfp4.py ;;
     cache-save) tar -czf "$OUT/triton.tgz" -C "$HOME" .triton 2>/dev/null; ls -la "$OUT/triton.tgz" ;;
     *) echo "unknown stage $s" ;;
 esac; done; done
