@@ -186,7 +186,8 @@ class DecoderShape(ctypes.Structure):
     _fields_ = [(name, _i64) for name in (
         "num_layers", "hidden_size", "num_heads", "num_kv_heads", "head_size", "intermediate_size", "block_size",
         "cache_block_stride", "cache_head_stride", "cache_slot_stride", "few_rows")] + [
-        ("eps", ctypes.c_float), ("scale", ctypes.c_float), ("quant_linear", _ptr), ("dequantize_rows", _i64)]
+        ("eps", ctypes.c_float), ("scale", ctypes.c_float), ("quant_linear", _ptr), ("dequantize_rows", _i64),
+        ("moe_experts", _ptr)]  # moe_cpu.cpp's moe_experts_f32, where a layer has experts
 
 
 class DecoderLayer(ctypes.Structure):
@@ -200,7 +201,10 @@ class DecoderLayer(ctypes.Structure):
         ("sinks", _ptr), ("sliding_window", _i64), ("logits_soft_cap", ctypes.c_float),
         ("kv_group", _i64),  # its layer group (actors/config/kv_groups.py); 0 without groups
         # Gemma's layer: its attention-output and MLP-output norms, own rotary table, activation (1: GELU-tanh)
-        ("attn_out_norm", _ptr), ("mlp_out_norm", _ptr), ("cos_sin_cache", _ptr), ("activation", _i64)]
+        ("attn_out_norm", _ptr), ("mlp_out_norm", _ptr), ("cos_sin_cache", _ptr), ("activation", _i64),
+        # a mixture-of-experts MLP: moe_cpu.py's MoeExpertsStruct, the router and its type, the routing
+        ("experts", _ptr), ("router", _ptr)] + [
+        (name, _i64) for name in ("router_type", "num_experts", "top_k", "renormalize")]
 
 
 class StepBatch(ctypes.Structure):
@@ -212,7 +216,8 @@ class StepBatch(ctypes.Structure):
                 ("block_table_stride", _i64), ("hidden", _ptr), ("workspace", _ptr), ("out", _ptr), ("lora", _ptr),
                 # with layer groups: every group's tables [groups, seqs, stride] and slots [groups, tokens]
                 ("group_block_tables", _ptr), ("group_slot_mappings", _ptr),
-                ("group_block_tables_stride", _i64), ("group_slot_mappings_stride", _i64)]
+                ("group_block_tables_stride", _i64), ("group_slot_mappings_stride", _i64),
+                ("moe_scratch", _ptr)]  # the experts' routing: [tokens, max experts + 2 * max top_k] floats
 
 
 class LoraStep(ctypes.Structure):

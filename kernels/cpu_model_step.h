@@ -44,7 +44,18 @@ struct DecoderLayer {  // one layer's weights (null where the model has none) an
     // the batch's stride) and the MLP's activation (0: SiLU, 1: GELU-tanh)
     const float *attn_out_norm, *mlp_out_norm, *cos_sin_cache;
     int64_t activation;
+    // a mixture-of-experts MLP (null experts: the dense one above): the router [num_experts,
+    // hidden] of router_type, softmax top-k (renormalised where asked), and moe_cpu.cpp's
+    // MoeExperts, run by DecoderShape::moe_experts
+    const void* experts;
+    const float* router;
+    int64_t router_type, num_experts, top_k, renormalize;
 };
+
+// kernels/moe_cpu.cpp's moe_experts_f32
+typedef int (*MoeExpertsFn)(const void* experts, const float* x, int64_t x_stride, int64_t num_tokens,
+                            const int32_t* topk_ids, const float* topk_weights, int64_t top_k, float* out,
+                            int64_t out_stride, int num_threads);
 
 // kernels/gguf_linear.cpp's gguf_linear_f32
 typedef int (*QuantLinear)(int type, const float* x, int64_t x_stride, int64_t rows, const uint8_t* weight,
@@ -58,6 +69,7 @@ struct DecoderShape {
     float eps, scale;
     QuantLinear quant_linear;  // null where no layer is quantized
     int64_t dequantize_rows;  // quant_linear's: past this many rows, dequantized tiles and sgemm
+    MoeExpertsFn moe_experts;  // null where no layer has experts
 };
 
 struct StepBatch {  // the flat batch: each sequence's tokens at query_start_loc
@@ -80,6 +92,9 @@ struct StepBatch {  // the flat batch: each sequence's tokens at query_start_loc
     const int32_t* group_block_tables;
     const int64_t* group_slot_mappings;
     int64_t group_block_tables_stride, group_slot_mappings_stride;  // elements from one group's to the next
+    // the experts' routing: [num_tokens, max num_experts] logits, then [num_tokens, max top_k]
+    // weights and as many int32 ids (null where no layer has experts)
+    float* moe_scratch;
 };
 
 // A step's LoRA adapters (actors/lora/: slots.py's layout, batch.py's segments): per layer and
@@ -172,6 +187,40 @@ static void decoder_linear(const DecoderShape& shape, Sgemm sgemm, const float* 
     sgemm("T", "N", &m, &n, &k, &alpha, weight, &lda, x, &ldb, &beta, y, &ldc);
 }
 
+// A mixture-of-experts MLP (actors/models/moe.py's, kernels/fused_moe_ref.py's route): the
+// router's logits, a softmax over the experts in float, the top_k largest (the first of equal
+// ones), renormalised to sum to 1 where asked; then the experts' combined output into out.
+static int moe_block(const DecoderShape& shape, Sgemm sgemm, const DecoderLayer& layer, const float* x,
+                     int64_t tokens, float* scratch, float* out, int num_threads) {
+    const int64_t experts = layer.num_experts, top_k = layer.top_k;
+    float* logits = scratch;
+    float* weights = logits + tokens * experts;
+    int32_t* ids = (int32_t*)(weights + tokens * top_k);
+    decoder_linear(shape, sgemm, x, shape.hidden_size, tokens, layer.router, layer.router_type, shape.hidden_size,
+                   experts, nullptr, logits, num_threads);
+    for (int64_t t = 0; t < tokens; t++) {
+        float* row = logits + t * experts;
+        float largest = row[0];
+        for (int64_t e = 1; e < experts; e++) largest = row[e] > largest ? row[e] : largest;
+        float sum = 0.0f;
+        for (int64_t e = 0; e < experts; e++) sum += (row[e] = expf(row[e] - largest));
+        float chosen = 0.0f;
+        for (int64_t k = 0; k < top_k; k++) {
+            int64_t best = -1;
+            for (int64_t e = 0; e < experts; e++)
+                if (row[e] >= 0.0f && (best < 0 || row[e] > row[best])) best = e;
+            ids[t * top_k + k] = (int32_t)best;
+            weights[t * top_k + k] = row[best] / sum;
+            chosen += weights[t * top_k + k];
+            row[best] = -1.0f;  // taken (probabilities are never negative)
+        }
+        if (layer.renormalize)
+            for (int64_t k = 0; k < top_k; k++) weights[t * top_k + k] /= chosen;
+    }
+    return shape.moe_experts(layer.experts, x, shape.hidden_size, tokens, ids, weights, top_k, out,
+                             shape.hidden_size, num_threads);
+}
+
 int64_t model_step_workspace_floats(const DecoderShape* shape, int64_t num_tokens) {
     const int64_t qkv = (shape->num_heads + 2 * shape->num_kv_heads) * shape->head_size;
     return num_tokens * (2 * shape->hidden_size + qkv + shape->num_heads * shape->head_size
@@ -254,18 +303,23 @@ int model_step_f32(const DecoderShape* shape_, const DecoderLayer* layers, const
         // 2. MLP block
         rms_norm_f32(projection, hidden_size, hidden, hidden_size, layer.post_attention_norm, x, hidden_size, tokens,
                      (int)hidden_size, shape.eps, num_threads);
-        decoder_linear(shape, sgemm, x, hidden_size, tokens, layer.gate_up_proj, layer.gate_up_type, hidden_size,
-                       2 * intermediate, nullptr, gate_up, num_threads);
-        lora_add(batch.lora, l, 2, 2, gate_up_offsets, gate_up_sizes, x, hidden_size, hidden_size, gate_up,
-                 2 * intermediate, 2 * intermediate, num_threads);
-        if (layer.activation == 1)
-            gelu_tanh_mul_f32(gate_up, 2 * intermediate, tokens, intermediate, num_threads);
-        else
-            silu_mul_f32(gate_up, 2 * intermediate, tokens, intermediate, num_threads);
-        decoder_linear(shape, sgemm, gate_up, 2 * intermediate, tokens, layer.down_proj, layer.down_type, intermediate,
-                       hidden_size, nullptr, hidden, num_threads);
-        lora_add(batch.lora, l, 3, 1, whole, &hidden_size, gate_up, 2 * intermediate, intermediate, hidden,
-                 hidden_size, hidden_size, num_threads);
+        if (layer.experts != nullptr) {  // the experts' combined output, where the dense MLP's down projection goes
+            const int status = moe_block(shape, sgemm, layer, x, tokens, batch.moe_scratch, hidden, num_threads);
+            if (status != 0) return status;
+        } else {
+            decoder_linear(shape, sgemm, x, hidden_size, tokens, layer.gate_up_proj, layer.gate_up_type, hidden_size,
+                           2 * intermediate, nullptr, gate_up, num_threads);
+            lora_add(batch.lora, l, 2, 2, gate_up_offsets, gate_up_sizes, x, hidden_size, hidden_size, gate_up,
+                     2 * intermediate, 2 * intermediate, num_threads);
+            if (layer.activation == 1)
+                gelu_tanh_mul_f32(gate_up, 2 * intermediate, tokens, intermediate, num_threads);
+            else
+                silu_mul_f32(gate_up, 2 * intermediate, tokens, intermediate, num_threads);
+            decoder_linear(shape, sgemm, gate_up, 2 * intermediate, tokens, layer.down_proj, layer.down_type, intermediate,
+                           hidden_size, nullptr, hidden, num_threads);
+            lora_add(batch.lora, l, 3, 1, whole, &hidden_size, gate_up, 2 * intermediate, intermediate, hidden,
+                     hidden_size, hidden_size, num_threads);
+        }
         if (layer.mlp_out_norm != nullptr)  // Gemma: the MLP output normed before the next layer's residual add
             rms_norm_f32(hidden, hidden_size, nullptr, 0, layer.mlp_out_norm, hidden, hidden_size, tokens,
                          (int)hidden_size, shape.eps, num_threads);

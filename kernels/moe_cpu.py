@@ -174,6 +174,11 @@ class MoeCpuKernels:
             self._pack(weights[e].data_ptr(), out_features, in_features, packed[e].data_ptr())
         return packed
 
+    @property
+    def experts_address(self) -> int:
+        """moe_experts_f32's address, for a fused C++ step (cpu_model_step.h's MoeExpertsFn)."""
+        return ctypes.cast(self._experts, ctypes.c_void_p).value
+
     def describe(self, experts: ExpertWeights, few_rows: int = FEW_ROWS,
                  dequantize_rows: int | None = None) -> MoeExpertsStruct:
         """The struct the C++ reads; it points into experts, which must outlive it."""

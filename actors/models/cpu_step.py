@@ -54,6 +54,7 @@ class CpuModelStep:
         self._prepared_for: tuple[DecoderShape, ctypes.Array] | None = None
         self._prepared_key: tuple[int, ...] = ()
         self._lora_pointers: tuple[LoRASlots, ctypes.Array, ctypes.Array] | None = None
+        self._moe_floats = 0  # routing scratch floats a token, where a layer has experts
 
     @staticmethod
     def build(model: LlamaModel, backend: AttentionBackend) -> CpuModelStep | None:
@@ -64,7 +65,7 @@ class CpuModelStep:
         native = backend.native
         if native is None or model.dtype != torch.float32 or model.device.type != "cpu" or model.parallel.enabled:
             return None
-        if getattr(model.config, "moe", None) is not None:  # no MoE block in model_step_f32 yet (actors/models/moe.py)
+        if not model.takes_fused_cpu_step():  # (moe.py: experts the step's MoE block cannot run)
             return None
         probe_query = torch.empty(1, model.num_heads, model.head_dim)
         probe_cache = torch.empty(1, model.num_kv_heads, 1, model.head_dim)
@@ -111,6 +112,9 @@ class CpuModelStep:
             assert tables.stride(2) == slots.stride(1) == 1 and tables.stride(1) == block_tables.stride(0)
             batch.group_block_tables, batch.group_slot_mappings = tables.data_ptr(), slots.data_ptr()
             batch.group_block_tables_stride, batch.group_slot_mappings_stride = tables.stride(0), slots.stride(0)
+        if self._moe_floats:  # (lives until the call returns)
+            moe_scratch = torch.empty(num_tokens * self._moe_floats)
+            batch.moe_scratch = moe_scratch.data_ptr()
         if lora is not None:
             # the LoraStep and its scratch live until the call returns
             lora_step, scratch = self._lora_step(lora, num_tokens)
@@ -150,15 +154,23 @@ class CpuModelStep:
             shape = DecoderShape(
                 num_layers=len(model.layers), hidden_size=model.config.hidden_size, num_heads=model.num_heads,
                 num_kv_heads=model.num_kv_heads, head_size=model.head_dim,
-                intermediate_size=model.layers[0].down_proj.shape[1], block_size=key_cache.shape[2],
+                intermediate_size=max((w.down_proj.shape[1] for w in model.layers if w.down_proj is not None),
+                                      default=1),  # (a mixture-of-experts layer has no dense MLP)
+                block_size=key_cache.shape[2],
                 cache_block_stride=key_cache.stride(0), cache_head_stride=key_cache.stride(1),
                 cache_slot_stride=key_cache.stride(2), few_rows=self.backend.few_rows,
                 eps=model.config.rms_norm_eps, scale=model.scale)
             kernels = getattr(model.backend, "kernels", None)  # GGUFCpuBackend's, where weights are GGUF blocks
             if kernels is not None:
                 shape.quant_linear, shape.dequantize_rows = kernels.linear_address, kernels.dequantize_rows
+            fields = [_weight_fields(model, index, w) for index, w in enumerate(model.layers)]
+            experts_fns = [f.pop("moe_experts") for f in fields if "moe_experts" in f]  # (DecoderShape's)
+            moe = [f for f in fields if f.get("experts")]
+            if moe:  # the experts' routing scratch a token: logits, weights and ids
+                shape.moe_experts = experts_fns[0]
+                self._moe_floats = max(f["num_experts"] for f in moe) + 2 * max(f["top_k"] for f in moe)
             layers = (DecoderLayer * len(kv_caches))(*[
-                DecoderLayer(**_weight_fields(model, index, w), key_cache=k.data_ptr(), value_cache=v.data_ptr(),
+                DecoderLayer(**fields[index], key_cache=k.data_ptr(), value_cache=v.data_ptr(),
                              qkv_type=_type(w.qkv_proj), o_type=_type(w.o_proj), gate_up_type=_type(w.gate_up_proj),
                              down_type=_type(w.down_proj), sliding_window=window or 0,  # (0: full attention)
                              kv_group=group)

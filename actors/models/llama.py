@@ -209,6 +209,10 @@ class LlamaModel:
             hidden = self.mlp(index, layer, x, lora)
         return hidden, residual
 
+    def takes_fused_cpu_step(self) -> bool:
+        """Whether the CPU's one-call step can run this model's layers (moe.py: its experts)."""
+        return True
+
     def fused_layer_fields(self, index: int) -> dict:
         """What the CPU's one-call step (cpu_step.py) takes of layer `index` beyond the Llama
         layer's weights: nothing here; a family whose layer adds to it (gemma.py) says what."""

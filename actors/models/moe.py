@@ -19,6 +19,8 @@ C++ step has no MoE block yet)."""
 
 from __future__ import annotations
 
+import ctypes
+
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -57,6 +59,8 @@ class MoeModel(LlamaModel):
         self.sparse: dict[int, SparseMlpWeights] = {}  # layer index -> its router and experts
         # OLMoE: layer index -> (q_norm [this rank's q_size], k_norm [this rank's kv_size])
         self.whole_qk_norms: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        # layer index -> (its experts' weights, the MoeExperts struct the one-call step reads)
+        self._fused_experts: dict[int, tuple] = {}
         if self.moe.whole_qk_norm and parallel.enabled and config.num_key_value_heads < parallel.size:
             raise ValueError(f"{config.architecture}: the k norm over the whole projection needs the KV heads "
                              f"split over the ranks ({config.num_key_value_heads} KV heads, tensor_parallel_size "
@@ -113,6 +117,35 @@ class MoeModel(LlamaModel):
             weights.shared_down = self._place(_take(t, "shared_expert.down_proj.weight"))
             weights.shared_gate = self._place(_take(t, "shared_expert_gate.weight"))
         return weights
+
+    # -- the CPU's one-call step (cpu_step.py) ----------------------------------------------
+
+    def takes_fused_cpu_step(self) -> bool:
+        """model_step_f32 runs a sparse layer as mlp() does where its experts are moe_cpu.cpp's,
+        all on this rank, with no shared expert (Qwen2-MoE's) and Llama's q/k (not OLMoE's
+        whole-projection norms)."""
+        from kernels.moe_cpu import moe_cpu_kernels
+
+        return (not self.moe.whole_qk_norm and moe_cpu_kernels() is not None
+                and all(s.experts.cpu is not None and s.experts.num_local_experts == s.experts.num_experts
+                        and s.shared_gate_up is None for s in self.sparse.values()))
+
+    def fused_layer_fields(self, index: int) -> dict:
+        sparse = self.sparse.get(index)
+        if sparse is None:
+            return super().fused_layer_fields(index)
+        from kernels.moe_cpu import moe_cpu_kernels
+
+        kernels = moe_cpu_kernels()
+        # (the struct points into the experts' weights; the model keeps it as long as them)
+        struct = self._fused_experts.setdefault(index, (sparse.experts.cpu, kernels.describe(sparse.experts.cpu)))
+        if struct[0] is not sparse.experts.cpu:  # weights reloaded: describe the new ones
+            struct = self._fused_experts[index] = (sparse.experts.cpu, kernels.describe(sparse.experts.cpu))
+        router = sparse.router
+        return dict(experts=ctypes.addressof(struct[1]), router=router,
+                    router_type=getattr(router, "weight_type", getattr(router, "ggml_type", 0)),
+                    num_experts=self.moe.num_experts, top_k=self.moe.top_k, renormalize=int(self.moe.norm_topk_prob),
+                    moe_experts=kernels.experts_address)
 
     def _whole_qk_norms(self, t: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
         """OLMoE's norm weights over the whole projections, cut to this rank's heads."""

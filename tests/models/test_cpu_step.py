@@ -136,3 +136,29 @@ def test_gemma_layers_in_one_call_give_the_op_by_op_results(arch, make_tiny_mode
             assert step_a.keys() == step_b.keys()
             for token in step_a:
                 assert abs(step_a[token].logprob - step_b[token].logprob) < 1e-4
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral", "qwen2_moe", "olmoe"])
+def test_moe_layers_in_one_call_give_the_op_by_op_results(family, step_sizes, tmp_path):
+    """A mixture-of-experts layer in the one call (the router, its softmax top-k, moe_cpu.cpp's
+    experts), a dense layer beside it (Qwen3-MoE's mlp_only_layers), against the Python
+    forward; Qwen2-MoE's shared expert and OLMoE's whole-projection q/k norms stay op by op."""
+    from tests.models.moe_models import build_tiny_moe
+
+    model_dir = build_tiny_moe(str(tmp_path / family), family)
+    rng = random.Random(13)
+    prompts = [[rng.randrange(3, 200) for _ in range(n)] for n in (5, 60, 23, 41)]
+    params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True, logprobs=3)
+    engine = dict(max_num_batched_tokens=32, block_size=8)
+    if family in ("qwen2_moe", "olmoe"):
+        assert LLM(model_dir, kv_cache_memory="16MiB").engine.runner.model_step is None
+        return
+    fused = generate(model_dir, True, prompts, params, step_sizes, **engine)
+    assert 32 in step_sizes and 4 in step_sizes
+    op_by_op = generate(model_dir, False, prompts, params, step_sizes, **engine)
+    for a, b in zip(fused, op_by_op, strict=True):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        for step_a, step_b in zip(a.outputs[0].logprobs, b.outputs[0].logprobs):
+            assert step_a.keys() == step_b.keys()
+            for token in step_a:
+                assert abs(step_a[token].logprob - step_b[token].logprob) < 1e-4
