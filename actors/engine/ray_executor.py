@@ -40,7 +40,7 @@ from actors.config.parallel_flags import RAY_EXTRA_HINT
 from actors.errors import EngineStartupError
 from actors.runtime.process import open_pidfd
 from actors.engine.addresses import distributed_init_method
-from messages.transport import Inbox, free_tcp_port
+from messages.transport import Inbox, free_tcp_port_range
 from actors.config.env import ray_address, ray_placement_timeout
 
 logger = logging.getLogger(__name__)
@@ -92,6 +92,7 @@ class RayPlacement:
         self.group = _reserve(ray, resource, world_size)
         self.node_id = ray.get_runtime_context().get_node_id()
         self.node_ip = ray.util.get_node_ip_address()
+        self._ports_given: set[int] = set()  # tcp ports _tcp_address handed out
 
     def _actor(self, rank: int):
         ray = _import_ray()
@@ -133,7 +134,15 @@ class RayPlacement:
                                                          place=places[rank])
 
     def _tcp_address(self) -> str:
-        return f"tcp://{self.node_ip}:{free_tcp_port(self.node_ip)}"
+        """A port for a socket bound later (by the scheduler, its executor): below the kernel's
+        ephemeral range, where Ray's own outgoing connections could take it meanwhile, and
+        never one handed out before (a port probed free and closed may come back)."""
+        for _ in range(100):
+            port = free_tcp_port_range(1, self.node_ip)
+            if port not in self._ports_given:
+                self._ports_given.add(port)
+                return f"tcp://{self.node_ip}:{port}"
+        raise RuntimeError(f"no free tcp port on {self.node_ip}")
 
     def shutdown(self) -> None:
         ray = _import_ray()
@@ -150,17 +159,13 @@ class _RayWorker:
 
     def where(self) -> tuple[int, str, str, int, int]:
         """This actor's pid, node id, node IP and two ports free there now (for its inbox
-        and, on rank 0, torch.distributed's rendezvous)."""
-        import socket
-
+        and, on rank 0, torch.distributed's rendezvous): below the ephemeral range, where an
+        outgoing connection (Ray makes many) could take one before it is bound."""
         import ray
 
         ip = ray.util.get_node_ip_address()
-        with socket.socket() as first, socket.socket() as second:  # both open at once: two different ports
-            first.bind((ip, 0))
-            second.bind((ip, 0))
-            ports = first.getsockname()[1], second.getsockname()[1]
-        return (os.getpid(), ray.get_runtime_context().get_node_id(), ip) + ports
+        first = free_tcp_port_range(2, ip)
+        return os.getpid(), ray.get_runtime_context().get_node_id(), ip, first, first + 1
 
     def run(self, spec_bytes: bytes) -> None:
         from actors.runtime.process import run_spec
