@@ -137,9 +137,10 @@ class MoeModel(LlamaModel):
         from kernels.moe_cpu import moe_cpu_kernels
 
         kernels = moe_cpu_kernels()
-        # (the struct points into the experts' weights; the model keeps it as long as them)
-        struct = self._fused_experts.setdefault(index, (sparse.experts.cpu, kernels.describe(sparse.experts.cpu)))
-        if struct[0] is not sparse.experts.cpu:  # weights reloaded: describe the new ones
+        # (the struct points into the experts' weights; the model keeps it as long as them, and
+        # describes them again once they are reloaded)
+        struct = self._fused_experts.get(index)
+        if struct is None or struct[0] is not sparse.experts.cpu:
             struct = self._fused_experts[index] = (sparse.experts.cpu, kernels.describe(sparse.experts.cpu))
         router = sparse.router
         return dict(experts=ctypes.addressof(struct[1]), router=router,

@@ -109,6 +109,17 @@ def test_one_call_step_equals_the_op_by_op_forward_on_one_mixed_step(tiny_qwen3_
         assert torch.equal(greedy, runner.model.compute_logits(op_by_op).argmax(-1))
 
 
+def assert_close_outputs(fused, op_by_op, tolerance: float = 1e-4) -> None:
+    """The same tokens, and logprobs within tolerance (a one-call layer whose math functions
+    are the C library's, not torch's: GELU's tanh, the router's exp)."""
+    for a, b in zip(fused, op_by_op, strict=True):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        for step_a, step_b in zip(a.outputs[0].logprobs, b.outputs[0].logprobs):
+            assert step_a.keys() == step_b.keys()
+            for token in step_a:
+                assert abs(step_a[token].logprob - step_b[token].logprob) < tolerance
+
+
 # Gemma 2 (alternating windows, attention soft cap) and Gemma 3 (5:1 windows, a local RoPE
 # table, q/k norms): their layer (two more norms, GELU-tanh) in the one call, against the
 # Python forward; GELU's tanh is the C library's, torch's its own, so close rather than equal
@@ -130,12 +141,7 @@ def test_gemma_layers_in_one_call_give_the_op_by_op_results(arch, make_tiny_mode
     fused = generate(model_dir, True, prompts, params, step_sizes, **engine)
     assert 48 in step_sizes and 4 in step_sizes
     op_by_op = generate(model_dir, False, prompts, params, step_sizes, **engine)
-    for a, b in zip(fused, op_by_op, strict=True):
-        assert a.outputs[0].token_ids == b.outputs[0].token_ids
-        for step_a, step_b in zip(a.outputs[0].logprobs, b.outputs[0].logprobs):
-            assert step_a.keys() == step_b.keys()
-            for token in step_a:
-                assert abs(step_a[token].logprob - step_b[token].logprob) < 1e-4
+    assert_close_outputs(fused, op_by_op)
 
 
 @pytest.mark.parametrize("family", ["qwen3_moe", "mixtral", "qwen2_moe", "olmoe"])
@@ -156,9 +162,4 @@ def test_moe_layers_in_one_call_give_the_op_by_op_results(family, step_sizes, tm
     fused = generate(model_dir, True, prompts, params, step_sizes, **engine)
     assert 32 in step_sizes and 4 in step_sizes
     op_by_op = generate(model_dir, False, prompts, params, step_sizes, **engine)
-    for a, b in zip(fused, op_by_op, strict=True):
-        assert a.outputs[0].token_ids == b.outputs[0].token_ids
-        for step_a, step_b in zip(a.outputs[0].logprobs, b.outputs[0].logprobs):
-            assert step_a.keys() == step_b.keys()
-            for token in step_a:
-                assert abs(step_a[token].logprob - step_b[token].logprob) < 1e-4
+    assert_close_outputs(fused, op_by_op)
